@@ -1,0 +1,331 @@
+"""Prover critic: every format scores all steps in one packed pass exactly as one forward pass per prefix does.
+
+Tiny Qwen2 models with random weights are built from configs, saved with ``save_pretrained`` (safetensors) and
+loaded back through ``ProverCritic.from_pretrained`` (trust_remote_code=False). The reference is independent of
+the scorer: the plain transformers model run on each prefix separately, markers inserted by a loop here.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2ForTokenClassification,
+)
+
+from verl_prm.critic import ProverCritic
+
+TOL = 1e-4
+FORMATS = ("value_head", "qwen_prm", "qwen_prm_public", "math_shepherd", "value_head_lm")
+MARKERS = {"qwen_prm": "<extra_0>", "qwen_prm_public": "<extra_0>", "math_shepherd": "ки"}
+
+
+def _config(vocab_size: int, **extra) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        **extra,
+    )
+
+
+def _copy_tokenizer(tokenizer, directory: Path, marker: str | None) -> PreTrainedTokenizerFast:
+    """A fresh copy (the session fixture must stay unchanged), with the format's marker as a special token."""
+    tokenizer.save_pretrained(directory)
+    copy = PreTrainedTokenizerFast.from_pretrained(directory)
+    if marker is not None:
+        copy.add_special_tokens({"additional_special_tokens": [marker]})
+        copy.save_pretrained(directory)
+    return copy
+
+
+def _add_tensors(directory: Path, extra: dict[str, torch.Tensor]) -> None:
+    """Append head tensors to model.safetensors, the layout of public PRM checkpoints with custom heads."""
+    file = directory / "model.safetensors"
+    tensors = load_file(file)
+    tensors.update({k: v.contiguous() for k, v in extra.items()})
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+CALIBRATION_TEXT = (
+    "Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for her "
+    "friends every day with four.\nShe sells the remainder at the farmers' market daily for $2 per fresh duck egg."
+)
+
+
+def _spread_direction(features: torch.Tensor, scale: float = 2.0) -> torch.Tensor:
+    """A random direction w with w . mean(features) = 0 and std(features @ w) = scale: a head along it gives
+    values spread over (0, 1) instead of the near-constant output of a random head on a tiny random model."""
+    mean = features.mean(0)
+    w = torch.linalg.svd(features - mean, full_matrices=False).Vh[0]  # the direction of largest spread
+    w = w - (w @ mean) / (mean @ mean) * mean
+    return w * (scale / (features @ w).std())
+
+
+def _shrink_marker_embedding(model, marker: int) -> None:
+    """A marker's hidden state in a tiny random model is dominated by its own embedding, so all markers look
+    alike; a small embedding lets attention over the context dominate, as in a trained PRM."""
+    with torch.no_grad():
+        model.get_input_embeddings().weight[marker] *= 0.02
+
+
+def build_checkpoint(kind: str, tokenizer, directory: Path, seed: int = 0) -> Path:
+    """Save a tiny random critic of format ``kind`` (see FORMATS) with its tokenizer in ``directory``."""
+    torch.manual_seed(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = _copy_tokenizer(tokenizer, directory, MARKERS.get(kind))
+    vocab = len(tok)
+    ids = tok.encode(CALIBRATION_TEXT, add_special_tokens=False)
+    if kind in MARKERS:  # values are read at markers: calibrate on hidden states of a text with markers
+        marker = tok.convert_tokens_to_ids(MARKERS[kind])
+        ids = [t for i in range(0, len(ids), 5) for t in ids[i : i + 5] + [marker]]
+    x = torch.tensor([ids])
+    read = x[0] == marker if kind in MARKERS else torch.ones(len(ids), dtype=torch.bool)
+    if kind in ("value_head", "qwen_prm"):
+        model = Qwen2ForTokenClassification(_config(vocab, num_labels=1 if kind == "value_head" else 2)).eval()
+        if kind in MARKERS:
+            _shrink_marker_embedding(model, marker)
+        with torch.no_grad():
+            w = _spread_direction(model.model(x).last_hidden_state[0][read])
+            model.score.weight.copy_(torch.stack([w] if kind == "value_head" else [-w / 2, w / 2]))
+            model.score.bias.zero_()
+        model.save_pretrained(directory)
+    elif kind == "math_shepherd":
+        model = Qwen2ForCausalLM(_config(vocab)).eval()
+        _shrink_marker_embedding(model, marker)
+        with torch.no_grad():
+            w = _spread_direction(model.model(x).last_hidden_state[0][read])
+            model.lm_head.weight[tok.convert_tokens_to_ids("+")] = w / 2
+            model.lm_head.weight[tok.convert_tokens_to_ids("-")] = -w / 2
+        model.save_pretrained(directory)
+    elif kind in ("value_head_lm", "qwen_prm_public"):
+        model = Qwen2ForCausalLM(_config(vocab)).eval()
+        if kind in MARKERS:
+            _shrink_marker_embedding(model, marker)
+        model.save_pretrained(directory)
+        with torch.no_grad():
+            hidden_states = model.model(x).last_hidden_state[0][read]
+        size = model.config.hidden_size
+        if kind == "value_head_lm":  # Skywork layout: v_head.summary = Linear(H, 1)
+            extra = {"v_head.summary.weight": _spread_direction(hidden_states)[None], "v_head.summary.bias": torch.zeros(1)}
+        else:  # Qwen2.5-Math-PRM layout: score = Sequential(Linear(H, H), ReLU, Linear(H, 2)), custom architecture
+            w0, b0 = torch.randn(size, size) / size**0.5, torch.randn(size) * 0.1
+            w = _spread_direction(torch.relu(hidden_states @ w0.T + b0))
+            extra = {"score.0.weight": w0, "score.0.bias": b0, "score.2.weight": torch.stack([-w / 2, w / 2]),
+                     "score.2.bias": torch.zeros(2)}
+            config = json.loads((directory / "config.json").read_text())
+            config["architectures"] = ["Qwen2ForProcessRewardModel"]
+            (directory / "config.json").write_text(json.dumps(config))
+        _add_tensors(directory, extra)
+    else:
+        raise ValueError(kind)
+    return directory
+
+
+def format_name(kind: str) -> str:
+    return "qwen_prm" if kind == "qwen_prm_public" else kind
+
+
+class PrefixReference:
+    """Values by one forward pass of the plain transformers model per prefix (the naive public-script way)."""
+
+    def __init__(self, kind: str, path: Path):
+        self.kind = kind
+        tok = PreTrainedTokenizerFast.from_pretrained(path)
+        self.marker = tok.convert_tokens_to_ids(MARKERS[kind]) if kind in MARKERS else None
+        if kind in ("value_head", "qwen_prm"):
+            self.model = AutoModelForTokenClassification.from_pretrained(path).eval()
+        elif kind == "math_shepherd":
+            self.model = AutoModelForCausalLM.from_pretrained(path).eval()
+            self.candidates = [tok.convert_tokens_to_ids("+"), tok.convert_tokens_to_ids("-")]
+        else:
+            self.model = AutoModel.from_pretrained(path).eval()
+            self.head = load_file(path / "model.safetensors")
+
+    @torch.inference_mode()
+    def value_at_last(self, ids: list[int]) -> float:
+        x = torch.tensor([ids])
+        if self.kind == "value_head":
+            return torch.sigmoid(self.model(x).logits[0, -1, 0]).item()
+        if self.kind == "qwen_prm":
+            return torch.softmax(self.model(x).logits[0, -1], -1)[1].item()
+        if self.kind == "math_shepherd":
+            return torch.softmax(self.model(x).logits[0, -1, self.candidates], -1)[0].item()
+        h = self.model(x).last_hidden_state[0, -1]
+        if self.kind == "value_head_lm":
+            return torch.sigmoid(h @ self.head["v_head.summary.weight"][0] + self.head["v_head.summary.bias"][0]).item()
+        z = torch.relu(self.head["score.0.weight"] @ h + self.head["score.0.bias"])
+        return torch.softmax(self.head["score.2.weight"] @ z + self.head["score.2.bias"], -1)[1].item()
+
+    def prefix(self, ids: list[int], ends: list[int]) -> list[int]:
+        """ids up to ends[-1] with a marker after every end (marker formats), written independently of
+        verl_prm.critic.packing."""
+        if self.marker is None:
+            return ids[: ends[-1] + 1]
+        out, start = [], 0
+        for end in ends:
+            out += ids[start : end + 1] + [self.marker]
+            start = end + 1
+        return out
+
+    def score(self, ids: list[int], prompt_end: int, step_ends: list[int]) -> list[float]:
+        ends = [prompt_end, *step_ends]
+        return [self.value_at_last(self.prefix(ids, ends[: h + 1])) for h in range(len(ends))]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, bpe_small) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("critics")
+    return {kind: build_checkpoint(kind, bpe_small, root / kind, seed=i) for i, kind in enumerate(FORMATS)}
+
+
+@pytest.fixture(scope="module")
+def samples(shared_data) -> list[tuple[str, str]]:
+    """GSM8K question/answer pairs; answers are split into steps at "\\n"."""
+    rows = [json.loads(line) for line in (shared_data / "gsm8k_test.jsonl").read_text().splitlines()[:40]]
+    rng = random.Random(0)
+    picked = rng.sample(rows, 6)
+    return [(r["question"], r["answer"]) for r in picked]
+
+
+def _sequences(tokenizer, samples, rng: random.Random, steps: int = 4):
+    """Critic-side ids with random step ends (the tensor entry point takes arbitrary valid positions)."""
+    input_ids, prompt_ends, step_ends = [], [], []
+    for question, answer in samples:
+        p = tokenizer.encode(question, add_special_tokens=False)
+        r = tokenizer.encode(answer, add_special_tokens=False)
+        cut = rng.randint(len(r) // 2, len(r))  # varied lengths
+        r = r[:cut]
+        h = rng.randint(0, min(steps, len(r)))
+        ends = sorted(rng.sample(range(len(r)), h))
+        input_ids.append(p + r)
+        prompt_ends.append(len(p) - 1)
+        step_ends.append([len(p) + e for e in ends])
+    return input_ids, prompt_ends, step_ends
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize("packing", ["varlen", "padded"])
+def test_packed_equals_per_prefix(kind, packing, checkpoints, samples):
+    path = checkpoints[kind]
+    critic = ProverCritic.from_pretrained(str(path), format=format_name(kind), packing=packing, max_tokens_per_batch=400)
+    assert critic.packing == packing
+    ids, prompt_ends, step_ends = _sequences(critic.tokenizer, samples, random.Random(1))
+    scores = critic.score_sequences(ids, prompt_ends, step_ends)
+    reference = PrefixReference(kind, path)
+    all_values = []
+    for b in range(len(ids)):
+        expected = reference.score(ids[b], prompt_ends[b], step_ends[b])
+        h = len(step_ends[b])
+        assert int(scores.num_steps[b]) == h
+        got = [float(scores.prompt_values[b])] + scores.step_values[b, :h].tolist()
+        assert got == pytest.approx(expected, abs=TOL), f"{kind} sample {b}"
+        assert torch.all(scores.step_values[b, h:] == 0)
+        all_values += expected
+    # the random heads spread values over (0, 1): a misread position would not go unnoticed
+    assert torch.tensor(all_values).std() > 0.02
+
+
+@pytest.mark.parametrize("kind", ["value_head", "math_shepherd"])
+def test_order_preserved_under_shuffled_lengths(kind, checkpoints, samples):
+    critic = ProverCritic.from_pretrained(str(checkpoints[kind]), format=kind, max_tokens_per_batch=300)
+    rng = random.Random(2)
+    ids, prompt_ends, step_ends = _sequences(critic.tokenizer, samples * 2, rng)
+    base = critic.score_sequences(ids, prompt_ends, step_ends)
+    assert len(critic.plan(critic.build_inputs(ids, prompt_ends, step_ends))) > 2  # several micro-batches
+    order = list(range(len(ids)))
+    rng.shuffle(order)
+    shuffled = critic.score_sequences([ids[i] for i in order], [prompt_ends[i] for i in order],
+                                      [step_ends[i] for i in order])
+    torch.testing.assert_close(shuffled.prompt_values, base.prompt_values[order], atol=TOL, rtol=0)
+    torch.testing.assert_close(shuffled.step_values, base.step_values[order], atol=TOL, rtol=0)
+    torch.testing.assert_close(shuffled.num_steps, base.num_steps[order])
+    # each sample alone gives the same values as in the batch
+    alone = critic.score_sequences(ids[3:4], prompt_ends[3:4], step_ends[3:4])
+    h = int(alone.num_steps[0])
+    torch.testing.assert_close(alone.step_values[0, :h], base.step_values[3, :h], atol=TOL, rtol=0)
+
+
+def test_best_of_k_applied_only_when_asked(checkpoints, samples):
+    path = str(checkpoints["value_head"])
+    raw_critic = ProverCritic.from_pretrained(path)
+    bo4_critic = ProverCritic.from_pretrained(path, best_of_k=4)
+    ids, prompt_ends, step_ends = _sequences(raw_critic.tokenizer, samples, random.Random(3))
+    raw = raw_critic.score_sequences(ids, prompt_ends, step_ends)
+    bo4 = bo4_critic.score_sequences(ids, prompt_ends, step_ends)
+    torch.testing.assert_close(bo4.prompt_values, 1 - (1 - raw.prompt_values) ** 4)
+    valid = torch.arange(raw.step_values.shape[1])[None] < raw.num_steps[:, None]
+    torch.testing.assert_close(bo4.step_values, torch.where(valid, 1 - (1 - raw.step_values) ** 4, 0.0))
+    with pytest.raises(ValueError, match="k must be an integer"):
+        ProverCritic.from_pretrained(path, best_of_k=0)
+
+
+def test_too_long_names_the_sample_and_left_prompt_truncation(checkpoints, samples):
+    path = checkpoints["qwen_prm"]
+    ids, prompt_ends, step_ends = _sequences(
+        PreTrainedTokenizerFast.from_pretrained(path), samples, random.Random(4)
+    )
+    lengths = [len(x) + 1 + len(e) for x, e in zip(ids, step_ends)]  # with markers
+    longest = max(range(len(ids)), key=lambda i: lengths[i])
+    limit = sorted(lengths)[-2]  # only the longest sample does not fit
+    assert lengths[longest] > limit
+    strict = ProverCritic.from_pretrained(str(path), format="qwen_prm", max_length=limit)
+    with pytest.raises(ValueError, match=rf"sample {longest}: the critic input has {lengths[longest]} tokens"):
+        strict.score_sequences(ids, prompt_ends, step_ends)
+
+    truncating = ProverCritic.from_pretrained(str(path), format="qwen_prm", max_length=limit, truncation="left_prompt")
+    scores = truncating.score_sequences(ids, prompt_ends, step_ends)
+    drop = lengths[longest] - limit
+    assert drop <= prompt_ends[longest]
+    reference = PrefixReference("qwen_prm", path)
+    expected = reference.score(ids[longest][drop:], prompt_ends[longest] - drop,
+                               [e - drop for e in step_ends[longest]])
+    h = len(step_ends[longest])
+    got = [float(scores.prompt_values[longest])] + scores.step_values[longest, :h].tolist()
+    assert got == pytest.approx(expected, abs=TOL)
+
+    # the response alone is too long: still an error, also with left_prompt
+    response_only = ProverCritic.from_pretrained(str(path), format="qwen_prm", max_length=lengths[longest] - prompt_ends[longest] - 1,
+                                                 truncation="left_prompt")
+    with pytest.raises(ValueError, match=rf"sample {longest}: .*the response alone"):
+        response_only.score_sequences(ids, prompt_ends, step_ends)
+
+
+def test_nan_from_the_model_names_the_sample(tmp_path, bpe_small, samples):
+    path = build_checkpoint("value_head", bpe_small, tmp_path / "nan")
+    critic = ProverCritic.from_pretrained(str(path))
+    ids, prompt_ends, step_ends = _sequences(critic.tokenizer, samples, random.Random(5))
+    poison = critic.tokenizer.convert_tokens_to_ids("<|pad|>")
+    with torch.no_grad():
+        critic.adapter.backbone.embed_tokens.weight[poison] = float("nan")
+    # the poisoned token appears only in sample 2's response, before its last step end
+    ids[2] = list(ids[2])
+    ids[2][step_ends[2][-1] if step_ends[2] else prompt_ends[2]] = poison
+    with pytest.raises(FloatingPointError, match="sample 2: the critic produced NaN/inf"):
+        critic.score_sequences(ids, prompt_ends, step_ends)
+
+
+def test_bad_positions_name_the_sample(checkpoints):
+    critic = ProverCritic.from_pretrained(str(checkpoints["value_head"]))
+    with pytest.raises(ValueError, match=r"sample 1: step_ends\[1\]=3"):
+        critic.score_sequences([[5, 6, 7, 8], [5, 6, 7, 8]], [0, 0], [[2], [3, 3]])
+    with pytest.raises(ValueError, match="unknown critic format"):
+        ProverCritic.from_pretrained(str(checkpoints["value_head"]), format="nope")
+    with pytest.raises(ValueError, match="num_labels=1"):
+        ProverCritic.from_pretrained(str(checkpoints["qwen_prm"]), format="value_head")

@@ -1,0 +1,392 @@
+"""Monte-Carlo step labels (verl_prm.labeling): agreement with exact values on a scripted task, first pit,
+resumable sharded output, the transformers/Ray back ends, converters of public data, the CLI."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from verl_prm.labeling.converters import convert_math_shepherd, convert_prm800k, read_jsonl
+from verl_prm.labeling.format import best_of_k_from_counts, read_labels
+from verl_prm.labeling.generators import HFGenerator, RayGeneratorPool, trim_at_eos
+from verl_prm.labeling.inputs import PromptItem, read_prompts, render_prompt
+from verl_prm.labeling.monte_carlo import LabelSettings, MonteCarloLabeler, first_pit_search_step
+from verl_prm.labeling.runner import run_labeling
+from verl_prm.labeling.scoring import OutcomeScorer
+from verl_prm.labeling.scripted import ScriptedStepGenerator, ScriptedStepTask, scripted_step_score
+from verl_prm.labeling.store import ShardStore
+from verl_prm.steps import step_char_spans
+
+
+def scripted_items(task: ScriptedStepTask, count: int, start: int = 0) -> list[PromptItem]:
+    return [PromptItem(i, task.prompt(i), str(task.num_steps), "scripted") for i in range(start, start + count)]
+
+
+def scripted_labeler(settings: LabelSettings, p_policy: float, p_prover: float) -> MonteCarloLabeler:
+    return MonteCarloLabeler(ScriptedStepGenerator(p_policy), ScriptedStepGenerator(p_prover),
+                             OutcomeScorer(scripted_step_score), settings)
+
+
+# ------------------------------------------------------------------------------------------------ Monte Carlo
+
+
+def test_every_prefix_labels_agree_with_exact_q():
+    task, p_prover, n_mc = ScriptedStepTask(num_steps=4), 0.75, 64
+    items = scripted_items(task, 10)
+    labeler = scripted_labeler(LabelSettings(n_cov=4, n_mc=n_mc, strategy="every"), 0.7, p_prover)
+    rows = labeler.label(items, [item.prompt for item in items])
+    assert len(rows) == 40 and [(r["prompt_index"], r["rollout_index"]) for r in rows] == [
+        (i, r) for i in range(10) for r in range(4)
+    ]
+    errors, variances, zeros_seen = [], [], 0
+    for row in rows:
+        exact = task.exact_values(row["response"], row["step_ends"], p_prover)
+        assert row["step_ends"][-1] == len(row["response"]) and len(exact) == 4
+        for h, (q, Q, s, n) in enumerate(zip(row["q"], exact, row["n_success"], row["n_mc"])):
+            if h == 3:  # terminal step of a finished response: exact, no rollouts
+                assert n == 0 and q == Q == row["outcome"]
+                continue
+            assert n == n_mc and q == s / n
+            assert abs(q - Q) <= 4 * math.sqrt(Q * (1 - Q) / n_mc) + 1e-12, (row["response"], h, q, Q)
+            zeros_seen += Q == 0.0
+            errors.append(q - Q)
+            variances.append(Q * (1 - Q) / n_mc)
+        assert row["outcome"] == scripted_step_score("", row["response"], 4)
+        v0 = p_prover**4
+        assert row["prompt_n_mc"] == n_mc and abs(row["prompt_value"] - v0) <= 4 * math.sqrt(v0 * (1 - v0) / n_mc)
+    assert zeros_seen > 0  # pits occurred and were labelled exactly 0
+    # unbiased: the mean error over all labels is within 4 standard errors of 0
+    assert abs(np.mean(errors)) <= 4 * math.sqrt(np.sum(variances)) / len(errors)
+
+
+@pytest.mark.parametrize("num_steps", range(1, 9))
+def test_first_pit_search_step_finds_every_pit(num_steps):
+    for pit in range(num_steps + 1):  # pit == num_steps: no pit
+        for known_last_zero in (False, True):
+            if known_last_zero and pit == num_steps:
+                continue
+            lo, hi = 0, num_steps - 1 if known_last_zero else num_steps
+            measured = 0
+            while lo < hi:
+                lo, hi = first_pit_search_step(lo, hi, (lo + hi) // 2 >= pit)
+                measured += 1
+            assert lo == pit
+            assert measured <= math.ceil(math.log2(num_steps + 1))
+
+
+def test_first_pit_matches_exact_pit_at_lower_cost():
+    task, p_prover, n_mc = ScriptedStepTask(num_steps=6), 0.85, 32
+    items = scripted_items(task, 8)
+    pit_labeler = scripted_labeler(LabelSettings(n_cov=4, n_mc=n_mc, strategy="first_pit", prompt_value=False), 0.8, p_prover)
+    rows = pit_labeler.label(items, [item.prompt for item in items])
+    every_labeler = scripted_labeler(LabelSettings(n_cov=4, n_mc=n_mc, strategy="every", prompt_value=False), 0.8, p_prover)
+    every_labeler.label(items, [item.prompt for item in items])
+    failed = [row for row in rows if row["outcome"] == 0.0]
+    assert 5 <= len(failed) < len(rows)
+    for row in rows:
+        exact = task.exact_values(row["response"], row["step_ends"], p_prover)
+        if row["outcome"] == 1.0:  # success_labels="every": every prefix sampled, no pit
+            assert row["first_pit"] == -1 and row["n_mc"][:-1] == [n_mc] * 5
+            continue
+        exact_pit = exact.index(0.0)
+        assert row["first_pit"] == exact_pit, (row["response"], row["q"], exact)
+        assert all(q == 0.0 for q in row["q"][exact_pit:])
+        sampled = [h for h, n in enumerate(row["n_mc"]) if n > 0]
+        assert len(sampled) <= math.ceil(math.log2(6))
+        for h in range(exact_pit):
+            assert math.isnan(row["q"][h]) or (row["q"][h] > 0 and h in sampled)
+    assert pit_labeler.num_generated < 0.8 * every_labeler.num_generated
+
+
+def test_first_pit_on_truncated_rollouts_searches_the_last_step_too():
+    class Truncating(ScriptedStepGenerator):
+        """Seed rollouts marked as cut at max_new_tokens: the last step's value is unknown."""
+
+        def generate(self, texts, n, seeds):
+            return [[c.__class__(c.text, False, c.num_tokens) for c in out] for out in super().generate(texts, n, seeds)]
+
+    task, p_prover = ScriptedStepTask(num_steps=5), 0.9
+    labeler = MonteCarloLabeler(Truncating(0.75), ScriptedStepGenerator(p_prover), OutcomeScorer(scripted_step_score),
+                                LabelSettings(n_cov=4, n_mc=32, strategy="first_pit", success_labels="outcome",
+                                              prompt_value=False))
+    items = scripted_items(task, 6)
+    rows = labeler.label(items, [item.prompt for item in items])
+    for row in rows:
+        exact = task.exact_values(row["response"], row["step_ends"], p_prover)
+        assert not row["finished"]
+        if row["outcome"] == 1.0:  # success_labels="outcome" but unfinished: nothing is exact, nothing sampled
+            assert row["first_pit"] == -1 and all(math.isnan(q) for q in row["q"])
+        else:
+            assert row["first_pit"] == exact.index(0.0)
+
+
+def test_best_of_k_from_counts_is_the_subset_average():
+    """1 - C(n-s,K)/C(n,K) is the fraction of K-subsets of the n samples that contain a success."""
+    for n, s, k in [(4, 1, 2), (6, 2, 3), (5, 0, 4), (5, 5, 2), (8, 3, 1)]:
+        outcomes = [1] * s + [0] * (n - s)
+        subsets = list(itertools.combinations(outcomes, k))
+        expected = sum(max(sub) for sub in subsets) / len(subsets)
+        got = best_of_k_from_counts(np.array([s]), np.array([n]), np.array([s / n]), k)
+        assert got[0] == pytest.approx(expected, abs=1e-12)
+    # n < K: plug-in; n = 0: transform of q (exact labels stay, NaN stays NaN)
+    got = best_of_k_from_counts(np.array([1, 0, 0, 0]), np.array([2, 0, 0, 0]), np.array([0.5, 1.0, 0.0, np.nan]), 4)
+    assert got[:3] == pytest.approx([1 - 0.5**4, 1.0, 0.0]) and np.isnan(got[3])
+    with pytest.raises(ValueError, match="k must be"):
+        best_of_k_from_counts(np.array([1]), np.array([2]), np.array([0.5]), 0)
+
+
+# ------------------------------------------------------------------------------------------------ storage
+
+
+def _run(tmp: Path, items, settings, **kwargs):
+    labeler = scripted_labeler(settings, 0.7, 0.8)
+    return run_labeling(items, lambda prompt: prompt, labeler, ShardStore(tmp), shard_size=2, progress=False, **kwargs)
+
+
+def test_interrupted_labelling_resumes_without_loss_or_duplicates(tmp_path):
+    task = ScriptedStepTask(num_steps=3)
+    items = scripted_items(task, 7)
+    settings = LabelSettings(n_cov=2, n_mc=8, strategy="every")
+    reference = _run(tmp_path / "reference", items, settings)
+    assert reference["prompts_labelled"] == 7 and len(reference["shards_written"]) == 4
+
+    class Crash(RuntimeError):
+        pass
+
+    def crash_after_two(path):
+        if path.name == "shard-00001.parquet":
+            raise Crash
+
+    interrupted = tmp_path / "interrupted"
+    with pytest.raises(Crash):
+        _run(interrupted, items, settings, on_shard_written=crash_after_two)
+    leftover = interrupted / ".shard-00002.parquet.tmp12345"  # a shard half-written when the process was killed
+    leftover.write_bytes(b"PAR1 truncated")
+    resumed = _run(interrupted, items, settings)
+    assert resumed["prompts_skipped"] == 4 and resumed["prompts_labelled"] == 3
+    assert resumed["temporary_files_removed"] == [str(leftover)] and not leftover.exists()
+    assert resumed["rollouts_generated"] < reference["rollouts_generated"]
+    got = read_labels(interrupted).sort_values(["prompt_index", "rollout_index"]).reset_index(drop=True)
+    want = read_labels(tmp_path / "reference").sort_values(["prompt_index", "rollout_index"]).reset_index(drop=True)
+    assert not got.duplicated(["prompt_index", "rollout_index"]).any()
+    pd.testing.assert_frame_equal(got, want)
+    # a finished run does nothing when restarted
+    assert _run(interrupted, items, settings)["prompts_labelled"] == 0
+
+
+def test_store_refuses_other_settings_and_repeated_prompts(tmp_path):
+    store = ShardStore(tmp_path)
+    store.check_config({"n_mc": 8, "shard_size": 4}, ignore=("shard_size",))
+    store.check_config({"n_mc": 8, "shard_size": 16}, ignore=("shard_size",))
+    with pytest.raises(ValueError, match="n_mc: 8 -> 16"):
+        store.check_config({"n_mc": 16, "shard_size": 4}, ignore=("shard_size",))
+    task = ScriptedStepTask(num_steps=2)
+    rows = scripted_labeler(LabelSettings(n_cov=1, n_mc=2), 0.5, 0.5).label(scripted_items(task, 1), [task.prompt(0)])
+    store.write_shard(rows)
+    store.write_shard(rows)
+    with pytest.raises(ValueError, match="repeats prompts"):
+        store.finished_prompts()
+
+
+# ------------------------------------------------------------------------------------------------ back ends
+
+
+@pytest.fixture(scope="module")
+def tiny_lm_dir(tmp_path_factory, bpe_small):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=len(bpe_small), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         eos_token_id=bpe_small.eos_token_id, pad_token_id=bpe_small.pad_token_id,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_lm")
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    bpe_small.save_pretrained(path)
+    return path
+
+
+def test_trim_at_eos():
+    assert trim_at_eos([5, 6, 2, 1, 1], {2}, 1) == ([5, 6], True)
+    assert trim_at_eos([5, 1, 6], {2}, 1) == ([5, 1, 6], False)
+    assert trim_at_eos([2], {2, 3}, 1) == ([], True)
+
+
+def test_hf_generator_batches_left_padded_and_stops_at_eos(tiny_lm_dir):
+    texts = ["Natalia sold clips to 48 of her friends in April", "How many", "A robe takes 2 bolts"]
+    generator = HFGenerator.from_pretrained(str(tiny_lm_dir), device="cpu", max_new_tokens=10, temperature=0.0,
+                                            batch_size=8)
+    tokenizer = generator.tokenizer
+    batched = generator.generate(texts, 1, [0, 1, 2])
+    single = [generator.generate([text], 1, [0])[0][0] for text in texts]
+    assert [c[0] for c in batched] == single  # left padding does not change greedy outputs
+    assert all(not c.finished and c.num_tokens == 10 for c in single)
+
+    # make the 4th greedy token of text 0 an EOS: that sequence stops there while the others run on
+    ids = [tokenizer(c.text, add_special_tokens=False)["input_ids"] for c in single]
+    with torch.inference_mode():
+        encoded = tokenizer(texts[0], return_tensors="pt", add_special_tokens=False)
+        raw = generator.model.generate(**encoded, max_new_tokens=10, do_sample=False,
+                                       pad_token_id=tokenizer.pad_token_id)[0, encoded["input_ids"].shape[1]:].tolist()
+    stop = raw[3]
+    generator.eos_token_ids = generator.eos_token_ids | {stop}
+    stopped = generator.generate(texts, 1, [0, 1, 2])
+    assert stopped[0][0].finished and stopped[0][0].text == tokenizer.decode(raw[:raw.index(stop)])
+    assert stopped[0][0].num_tokens == raw.index(stop) + 1
+    for i in (1, 2):
+        with torch.inference_mode():
+            encoded = tokenizer(texts[i], return_tensors="pt", add_special_tokens=False)
+            full = generator.model.generate(**encoded, max_new_tokens=10, do_sample=False,
+                                            pad_token_id=tokenizer.pad_token_id)[0, encoded["input_ids"].shape[1]:].tolist()
+        cut = full.index(stop) if stop in full else len(full)
+        assert stopped[i][0].text == tokenizer.decode(full[:cut]) and stopped[i][0].finished == (stop in full)
+    assert ids  # the greedy texts re-tokenise (sanity of the decode path)
+
+    # sampling: n samples per text, reproducible for the same seeds, different for other seeds
+    sampler = HFGenerator.from_pretrained(str(tiny_lm_dir), device="cpu", max_new_tokens=8, temperature=1.0, batch_size=4)
+    first = sampler.generate(texts[:2], 3, [7, 8])
+    assert [len(c) for c in first] == [3, 3]
+    assert first == sampler.generate(texts[:2], 3, [7, 8])
+    assert first != sampler.generate(texts[:2], 3, [9, 10])
+    assert len({c.text for c in first[0]}) > 1
+
+
+def test_vllm_back_end_is_optional_with_a_clear_message():
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        from verl_prm.labeling.generators import VLLMGenerator
+
+        with pytest.raises(ImportError, match="pip install"):
+            VLLMGenerator("/nonexistent")
+    else:
+        pytest.skip("vllm is installed: the message for a missing vllm cannot be shown here")
+
+
+@pytest.mark.ray
+def test_ray_pool_returns_what_one_engine_returns(ray_local):
+    task = ScriptedStepTask(num_steps=3)
+    texts = [task.prompt(i) + ("x=1\n\n" if i % 2 else "") for i in range(7)]
+    seeds = list(range(100, 107))
+    pool = RayGeneratorPool(functools.partial(ScriptedStepGenerator, 0.6), 3, num_gpus_per_worker=0,
+                            num_cpus_per_worker=1)
+    try:
+        assert pool.generate(texts, 4, seeds) == ScriptedStepGenerator(0.6).generate(texts, 4, seeds)
+    finally:
+        pool.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------ converters
+
+
+def test_math_shepherd_converter_on_shared_samples(shared_data):
+    raw = list(read_jsonl(shared_data / "math_shepherd_samples.jsonl"))
+    rows = convert_math_shepherd(raw)
+    assert len(rows) == len(raw) == 7
+    first = rows[0]
+    assert first["prompt"].startswith("Janet pays $40/hour") and first["prompt"].endswith("in a year?\n")
+    assert first["q"] == [1.0, 1.0, 1.0, 1.0, 0.0] and first["first_pit"] == 4 and first["outcome"] == 0.0
+    for record, row in zip(raw, rows):
+        signs = [c for c in record["label"] if c in "+-"][-record["input"].count("ки"):]
+        assert row["q"] == [1.0 if s == "+" else 0.0 for s in signs]
+        assert "ки" not in row["response"] and "Step 1:" not in row["prompt"]
+        spans = list(zip(row["step_starts"], row["step_ends"]))
+        assert spans == step_char_spans(row["response"], "\n")  # the critic segments it the same way
+        for (a, b), step in zip(spans, record["input"].split("ки")[1:-1]):
+            assert row["response"][a:b].strip() == step.strip()
+        assert row["n_mc"] == [0] * len(spans) and row["data_source"] == "math_shepherd/GSM8K"
+    bad = dict(raw[0], label=raw[0]["label"].replace("+", "?", 1))
+    with pytest.raises(ValueError, match="Math-Shepherd row 0: expected '\\+' or '-'"):
+        convert_math_shepherd([bad])
+
+
+def test_prm800k_converter_on_shared_samples(shared_data):
+    raw = list(read_jsonl(shared_data / "prm800k_samples.jsonl"))
+    rows = convert_prm800k(raw)
+    by_index = {row["prompt_index"]: row for row in rows}
+    assert sorted(by_index) == list(range(6))
+    solved = by_index[0]  # step 1: all five completions -1, the human's step continues the trajectory
+    assert solved["q"] == [1.0] * 6 and solved["first_pit"] == -1 and solved["finished"]
+    assert raw[0]["label"]["steps"][1]["human_completion"]["text"] in solved["response"]
+    assert solved["ground_truth"] == "29" and math.isnan(solved["outcome"])
+    found_error = by_index[1]  # rating 0 counts as acceptable; the trajectory ends at the first -1
+    assert found_error["q"] == [1.0] * 6 + [0.0] and found_error["first_pit"] == 6 and not found_error["finished"]
+    assert found_error["response"].endswith(raw[1]["label"]["steps"][6]["completions"][0]["text"])
+    gave_up = by_index[4]  # the last step has no completions: the trajectory ends before it
+    assert gave_up["q"] == [1.0] * 8 and gave_up["first_pit"] == -1
+    for row in rows:
+        assert row["step_ends"][-1] == len(row["response"])
+    with_alternatives = convert_prm800k(raw[:1], alternatives=True)
+    assert len(with_alternatives) == 1 + 5 + 4  # step 1: five -1 siblings; step 5: four not chosen
+    assert [r["q"][-1] for r in with_alternatives[1:]] == [0.0] * 5 + [1.0] * 4  # rating 0 -> q = 1
+    assert all(len(r["q"]) == 2 for r in with_alternatives[1:6])
+
+
+# ------------------------------------------------------------------------------------------------ inputs + CLI
+
+
+def test_render_prompt_and_read_prompts_errors(tmp_path):
+    assert render_prompt([{"role": "user", "content": "hi"}], None) == "hi\n"
+    assert render_prompt("plain", None) == "plain"
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"question": "q", "answer": "work #### 7"}) + "\n")
+    items = read_prompts(path, prompt_field="question", answer_field="answer", data_source="openai/gsm8k",
+                         answer_regex="#### (.*)")
+    assert items[0].ground_truth == "7" and items[0].prompt == "q"
+    with pytest.raises(KeyError, match="--prompt-field"):
+        read_prompts(path)
+
+
+def test_label_cli_with_tiny_transformers_model_and_resume(tmp_path, tiny_lm_dir, shared_data):
+    from verl_prm.labeling.cli import main
+
+    rows = [{"prompt": [{"role": "user", "content": f"Question {i}: add {i} and {i}."}], "data_source": "toy",
+             "reward_model": {"style": "rule", "ground_truth": str(2 * i)}, "extra_info": {"index": i}}
+            for i in range(3)]
+    pd.DataFrame(rows).to_parquet(tmp_path / "train.parquet")
+    reward = tmp_path / "reward.py"
+    reward.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(len(solution_str) % 2 == 0)\n")
+    args = ["--input", str(tmp_path / "train.parquet"), "--output-dir", str(tmp_path / "labels"), "--policy",
+            str(tiny_lm_dir), "--n-cov", "2", "--n-mc", "3", "--max-new-tokens", "12", "--delimiter", "\\n",
+            "--shard-size", "2", "--reward-fn", f"{reward}:score", "--device", "cpu", "--no-progress"]
+    assert main(args) == 0
+    labels = read_labels(tmp_path / "labels")
+    assert len(labels) == 6 and sorted(set(labels["prompt_index"])) == [0, 1, 2]
+    assert len(list((tmp_path / "labels").glob("shard-*.parquet"))) == 2
+    assert labels["prompt"].iloc[0] == "Question 0: add 0 and 0.\n"  # no chat template: documented fallback
+    for row in labels.itertuples():
+        assert list(zip(row.step_starts, row.step_ends)) == step_char_spans(row.response, "\n")
+        assert row.outcome == float(len(row.response) % 2 == 0) and row.prompt_n_mc == 3
+    assert main(args) == 0 and len(read_labels(tmp_path / "labels")) == 6  # restart: nothing to do
+    with pytest.raises(ValueError, match="n_mc: 3 -> 4"):
+        main([a if a != "3" else "4" for a in args])
+
+    # jsonl input scored by verl's default scorer (GSM8K rule)
+    jsonl_args = ["--input", str(shared_data / "gsm8k_test.jsonl"), "--limit", "2", "--prompt-field", "question",
+                  "--answer-field", "answer", "--answer-regex", "#### (.*)", "--data-source", "openai/gsm8k",
+                  "--output-dir", str(tmp_path / "gsm"), "--policy", str(tiny_lm_dir), "--n-cov", "1", "--n-mc", "1",
+                  "--max-new-tokens", "6", "--strategy", "first_pit", "--device", "cpu", "--no-progress"]
+    assert main(jsonl_args) == 0
+    gsm = read_labels(tmp_path / "gsm")
+    assert list(gsm["ground_truth"]) == ["18", "3"] and (gsm["outcome"] == 0.0).all()
+
+
+def test_convert_cli_writes_label_shards(tmp_path, shared_data):
+    from verl_prm.labeling.cli import main
+
+    assert main(["convert", "prm800k", "--input", str(shared_data / "prm800k_samples.jsonl"), "--output-dir",
+                 str(tmp_path / "prm"), "--alternatives"]) == 0
+    frame = read_labels(tmp_path / "prm")
+    assert (frame["strategy"] == "prm800k").all() and frame["prompt_index"].nunique() == 6
+    assert main(["convert", "math_shepherd", "--input", str(shared_data / "math_shepherd_samples.jsonl"),
+                 "--output-dir", str(tmp_path / "ms")]) == 0
+    assert len(read_labels(tmp_path / "ms")) == 7

@@ -1,0 +1,383 @@
+"""The math of process advantages (DESIGN.md section 2): small pure functions over torch tensors.
+
+Reference: Setlur et al. 2024, "Rewarding Progress: Scaling Automated Process Verifiers for LLM Reasoning"
+(the PAV paper), Eq. 5: the effective reward of step h is Q^pi(s_h, a_h) + alpha * A^mu(s_h, a_h), where the
+process advantage (progress) A^mu is the change in the prover's value made by step h.
+
+Shape convention, used by every function here:
+
+    B: responses in the batch, T: padded response length, S: padded number of steps.
+    step_ids       [B, T] int64   step (0-based) of each response token, -1 for tokens in no step
+    step_values    [B, S] float   v_1..v_H of each response (prover values after each step); h >= H ignored
+    prompt_values  [B]    float   v_0 (prover value of the prompt)
+    num_steps      [B]    int64   H of each response (0 allowed)
+
+Every function is vectorised over the batch (no Python loop over samples, steps or groups), does no
+host-device synchronisation, and runs on CPU and CUDA tensors alike. Nothing here imports verl:
+`verl_prm.estimators` registers these functions in verl's estimator registry.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+
+__all__ = [
+    "AGGREGATIONS",
+    "aggregate_step_scores",
+    "batch_baseline_outcome",
+    "best_of_k",
+    "check_step_inputs",
+    "dense_step_rewards",
+    "group_ids",
+    "group_normalized_outcome",
+    "leave_one_out_outcome",
+    "process_advantage",
+    "process_scores",
+    "step_progress",
+    "step_scores_per_token",
+    "valid_steps",
+]
+
+MIN_NORMALIZE_STD = 1e-3
+AGGREGATIONS = ("min", "max", "mean", "sum", "product", "last")
+Aggregation = Literal["min", "max", "mean", "sum", "product", "last"]
+
+
+def best_of_k(q: torch.Tensor, k: int) -> torch.Tensor:
+    """Value of the Best-of-K policy of a prover whose value is ``q``: ``1 - (1 - q)^k``.
+
+    The Best-of-K policy of pi_b succeeds if any of K independent samples of pi_b succeeds, so a critic trained
+    on Monte-Carlo labels of pi_b gives the BoK prover's value through this transform (PAV paper, Sec. 4).
+    ``k = 1`` returns ``q`` unchanged.
+
+    Args:
+        q: values in [0, 1], any shape.
+        k: integer >= 1.
+    """
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"best_of_k: k must be an integer >= 1, got {k!r}")
+    if k == 1:
+        return q
+    return 1.0 - torch.pow(1.0 - q, int(k))
+
+
+def valid_steps(num_steps: torch.Tensor, max_steps: int) -> torch.Tensor:
+    """Mask [B, S] of real steps: ``valid[i, h] = h < num_steps[i]``."""
+    return torch.arange(max_steps, device=num_steps.device)[None, :] < num_steps[:, None]
+
+
+def step_progress(step_values: torch.Tensor, prompt_values: torch.Tensor, num_steps: torch.Tensor) -> torch.Tensor:
+    """Process advantage (progress) of each step: ``A_h = v_h - v_{h-1}`` with ``v_{-1} = prompt_values``.
+
+    Indices are 0-based: ``A[i, 0] = step_values[i, 0] - prompt_values[i]``. The sum over the H real steps
+    telescopes to ``v_{H-1} - v_0``. Entries at ``h >= num_steps[i]`` are 0 (whatever ``step_values`` holds
+    there, NaN included).
+
+    Args:
+        step_values: [B, S] prover values after each step.
+        prompt_values: [B] prover value of the prompt.
+        num_steps: [B] number of real steps per response.
+
+    Returns:
+        [B, S] progress, 0 outside the real steps.
+    """
+    previous = torch.cat([prompt_values[:, None].to(step_values.dtype), step_values[:, :-1]], dim=1)
+    progress = step_values - previous
+    return torch.where(valid_steps(num_steps, step_values.shape[1]), progress, torch.zeros_like(progress))
+
+
+def _lookup(table: torch.Tensor, step_ids: torch.Tensor) -> torch.Tensor:
+    """``out[i, t] = table[i, step_ids[i, t] + 1]`` for a table whose column 0 stands for "no step" (-1)."""
+    batch, columns = table.shape
+    # One flat index_select over int32 indices: it reads the [B, T] step ids once and allocates no int64
+    # [B, T] temporary (memory traffic dominates this function; on CPU a fresh 32 MB buffer also costs page
+    # faults on every call).
+    index_dtype = torch.int32 if batch * columns < 2**31 else torch.int64
+    row_starts = torch.arange(batch, device=step_ids.device, dtype=index_dtype)[:, None] * columns + 1
+    flat_index = step_ids.to(index_dtype).add_(row_starts)
+    return table.reshape(-1).index_select(0, flat_index.reshape(-1)).view(step_ids.shape)
+
+
+def step_scores_per_token(step_scores: torch.Tensor, step_ids: torch.Tensor) -> torch.Tensor:
+    """Broadcast per-step scores to the tokens of each step: ``out[i, t] = step_scores[i, step_ids[i, t]]``.
+
+    Tokens in no step (``step_ids == -1``) get 0. ``step_ids`` must lie in [-1, S - 1].
+
+    Args:
+        step_scores: [B, S] one score per step.
+        step_ids: [B, T] step of each token, -1 for none.
+
+    Returns:
+        [B, T] score of the step each token belongs to.
+    """
+    return _lookup(torch.nn.functional.pad(step_scores, (1, 0)), step_ids)
+
+
+def group_ids(index, device: torch.device | str | None = None) -> tuple[torch.Tensor, int]:
+    """Contiguous group ids 0..G-1 of verl's ``index`` (the ``uid`` of each response's prompt).
+
+    ``index`` is verl's host-side numpy array of uids (any hashable, sortable labels), a list, or a torch
+    tensor (then grouped on its own device with ``torch.unique``).
+
+    Returns:
+        ``(groups [B] int64, G)``.
+    """
+    if isinstance(index, torch.Tensor):
+        uniques, inverse = torch.unique(index.reshape(-1), return_inverse=True)
+        return inverse.to(device if device is not None else index.device), int(uniques.numel())
+    labels = np.asarray(index)
+    if labels.ndim != 1:
+        raise ValueError(f"index must be one label per response (1-D), got shape {labels.shape}")
+    try:
+        uniques, inverse = np.unique(labels, return_inverse=True)
+    except TypeError as error:
+        raise TypeError(
+            "index labels must be mutually comparable (verl's uids are strings); got mixed types "
+            f"{sorted({type(x).__name__ for x in labels.tolist()})}"
+        ) from error
+    return torch.as_tensor(inverse.reshape(-1), dtype=torch.long, device=device), int(len(uniques))
+
+
+def _group_sums(values: torch.Tensor, groups: torch.Tensor, num_groups: int) -> torch.Tensor:
+    return torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add_(0, groups, values)
+
+
+def group_normalized_outcome(
+    scores: torch.Tensor,
+    groups: torch.Tensor,
+    num_groups: int,
+    *,
+    epsilon: float = 1e-6,
+    norm_by_std: bool = True,
+) -> torch.Tensor:
+    """GRPO's outcome advantage, exactly as verl's ``grpo`` estimator computes it.
+
+    ``out_i = (R_i - mean_g R) / (std_g R + epsilon)`` with the unbiased std over the group g of response i;
+    a group of one has mean 0 and std 1. With ``norm_by_std=False``: ``out_i = R_i - mean_g R`` (Dr. GRPO).
+
+    Args:
+        scores: [B] outcome R_i of each response.
+        groups: [B] group id in 0..G-1 (see ``group_ids``).
+        num_groups: G.
+    """
+    counts = _group_sums(torch.ones_like(scores), groups, num_groups)
+    mean = _group_sums(scores, groups, num_groups) / counts
+    squared_deviation = _group_sums((scores - mean[groups]) ** 2, groups, num_groups)
+    std = torch.sqrt(squared_deviation / (counts - 1).clamp_min(1))
+    single = counts == 1
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    std = torch.where(single, torch.ones_like(std), std)
+    centered = scores - mean[groups]
+    return centered / (std[groups] + epsilon) if norm_by_std else centered
+
+
+def leave_one_out_outcome(scores: torch.Tensor, groups: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """RLOO's outcome advantage, as verl's ``rloo``: ``out_i = R_i - mean_{j in g, j != i} R_j``.
+
+    Equivalently ``(n R_i - sum_g R) / (n - 1)`` for a group of n > 1; a group of one keeps ``R_i``.
+    """
+    counts = _group_sums(torch.ones_like(scores), groups, num_groups)[groups]
+    totals = _group_sums(scores, groups, num_groups)[groups]
+    loo = (counts * scores - totals) / (counts - 1).clamp_min(1)
+    return torch.where(counts > 1, loo, scores)
+
+
+def batch_baseline_outcome(scores: torch.Tensor) -> torch.Tensor:
+    """REINFORCE with a batch-mean baseline (the PAV paper's online RL): ``out_i = R_i - mean_batch R``."""
+    return scores - scores.mean()
+
+
+def process_scores(
+    step_values: torch.Tensor,
+    prompt_values: torch.Tensor,
+    num_steps: torch.Tensor,
+    *,
+    best_of_k_k: int = 1,
+    use_values: bool = False,
+    clip: float | None = None,
+    normalize: bool = False,
+    keep: torch.Tensor | None = None,
+    epsilon: float = 1e-6,
+) -> torch.Tensor:
+    """Per-step process scores: progress of the (Best-of-K transformed) prover values, with the safeguards.
+
+    In order:
+      1. ``v = best_of_k(step_values, K)``, ``v_0 = best_of_k(prompt_values, K)``;
+      2. ``p_h = v_h - v_{h-1}`` (``step_progress``), or ``p_h = v_h`` when ``use_values`` (the reward-hackable
+         Q-as-reward ablation of the paper's App. G);
+      3. ``clip``: ``p_h <- clamp(p_h, -clip, clip)``;
+      4. ``keep`` [B] bool: responses where it is False get no process score (e.g. truncated responses);
+      5. ``normalize``: ``p_h <- p_h / (std + epsilon)``, std the unbiased std of p over the real steps of the
+         kept responses in the batch; left unscaled when there are fewer than two such steps or
+         ``std < MIN_NORMALIZE_STD`` (a constant term has no scale, and dividing by ~0 would blow it up).
+
+    Returns:
+        [B, S] scores, 0 at ``h >= num_steps`` and for responses not kept.
+    """
+    values = best_of_k(step_values, best_of_k_k)
+    if use_values:
+        valid = valid_steps(num_steps, values.shape[1])
+        scores = torch.where(valid, values, torch.zeros_like(values))
+    else:
+        scores = step_progress(values, best_of_k(prompt_values, best_of_k_k), num_steps)
+    if clip is not None:
+        scores = scores.clamp(-clip, clip)
+    if keep is not None:
+        scores = scores * keep[:, None].to(scores.dtype)
+    if normalize:
+        counted = valid_steps(num_steps, scores.shape[1])
+        if keep is not None:
+            counted = counted & keep[:, None].bool()
+        counted = counted.to(scores.dtype)
+        n = counted.sum()
+        mean = (scores * counted).sum() / n.clamp_min(1)
+        variance = (((scores - mean) * counted) ** 2).sum() / (n - 1).clamp_min(1)
+        std = torch.sqrt(variance)
+        # A (nearly) constant process term has no scale to normalise: dividing by ~0 would blow it up.
+        usable = (n > 1) & (std >= MIN_NORMALIZE_STD)
+        scores = scores / torch.where(usable, std + epsilon, torch.ones_like(std))
+    return scores
+
+
+def process_advantage(
+    outcome_advantage: torch.Tensor,
+    step_scores: torch.Tensor,
+    step_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    alpha: float,
+) -> torch.Tensor:
+    """Token advantages of the effective reward (PAV paper Eq. 5).
+
+    ``adv[i, t] = (out_i + alpha * p_{i, step_ids[i, t]}) * response_mask[i, t]``, where tokens in no step
+    (``step_ids = -1``) get ``out_i * response_mask[i, t]``. The process score of step h enters only the tokens
+    of step h; it is not summed into a return over later steps.
+
+    Args:
+        outcome_advantage: [B] out_i (GRPO, RLOO or batch-baseline outcome advantage).
+        step_scores: [B, S] process score of each step (``process_scores``).
+        step_ids: [B, T]; response_mask: [B, T].
+        alpha: weight of the process term.
+
+    Returns:
+        [B, T] advantages.
+    """
+    # Column 0 of the table is the "no step" entry: out_i alone.
+    table = torch.add(outcome_advantage[:, None], torch.nn.functional.pad(step_scores, (1, 0)), alpha=alpha)
+    return _lookup(table.to(outcome_advantage.dtype), step_ids).mul_(response_mask)
+
+
+def aggregate_step_scores(step_scores: torch.Tensor, num_steps: torch.Tensor, how: Aggregation) -> torch.Tensor:
+    """One score per response from its step scores (Pan et al. 2023's aggregation functions).
+
+    Over the real steps h < H of response i: ``min``, ``max``, ``mean``, ``sum``, ``product`` or ``last``
+    (the score of step H-1). A response with no steps gets 0 for every aggregation (no process evidence).
+
+    Args:
+        step_scores: [B, S]; num_steps: [B]; how: one of ``AGGREGATIONS``.
+
+    Returns:
+        [B] aggregated score.
+    """
+    if how not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {how!r}")
+    batch, max_steps = step_scores.shape
+    zeros = step_scores.new_zeros(batch)
+    if max_steps == 0:
+        return zeros
+    valid = valid_steps(num_steps, max_steps)
+    if how in ("sum", "mean"):
+        total = torch.where(valid, step_scores, torch.zeros_like(step_scores)).sum(dim=1)
+        result = total if how == "sum" else total / num_steps.clamp_min(1).to(step_scores.dtype)
+    elif how == "min":
+        result = torch.where(valid, step_scores, torch.full_like(step_scores, float("inf"))).amin(dim=1)
+    elif how == "max":
+        result = torch.where(valid, step_scores, torch.full_like(step_scores, float("-inf"))).amax(dim=1)
+    elif how == "product":
+        result = torch.where(valid, step_scores, torch.ones_like(step_scores)).prod(dim=1)
+    else:  # last
+        last = (num_steps - 1).clamp(min=0, max=max_steps - 1)
+        result = torch.gather(step_scores, 1, last[:, None].long()).squeeze(1)
+    return torch.where(num_steps > 0, result, zeros)
+
+
+def dense_step_rewards(step_scores: torch.Tensor, step_ids: torch.Tensor) -> torch.Tensor:
+    """Per-token rewards with step h's score at the last token of step h, 0 elsewhere: ``[B, T]``.
+
+    This is the form a learned-critic PPO run (verl's GAE) takes the process term in: added to
+    ``token_level_rewards``, each step's progress is rewarded once, where the step ends.
+    """
+    following = torch.nn.functional.pad(step_ids[:, 1:], (0, 1), value=-1)
+    is_step_end = (step_ids >= 0) & (following != step_ids)
+    return step_scores_per_token(step_scores, step_ids) * is_step_end.to(step_scores.dtype)
+
+
+def check_step_inputs(
+    step_ids: torch.Tensor,
+    step_values: torch.Tensor,
+    prompt_values: torch.Tensor,
+    num_steps: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> None:
+    """Validate the step tensors against the contract; raise ``ValueError`` naming the first bad sample.
+
+    Shape checks are free; the value checks read the tensors on the host once (one synchronisation), so the
+    estimators run them only while ``pav.check_inputs`` is on (the default).
+    """
+    batch, length = response_mask.shape
+    if step_ids.shape != (batch, length):
+        raise ValueError(
+            f"step_ids must have the shape of response_mask {tuple(response_mask.shape)}, got {tuple(step_ids.shape)}"
+        )
+    if step_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"step_ids must be int64 (or int32), got {step_ids.dtype}")
+    if step_values.dim() != 2 or step_values.shape[0] != batch:
+        raise ValueError(f"step_values must be [B={batch}, S], got {tuple(step_values.shape)}")
+    if prompt_values.shape != (batch,):
+        raise ValueError(f"prompt_values must be [B={batch}], got {tuple(prompt_values.shape)}")
+    if num_steps.shape != (batch,):
+        raise ValueError(f"num_steps must be [B={batch}], got {tuple(num_steps.shape)}")
+    if not step_values.is_floating_point() or not prompt_values.is_floating_point():
+        raise ValueError("step_values and prompt_values must be floating point")
+    max_steps = step_values.shape[1]
+    num_steps_h = num_steps.detach().cpu()
+    step_ids_h = step_ids.detach().cpu()
+    valid = valid_steps(num_steps_h, max_steps)
+    values_h = step_values.detach().cpu().float()
+    prompt_h = prompt_values.detach().cpu().float()
+
+    def first(bad: torch.Tensor) -> int:
+        return int(torch.nonzero(bad)[0, 0])
+
+    bad = (num_steps_h < 0) | (num_steps_h > max_steps)
+    if bad.any():
+        i = first(bad)
+        raise ValueError(
+            f"sample {i}: num_steps={int(num_steps_h[i])} is outside [0, S={max_steps}]; step_values must have "
+            "a column for every step"
+        )
+    bad = (step_ids_h < -1) | (step_ids_h >= num_steps_h[:, None])
+    if bad.any():
+        i, t = (int(x) for x in torch.nonzero(bad)[0])
+        raise ValueError(
+            f"sample {i}: token {t} has step_id {int(step_ids_h[i, t])} but the response has "
+            f"num_steps={int(num_steps_h[i])}; step ids must lie in [-1, num_steps - 1] (use -1 for tokens in no "
+            "step), as verl_prm.steps.split_steps returns them"
+        )
+    in_range = (values_h >= 0) & (values_h <= 1)
+    bad = valid & ~in_range
+    if bad.any():
+        i, h = (int(x) for x in torch.nonzero(bad)[0])
+        raise ValueError(
+            f"sample {i}: step_values[{i}, {h}] = {float(values_h[i, h])} is not a probability in [0, 1]; pass the "
+            "critic's raw values (sigmoid outputs), not logits"
+        )
+    bad = ~((prompt_h >= 0) & (prompt_h <= 1))
+    if bad.any():
+        i = first(bad)
+        raise ValueError(
+            f"sample {i}: prompt_values[{i}] = {float(prompt_h[i])} is not a probability in [0, 1]; pass the "
+            "critic's raw value of the prompt"
+        )

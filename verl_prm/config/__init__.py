@@ -1,0 +1,119 @@
+"""Typed configuration of the plugin, read from verl's config tree.
+
+The estimator knobs live under ``algorithm.pav`` in verl's config (verl passes ``algorithm`` to every
+estimator as ``config``). Unknown keys and out-of-range values are errors at the first read, with the key named.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from verl_prm.advantages import AGGREGATIONS
+
+__all__ = ["PavConfig", "read_pav_config"]
+
+PROCESS_TERMS = ("progress", "value")
+
+
+@dataclass
+class PavConfig:
+    """Knobs of the PAV estimators (``algorithm.pav.*``)."""
+
+    # Weight of the process term: adv = out + alpha * A_h. The PAV paper used 3-5 for online RL with
+    # REINFORCE and 0.5 for beam search (0.2 for its largest model).
+    alpha: float = 3.0
+    # Best-of-K transform of the raw critic values, v -> 1 - (1 - v)^K, before progress is taken. Use K > 1 when
+    # the critic was trained on Monte-Carlo labels of the base policy and the prover is its Best-of-K policy
+    # (the paper's best provers were Bo4). K = 1 uses the critic values as they are.
+    best_of_k: int = 1
+    # "progress": A_h = v_h - v_{h-1} (the method). "value": v_h itself, the reward-hackable ablation of the
+    # paper's App. G; it warns.
+    process_term: str = "progress"
+    # Clip the process term to [-clip, clip]; None: no clipping.
+    clip: Optional[float] = None
+    # Divide the process term by its std over the real steps of the batch.
+    normalize: bool = False
+    # No process term for responses that were truncated (no EOS). Needs the `truncated` tensor.
+    drop_truncated: bool = False
+    # Validate the step tensors against the contract (one host read per batch). Errors name the sample.
+    check_inputs: bool = True
+    # prm_aggregate only: how the step scores of a response become one score (Pan et al. 2023) ...
+    aggregation: str = "min"
+    # ... its weight w in reward = R + w * aggregate ...
+    aggregate_weight: float = 1.0
+    # ... and whether the outcome R is part of the reward (False: the process score alone).
+    aggregate_with_outcome: bool = True
+    # Small constant of the std normalisations.
+    epsilon: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "aggregate_weight", "epsilon") + (("clip",) if self.clip is not None else ()):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"algorithm.pav.{name} must be a number, got {value!r}")
+            setattr(self, name, float(value))
+        for name in ("normalize", "drop_truncated", "check_inputs", "aggregate_with_outcome"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"algorithm.pav.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.alpha < 0:
+            raise ValueError(f"algorithm.pav.alpha must be >= 0, got {self.alpha}")
+        if isinstance(self.best_of_k, bool) or int(self.best_of_k) != self.best_of_k or self.best_of_k < 1:
+            raise ValueError(f"algorithm.pav.best_of_k must be an integer >= 1, got {self.best_of_k}")
+        self.best_of_k = int(self.best_of_k)
+        if self.process_term not in PROCESS_TERMS:
+            raise ValueError(f"algorithm.pav.process_term must be one of {PROCESS_TERMS}, got {self.process_term!r}")
+        if self.clip is not None and self.clip <= 0:
+            raise ValueError(f"algorithm.pav.clip must be > 0 or null, got {self.clip}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"algorithm.pav.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+        if self.epsilon <= 0:
+            raise ValueError(f"algorithm.pav.epsilon must be > 0, got {self.epsilon}")
+
+    @property
+    def uses_values(self) -> bool:
+        return self.process_term == "value"
+
+
+def _warn_values() -> None:
+    # Python's default warning filter shows it once per call site, so a training loop is not flooded.
+    warnings.warn(
+        "algorithm.pav.process_term='value' rewards the prover's value Q^mu instead of its progress A^mu. The "
+        "PAV paper (App. G) found this reward-hackable: the policy learns steps that keep Q high without "
+        "progress (e.g. restating the problem). Use it only as an ablation.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def read_pav_config(algorithm_config: Any) -> PavConfig:
+    """``PavConfig`` from verl's algorithm config (DictConfig, dict, verl's ``AlgoConfig`` or None).
+
+    The knobs are read from its ``pav`` entry; a missing entry gives the defaults.
+    """
+    if isinstance(algorithm_config, PavConfig):
+        return algorithm_config
+    pav = None
+    if algorithm_config is not None:
+        getter = getattr(algorithm_config, "get", None)
+        pav = getter("pav", None) if getter is not None else getattr(algorithm_config, "pav", None)
+    if pav is None:
+        config = PavConfig()
+    elif isinstance(pav, PavConfig):
+        config = pav
+    else:
+        if isinstance(pav, DictConfig):
+            pav = OmegaConf.to_container(pav, resolve=True)
+        if not isinstance(pav, dict):
+            raise TypeError(f"algorithm.pav must be a mapping of PAV options, got {type(pav).__name__}")
+        known = {f.name: f for f in fields(PavConfig)}
+        unknown = sorted(set(pav) - set(known))
+        if unknown:
+            raise ValueError(f"unknown algorithm.pav keys {unknown}. Known keys: {', '.join(known)}")
+        config = PavConfig(**pav)
+    if config.uses_values:
+        _warn_values()
+    return config

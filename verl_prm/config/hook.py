@@ -1,0 +1,249 @@
+"""Typed configuration of the verl trainer hook (the ``verl_prm`` section of verl's config) and the startup
+validation of a whole run config.
+
+The estimator knobs (alpha, best_of_k, clip, ...) stay in ``algorithm.pav`` (``PavConfig``, read by the
+estimators). This module adds what the hook needs around them: where the prover critic is and how it is run,
+how responses are split into steps, and where the critic's worker group is placed::
+
+    verl_prm:
+      critic:    {path, format, max_tokens_per_batch, dtype}
+      steps:     {delimiter, regex, max_tokens, max_steps}
+      placement: {pool, n_gpus_per_node, nnodes}
+      score_outcome_estimators: true
+
+``validate_run_config(config)`` checks a composed verl config (DictConfig or dict) before any model is loaded
+and returns the typed ``HookConfig`` and ``PavConfig``. Every error names the config key and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from verl_prm.config import PavConfig, read_pav_config
+
+__all__ = [
+    "CRITIC_FORMATS",
+    "ConfigError",
+    "CriticSection",
+    "HOOK_TRAINER_NAME",
+    "HookConfig",
+    "PLACEMENT_POOLS",
+    "PlacementSection",
+    "STEP_ESTIMATORS",
+    "StepsSection",
+    "read_hook_config",
+    "validate_run_config",
+]
+
+DEFAULT_DELIMITER = "\n\n"  # verl_prm.steps.DEFAULT_DELIMITER (kept here so the check imports no tensor code)
+# The name verl's ``trainer.v1.trainer_mode`` selects the hook by (verl_prm.trainer.PavSyncTrainer).
+HOOK_TRAINER_NAME = "pav_sync"
+# Estimators that read the step tensors, so they only work with the hook (verl passes plugin estimators no
+# batch keys besides the rewards, the mask and the uid).
+STEP_ESTIMATORS = ("pav_grpo", "pav_rloo", "pav_reinforce", "prm_aggregate")
+# Checkpoint formats a prover critic can be read from (DESIGN.md section 4; verl_prm.critic.formats.FORMATS,
+# which a test holds equal to this tuple: the config check must not import torch models).
+CRITIC_FORMATS = ("value_head", "qwen_prm", "math_shepherd", "value_head_lm")
+TRUNCATIONS = ("error", "left_prompt")
+# "colocated": the critic's workers share verl's global pool (the actor/rollout GPUs);
+# "own": a resource pool of its own (``n_gpus_per_node`` x ``nnodes``).
+PLACEMENT_POOLS = ("colocated", "own")
+
+
+class ConfigError(ValueError):
+    """A verl-prm setting in the run config is invalid; the message names the key and the fix."""
+
+
+@dataclass
+class CriticSection:
+    """``verl_prm.critic``: the prover critic that scores the steps."""
+
+    # Hugging Face checkpoint directory (or hub id) of the prover critic. Required when the hook runs.
+    path: Optional[str] = None
+    # Checkpoint format: "value_head" (the native one: token-classification head, num_labels=1, as
+    # `verl-prm train` writes), "qwen_prm" (separator token with a two-class head, Qwen2.5-Math-PRM style),
+    # "math_shepherd" ("+"/"-" logits of the LM head at a tag token), "value_head_lm" (Skywork-style value head).
+    format: str = "value_head"
+    # Options of the format, e.g. {separator: "<extra_0>"} (qwen_prm), {tag: "ки"} (math_shepherd).
+    options: dict[str, Any] = field(default_factory=dict)
+    # Token budget of one critic micro-batch (sequences are packed or length-bucketed up to it).
+    max_tokens_per_batch: int = 16384
+    # Parameter dtype of the critic: "auto" (bf16 on GPU, fp32 on CPU), "bfloat16", "float16", "float32".
+    dtype: str = "auto"
+    # A prompt + response longer than the critic's context: "error" (names the sample) or "left_prompt" (drop
+    # prompt tokens from the left; never response tokens).
+    truncation: str = "error"
+
+
+@dataclass
+class StepsSection:
+    """``verl_prm.steps``: how a response is split into steps (verl_prm.steps.split_steps)."""
+
+    # A step ends at this text delimiter ("\n\n" by default; "\n" for one line per step).
+    delimiter: Optional[str] = "\n\n"
+    # A regex whose matches end a step; replaces `delimiter` when set.
+    regex: Optional[str] = None
+    # Fixed-size steps of this many tokens instead of text delimiters.
+    max_tokens: Optional[int] = None
+    # Merge trailing steps so that a response has at most this many (the merge count is a metric).
+    max_steps: Optional[int] = None
+
+
+@dataclass
+class PlacementSection:
+    """``verl_prm.placement``: the verl resource pool of the critic's worker group."""
+
+    pool: str = "colocated"
+    # Only for pool="own": the size of the critic's own pool.
+    n_gpus_per_node: int = 1
+    nnodes: int = 1
+
+
+@dataclass
+class HookConfig:
+    """``verl_prm``: everything the trainer hook needs besides the estimator knobs (``algorithm.pav``)."""
+
+    critic: CriticSection = field(default_factory=CriticSection)
+    steps: StepsSection = field(default_factory=StepsSection)
+    placement: PlacementSection = field(default_factory=PlacementSection)
+    # With an outcome-only estimator (e.g. the grpo baseline) the hook still scores the steps and logs the
+    # pav/* metrics (advantages stay verl's own); false skips the critic for such runs.
+    score_outcome_estimators: bool = True
+
+
+def _known_keys(cls) -> str:
+    return ", ".join(f.name for f in fields(cls))
+
+
+def read_hook_config(section: Any) -> HookConfig:
+    """``HookConfig`` from the ``verl_prm`` section (DictConfig, dict or None: the defaults).
+
+    Raises ``ConfigError`` for unknown keys or values of the wrong type, and for out-of-range values.
+    """
+    if isinstance(section, HookConfig):
+        config = section
+    elif section is None:
+        config = HookConfig()
+    else:
+        if not isinstance(section, (dict, DictConfig)):
+            raise ConfigError(f"verl_prm must be a mapping, got {type(section).__name__}")
+        try:
+            merged = OmegaConf.merge(OmegaConf.structured(HookConfig), section)
+        except (ConfigKeyError, ValidationError) as error:
+            key = getattr(error, "full_key", "") or ""
+            known = {
+                "": _known_keys(HookConfig),
+                "critic": _known_keys(CriticSection),
+                "steps": _known_keys(StepsSection),
+                "placement": _known_keys(PlacementSection),
+            }
+            parent = key.split(".")[0] if "." in key else ""
+            raise ConfigError(
+                f"invalid verl_prm config at 'verl_prm.{key}': {getattr(error, 'msg', error)}. "
+                f"Known keys of verl_prm{'.' + parent if parent else ''}: {known.get(parent, known[''])}"
+            ) from None
+        config = OmegaConf.to_object(merged)
+    _check_ranges(config)
+    return config
+
+
+def _check_ranges(config: HookConfig) -> None:
+    critic, steps, placement = config.critic, config.steps, config.placement
+    if critic.format not in CRITIC_FORMATS:
+        raise ConfigError(f"verl_prm.critic.format must be one of {CRITIC_FORMATS}, got {critic.format!r}")
+    if critic.max_tokens_per_batch < 1:
+        raise ConfigError(f"verl_prm.critic.max_tokens_per_batch must be >= 1, got {critic.max_tokens_per_batch}")
+    if critic.truncation not in TRUNCATIONS:
+        raise ConfigError(f"verl_prm.critic.truncation must be one of {TRUNCATIONS}, got {critic.truncation!r}")
+    if critic.dtype not in ("auto", "bfloat16", "float16", "float32"):
+        raise ConfigError(
+            f"verl_prm.critic.dtype must be auto, bfloat16, float16 or float32, got {critic.dtype!r}"
+        )
+    if steps.regex is not None:
+        try:
+            re.compile(steps.regex)
+        except re.error as error:
+            raise ConfigError(f"verl_prm.steps.regex {steps.regex!r} is not a valid regex: {error}") from None
+    if steps.max_tokens is not None and steps.max_tokens < 1:
+        raise ConfigError(f"verl_prm.steps.max_tokens must be >= 1 or null, got {steps.max_tokens}")
+    if steps.max_steps is not None and steps.max_steps < 1:
+        raise ConfigError(f"verl_prm.steps.max_steps must be >= 1 or null, got {steps.max_steps}")
+    if steps.regex is not None and steps.max_tokens is not None:
+        raise ConfigError("verl_prm.steps: set either regex (text steps) or max_tokens (fixed-size steps), not both")
+    if steps.regex is not None and steps.delimiter not in (None, DEFAULT_DELIMITER):
+        raise ConfigError(
+            f"verl_prm.steps.regex replaces the delimiter: set verl_prm.steps.delimiter=null (got {steps.delimiter!r})"
+        )
+    if steps.max_tokens is not None and steps.delimiter not in (None, DEFAULT_DELIMITER):
+        raise ConfigError(
+            "verl_prm.steps.max_tokens replaces the delimiter: set verl_prm.steps.delimiter=null "
+            f"(got {steps.delimiter!r})"
+        )
+    if steps.max_tokens is None and steps.regex is None and not steps.delimiter:
+        raise ConfigError(
+            "verl_prm.steps needs a step rule: a non-empty delimiter, a regex, or max_tokens (fixed-size steps)"
+        )
+    if placement.pool not in PLACEMENT_POOLS:
+        raise ConfigError(f"verl_prm.placement.pool must be one of {PLACEMENT_POOLS}, got {placement.pool!r}")
+    if placement.pool == "own" and (placement.n_gpus_per_node < 1 or placement.nnodes < 1):
+        raise ConfigError(
+            "verl_prm.placement.pool=own needs n_gpus_per_node >= 1 and nnodes >= 1, got "
+            f"{placement.n_gpus_per_node} x {placement.nnodes}"
+        )
+
+
+def _select(config: Any, dotted: str, default: Any = None) -> Any:
+    node = config
+    for part in dotted.split("."):
+        if node is None:
+            return default
+        getter = getattr(node, "get", None)
+        node = getter(part, None) if getter is not None else getattr(node, part, None)
+    return default if node is None else node
+
+
+def _check_critic_path(path: Optional[str]) -> None:
+    if path is None or str(path).strip() == "":
+        raise ConfigError(
+            "verl_prm.critic.path is required when the verl-prm trainer hook runs: set "
+            "verl_prm.critic.path=/path/to/prover_critic (a Hugging Face checkpoint; `verl-prm train` writes one)"
+        )
+    path = str(path)
+    looks_local = os.path.isabs(path) or path.startswith((".", "~"))
+    if looks_local and not os.path.exists(os.path.expanduser(path)):
+        raise ConfigError(f"verl_prm.critic.path={path!r} does not exist: point it at the critic checkpoint directory")
+
+
+def validate_run_config(config: Any) -> tuple[HookConfig, PavConfig]:
+    """Check the verl-prm parts of a composed verl run config; return the typed hook and estimator configs.
+
+    Checks, in order (each a ``ConfigError`` naming the key):
+    unknown or mistyped keys under ``verl_prm`` and ``algorithm.pav``; ``alpha < 0``; ``best_of_k < 1``;
+    a step estimator (pav_*, prm_aggregate) without ``trainer.v1.trainer_mode=pav_sync`` (the hook);
+    the hook without ``verl_prm.critic.path`` (or with a local path that does not exist); out-of-range
+    step, critic and placement settings.
+    """
+    hook = read_hook_config(_select(config, "verl_prm"))
+    algorithm = _select(config, "algorithm")
+    try:
+        pav = read_pav_config(algorithm)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(str(error)) from None
+    estimator = _select(config, "algorithm.adv_estimator")
+    trainer_mode = _select(config, "trainer.v1.trainer_mode")
+    hook_selected = trainer_mode == HOOK_TRAINER_NAME
+    if estimator in STEP_ESTIMATORS and not hook_selected:
+        raise ConfigError(
+            f"algorithm.adv_estimator={estimator} needs the step tensors that only the verl-prm trainer hook "
+            f"computes, but trainer.v1.trainer_mode={trainer_mode}: set trainer.v1.trainer_mode={HOOK_TRAINER_NAME} "
+            "(or add +verl_prm=pav with hydra.searchpath=[pkg://verl_prm.config], which sets it)"
+        )
+    if hook_selected and (estimator in STEP_ESTIMATORS or hook.score_outcome_estimators):
+        _check_critic_path(hook.critic.path)
+    return hook, pav

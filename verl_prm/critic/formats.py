@@ -1,0 +1,363 @@
+"""Critic checkpoint formats: one adapter class per format, each behind the same small interface.
+
+An adapter knows (1) how to load the checkpoint into a *backbone* (a transformers base model whose output is the
+last hidden state) plus a *head* applied only at the read positions, (2) which marker token, if any, it inserts
+after the prompt and after every step, and (3) how to turn the head's logits into a value in [0, 1].
+
+Formats (``ProverCritic.from_pretrained(path, format=NAME)``):
+
+- ``value_head`` (native; what our PAV training writes): ``AutoModelForTokenClassification`` with
+  ``num_labels=1``; ``v = sigmoid(logit)`` at each step's last token; v_0 at the prompt's last token.
+- ``qwen_prm`` (Qwen2.5-Math-PRM style): a separator token (default ``<extra_0>``) after each step and, for v_0,
+  after the prompt (the public format has no prompt value; we read the same head at a separator appended to
+  the prompt). Two-class head, ``v = softmax(logits)[positive_label]``. Loads either an
+  ``AutoModelForTokenClassification`` with ``num_labels=2`` or, for the public checkpoint (custom
+  architecture), ``AutoModel`` plus the ``score`` head (Linear, or Linear-ReLU-Linear) read from safetensors.
+- ``math_shepherd`` (Math-Shepherd style): a tag token (default ``ки``) after the prompt and after each step;
+  ``AutoModelForCausalLM``; ``v = softmax([z_+, z_-])[0]`` where ``z_+``, ``z_-`` are the LM-head logits of the
+  "+" and "-" tokens at the tag.
+- ``value_head_lm`` (Skywork-PRM style): a causal-LM backbone loaded with ``AutoModel`` plus a linear value head
+  (default key ``v_head.summary``) read from the checkpoint's safetensors; ``v = sigmoid(head(h))`` at each
+  step's last token (Skywork reads it at the step's trailing "\\n", which is the step's last token when
+  steps are split at "\\n"); v_0 at the prompt's last token.
+
+Everything loads with ``trust_remote_code=False``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import logging
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CriticFormat",
+    "ValueHeadFormat",
+    "QwenPrmFormat",
+    "MathShepherdFormat",
+    "ValueHeadLMFormat",
+    "FORMATS",
+    "resolve_token_id",
+    "read_head_from_safetensors",
+    "default_attn_implementation",
+    "resolve_dtype",
+]
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    """``None``: bf16 on CUDA, fp32 elsewhere; strings like "bfloat16"/"float32" name torch dtypes."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        value = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(value, torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'bfloat16' or 'float32'")
+        return value
+    return dtype
+
+
+def default_attn_implementation(device: torch.device) -> str:
+    """flash_attention_2 on CUDA when the flash-attn package is installed (varlen packing), else sdpa."""
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def resolve_token_id(tokenizer, token: str | int, what: str) -> int:
+    """Id of a marker/candidate token: an int is taken as is; a string must be one vocabulary entry (added
+    special tokens included), else its encoding must be exactly one token."""
+    if isinstance(token, int):
+        return token
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    if token_id is not None and token_id != tokenizer.unk_token_id:
+        return int(token_id)
+    encoded = tokenizer.encode(token, add_special_tokens=False)
+    if len(encoded) == 1:
+        return int(encoded[0])
+    raise ValueError(
+        f"{what} {token!r} is not a single token of the critic's tokenizer (it encodes to {encoded}); add it as a "
+        f"special token (tokenizer.add_special_tokens) and resize the model's embeddings, or pass its id"
+    )
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json (safetensors required)")
+
+
+def read_head_from_safetensors(path: str | Path, prefixes: tuple[str, ...]) -> tuple[str, nn.Module]:
+    """Build a head from the tensors under the first of ``prefixes`` found in the checkpoint's safetensors.
+
+    ``PREFIX.weight`` [+ ``PREFIX.bias``] gives one ``nn.Linear``; ``PREFIX.{i}.weight`` for several ``i`` gives
+    Linears in index order with ``ReLU`` between them (the layout of ``nn.Sequential(Linear, ReLU, Linear)``,
+    e.g. Qwen2.5-Math-PRM's ``score``). Returns (prefix found, fp32 module).
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    tensors: dict[str, dict[str, torch.Tensor]] = {p: {} for p in prefixes}
+    for file in _safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                for prefix in prefixes:
+                    if key.startswith(prefix + "."):
+                        tensors[prefix][key[len(prefix) + 1 :]] = f.get_tensor(key)
+    for prefix in prefixes:
+        found = tensors[prefix]
+        if not found:
+            continue
+        if "weight" in found:
+            layers = [(found["weight"], found.get("bias"))]
+        else:
+            indices = sorted({int(k.split(".")[0]) for k in found if k.split(".")[0].isdigit()})
+            layers = [(found[f"{i}.weight"], found.get(f"{i}.bias")) for i in indices if f"{i}.weight" in found]
+        if not layers:
+            raise ValueError(f"{path}: tensors under {prefix!r} ({sorted(found)}) are no Linear head")
+        modules: list[nn.Module] = []
+        for n, (weight, bias) in enumerate(layers):
+            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+            with torch.no_grad():
+                linear.weight.copy_(weight.float())
+                if bias is not None:
+                    linear.bias.copy_(bias.float())
+            if n:
+                modules.append(nn.ReLU())
+            modules.append(linear)
+        head = modules[0] if len(modules) == 1 else nn.Sequential(*modules)
+        return prefix, head.float().eval()
+    raise ValueError(
+        f"{path}: no head tensors under any of {list(prefixes)} in the safetensors; pass head_prefix=NAME "
+        "for the checkpoint's head"
+    )
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    if base is None:
+        raise ValueError(f"{type(model).__name__} has no base model attribute {model.base_model_prefix!r}")
+    return base
+
+
+def _token_classification_head(model: nn.Module) -> nn.Module:
+    for name in ("score", "classifier"):
+        head = getattr(model, name, None)
+        if isinstance(head, nn.Module):
+            return head
+    raise ValueError(f"{type(model).__name__}: no 'score' or 'classifier' head found")
+
+
+def _fp32_copy(module: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(module).float().eval()
+
+
+class CriticFormat:
+    """Base adapter. Subclasses set ``name`` and implement ``load`` and ``logits_to_values``.
+
+    Attributes:
+        backbone: module called as ``backbone(input_ids=, attention_mask=, position_ids=, use_cache=False)``
+            returning ``.last_hidden_state`` [b, L, H].
+        head: fp32 module mapping hidden states [n, H] to logits [n, C], applied only at read positions.
+        marker_id: token inserted after the prompt and after every step (None: read at the last tokens).
+        model: the loaded transformers model (kept for its config and for ``.to``).
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, model: nn.Module, backbone: nn.Module, head: nn.Module, marker_id: int | None = None):
+        self.model = model
+        self.backbone = backbone
+        self.head = head
+        self.marker_id = marker_id
+
+    @classmethod
+    def load(cls, path: str, tokenizer, *, dtype: torch.dtype, attn_implementation: str, **options: Any) -> "CriticFormat":
+        raise NotImplementedError
+
+    def logits_to_values(self, logits: torch.Tensor) -> torch.Tensor:
+        """Values [n] in [0, 1] from head logits [n, C] (fp32)."""
+        raise NotImplementedError
+
+    def to(self, device: torch.device) -> "CriticFormat":
+        self.model.to(device)
+        self.backbone.to(device)
+        self.head.to(device)
+        return self
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(model={type(self.model).__name__}, marker_id={self.marker_id})"
+
+
+@contextlib.contextmanager
+def _quiet_unexpected_keys():
+    """AutoModel on a checkpoint with a head (lm_head, v_head, score) reports those keys as unexpected; that is
+    the intended use here, so the report is silenced while loading."""
+    from transformers.utils import logging as hf_logging
+
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(previous)
+
+
+def _common_kwargs(dtype: torch.dtype, attn_implementation: str) -> dict[str, Any]:
+    return {"dtype": dtype, "attn_implementation": attn_implementation, "trust_remote_code": False}
+
+
+class ValueHeadFormat(CriticFormat):
+    """Native format: ``AutoModelForTokenClassification``, ``num_labels=1``, ``v = sigmoid(logit)``."""
+
+    name = "value_head"
+
+    @classmethod
+    def load(cls, path, tokenizer, *, dtype, attn_implementation, **options):
+        from transformers import AutoModelForTokenClassification
+
+        _no_options(cls.name, options)
+        model = AutoModelForTokenClassification.from_pretrained(path, **_common_kwargs(dtype, attn_implementation))
+        if model.config.num_labels != 1:
+            raise ValueError(
+                f"{path}: format 'value_head' needs num_labels=1, the checkpoint has {model.config.num_labels}; "
+                "a two-class head is format 'qwen_prm'"
+            )
+        model.eval()
+        return cls(model, _base_model(model), _fp32_copy(_token_classification_head(model)))
+
+    def logits_to_values(self, logits):
+        return torch.sigmoid(logits[:, 0])
+
+
+class QwenPrmFormat(CriticFormat):
+    """Separator after each step and after the prompt; two-class head; ``v = softmax(logits)[positive_label]``."""
+
+    name = "qwen_prm"
+
+    def __init__(self, *args, positive_label: int = 1, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.positive_label = positive_label
+
+    @classmethod
+    def load(cls, path, tokenizer, *, dtype, attn_implementation, separator: str | int = "<extra_0>",
+             positive_label: int = 1, head_prefix: str | None = None, **options):
+        from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification
+
+        _no_options(cls.name, options)
+        marker_id = resolve_token_id(tokenizer, separator, "qwen_prm separator")
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        architectures = getattr(config, "architectures", None) or []
+        if head_prefix is None and any(a.endswith("ForTokenClassification") for a in architectures):
+            model = AutoModelForTokenClassification.from_pretrained(path, **_common_kwargs(dtype, attn_implementation))
+            head = _fp32_copy(_token_classification_head(model))
+            backbone = _base_model(model)
+        else:
+            # Public Qwen2.5-Math-PRM: custom architecture (Qwen2ForProcessRewardModel), head `score` =
+            # Linear-ReLU-Linear; the backbone loads as the plain base model, the head from safetensors.
+            with _quiet_unexpected_keys():
+                model = AutoModel.from_pretrained(path, **_common_kwargs(dtype, attn_implementation))
+            _, head = read_head_from_safetensors(path, (head_prefix,) if head_prefix else ("score",))
+            backbone = model
+        out_features = _out_features(head)
+        if out_features != 2:
+            raise ValueError(f"{path}: format 'qwen_prm' needs a two-class head, this head has {out_features} outputs")
+        model.eval()
+        return cls(model, backbone, head, marker_id=marker_id, positive_label=positive_label)
+
+    def logits_to_values(self, logits):
+        return torch.softmax(logits, dim=-1)[:, self.positive_label]
+
+
+class MathShepherdFormat(CriticFormat):
+    """Tag after each step and after the prompt; ``v = softmax([z_+, z_-])[0]`` from the LM head at the tag."""
+
+    name = "math_shepherd"
+
+    def __init__(self, *args, softcap: float | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.softcap = softcap
+
+    @classmethod
+    def load(cls, path, tokenizer, *, dtype, attn_implementation, tag: str | int = "ки",
+             positive_token: str | int = "+", negative_token: str | int = "-", **options):
+        from transformers import AutoModelForCausalLM
+
+        _no_options(cls.name, options)
+        marker_id = resolve_token_id(tokenizer, tag, "math_shepherd tag")
+        candidates = [
+            resolve_token_id(tokenizer, positive_token, "math_shepherd positive token"),
+            resolve_token_id(tokenizer, negative_token, "math_shepherd negative token"),
+        ]
+        model = AutoModelForCausalLM.from_pretrained(path, **_common_kwargs(dtype, attn_implementation))
+        model.eval()
+        lm_head = model.get_output_embeddings()
+        # Only the two candidate rows of the LM head are needed: a [2, H] fp32 Linear instead of full-vocab logits.
+        head = nn.Linear(lm_head.weight.shape[1], 2, bias=getattr(lm_head, "bias", None) is not None)
+        with torch.no_grad():
+            head.weight.copy_(lm_head.weight[candidates].float())
+            if head.bias is not None:
+                head.bias.copy_(lm_head.bias[candidates].float())
+        softcap = getattr(model.config, "final_logit_softcapping", None)
+        return cls(model, _base_model(model), head.eval(), marker_id=marker_id, softcap=softcap)
+
+    def logits_to_values(self, logits):
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return torch.softmax(logits, dim=-1)[:, 0]
+
+
+class ValueHeadLMFormat(CriticFormat):
+    """``AutoModel`` backbone + linear value head from safetensors; ``v = sigmoid(head(h))``."""
+
+    name = "value_head_lm"
+    HEAD_PREFIXES: ClassVar[tuple[str, ...]] = ("v_head.summary", "v_head", "value_head", "score")
+
+    @classmethod
+    def load(cls, path, tokenizer, *, dtype, attn_implementation, head_prefix: str | None = None, **options):
+        from transformers import AutoModel
+
+        _no_options(cls.name, options)
+        with _quiet_unexpected_keys():
+            model = AutoModel.from_pretrained(path, **_common_kwargs(dtype, attn_implementation))
+        model.eval()
+        prefix, head = read_head_from_safetensors(path, (head_prefix,) if head_prefix else cls.HEAD_PREFIXES)
+        if _out_features(head) != 1:
+            raise ValueError(f"{path}: value head {prefix!r} has {_out_features(head)} outputs, expected 1")
+        return cls(model, model, head)
+
+    def logits_to_values(self, logits):
+        return torch.sigmoid(logits[:, 0])
+
+
+def _out_features(head: nn.Module) -> int:
+    linears = [m for m in head.modules() if isinstance(m, nn.Linear)]
+    return linears[-1].out_features
+
+
+def _no_options(name: str, options: dict[str, Any]) -> None:
+    if options:
+        raise TypeError(f"format {name!r} takes no options {sorted(options)}")
+
+
+FORMATS: dict[str, type[CriticFormat]] = {
+    cls.name: cls for cls in (ValueHeadFormat, QwenPrmFormat, MathShepherdFormat, ValueHeadLMFormat)
+}

@@ -1,0 +1,224 @@
+"""Pure helpers of packed critic scoring: marker insertion, context-length checks, micro-batch planning, and the
+packed / padded input tensors. No model here: the scorer (``scorer.py``) glues these to a forward pass.
+
+Conventions: a critic input is one list of token ids per sample; ``read_positions[i]`` lists, for sample ``i``,
+the positions whose outputs are the values ``[v_0, v_1, ..., v_H]`` (prompt first, then one per step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+
+__all__ = [
+    "CriticInput",
+    "MicroBatch",
+    "insert_markers",
+    "check_step_positions",
+    "fit_context",
+    "plan_micro_batches",
+    "packed_tensors",
+    "padded_tensors",
+    "padding_share",
+]
+
+Truncation = Literal["error", "left_prompt"]
+
+
+@dataclass(frozen=True)
+class CriticInput:
+    """One sample as the critic reads it.
+
+    Attributes:
+        input_ids: the critic's token ids, markers included, length L.
+        read_positions: H + 1 increasing positions in [0, L): the prompt's read position, then one per step.
+        prompt_tokens_dropped: tokens removed from the left of the prompt by ``truncation="left_prompt"``.
+    """
+
+    input_ids: list[int]
+    read_positions: list[int]
+    prompt_tokens_dropped: int = 0
+
+
+def check_step_positions(sample: int, length: int, prompt_end: int, step_ends: Sequence[int]) -> None:
+    """Validate ``prompt_end`` and ``step_ends`` of one sequence of ``length`` tokens.
+
+    Required: ``0 <= prompt_end < step_ends[0] < step_ends[1] < ... < length`` (a step holds at least one token,
+    and the prompt holds at least one token so that v_0 has a position to be read at).
+    """
+    if not 0 <= prompt_end < length:
+        raise ValueError(
+            f"sample {sample}: prompt_end={prompt_end} is outside the sequence of {length} tokens; the prompt "
+            "must hold at least one token (v_0 is read at its last token)"
+        )
+    previous = prompt_end
+    for h, end in enumerate(step_ends):
+        if not previous < end < length:
+            raise ValueError(
+                f"sample {sample}: step_ends[{h}]={end} must lie in ({previous}, {length}): step ends are "
+                "positions of each step's last token, strictly increasing, after the prompt"
+            )
+        previous = end
+
+
+def insert_markers(
+    input_ids: Sequence[int], prompt_end: int, step_ends: Sequence[int], marker_id: int | None
+) -> tuple[list[int], list[int]]:
+    """Insert ``marker_id`` after the prompt's last token and after each step's last token.
+
+    Without a marker (``marker_id is None``) the ids are returned unchanged and the read positions are
+    ``[prompt_end, *step_ends]``. With a marker, the k-th marker (0-based; k = 0 for the prompt) lands at
+    ``original_position + 1 + k`` and the values are read at the markers. Tokens after the last step's end (if
+    any) are kept after the last marker.
+
+    Returns:
+        (ids, read_positions): ids of length ``len(input_ids) + (1 + H)`` with a marker, and H + 1 positions.
+    """
+    ids = list(input_ids)
+    ends = [prompt_end, *step_ends]
+    if marker_id is None:
+        return ids, ends
+    out: list[int] = []
+    read_positions: list[int] = []
+    start = 0
+    for end in ends:
+        out.extend(ids[start : end + 1])
+        read_positions.append(len(out))
+        out.append(marker_id)
+        start = end + 1
+    out.extend(ids[start:])
+    return out, read_positions
+
+
+def fit_context(
+    sample: int,
+    ids: list[int],
+    read_positions: list[int],
+    prompt_last: int,
+    max_length: int | None,
+    truncation: Truncation,
+) -> CriticInput:
+    """Make one critic input fit ``max_length`` tokens, or raise an error that names the sample.
+
+    ``truncation="left_prompt"`` drops ``d = len(ids) - max_length`` tokens from the left of the prompt; it may
+    drop every prompt token except the prompt's last one (v_0 is read there, or at the marker right after it),
+    so it requires ``d <= prompt_last``, the position of the prompt's last token (markers are inserted after it, so
+    it is the ``prompt_end`` of the unmarked sequence). All read
+    positions shift left by ``d``. When the response (with its markers) alone does not fit, it is an error in
+    both modes: the critic would not see the whole response.
+    """
+    length = len(ids)
+    if max_length is None or length <= max_length:
+        return CriticInput(ids, read_positions, 0)
+    excess = length - max_length
+    if truncation == "left_prompt" and excess <= prompt_last:
+        return CriticInput(ids[excess:], [p - excess for p in read_positions], excess)
+    response_part = length - prompt_last
+    hint = (
+        "the response alone (with its markers) needs "
+        f"{response_part} tokens; raise max_length or score a shorter response"
+        if truncation == "left_prompt"
+        else "raise max_length, shorten the prompt, or pass truncation='left_prompt' to drop prompt tokens from "
+        "the left"
+    )
+    raise ValueError(
+        f"sample {sample}: the critic input has {length} tokens, more than the critic's context of {max_length} "
+        f"tokens; {hint}"
+    )
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Indices (into the list of inputs) scored together, and the padded shape when run padded."""
+
+    indices: list[int]
+    max_length: int
+    total_tokens: int
+
+
+def plan_micro_batches(
+    lengths: Sequence[int], max_tokens_per_batch: int, mode: Literal["varlen", "padded"]
+) -> list[MicroBatch]:
+    """Group sequences into micro-batches by a token budget, longest first.
+
+    Sequences are sorted by length (descending; ties by index, so the plan is deterministic) and taken greedily.
+    The cost of a micro-batch is ``sum(lengths)`` for ``varlen`` (one packed row, no padding) and
+    ``count * max(lengths)`` for ``padded`` (right padding to the longest; sorting keeps that near the sum).
+    A batch is closed when adding the next sequence would exceed ``max_tokens_per_batch``; a sequence longer
+    than the budget runs alone.
+    """
+    if max_tokens_per_batch < 1:
+        raise ValueError(f"max_tokens_per_batch must be >= 1, got {max_tokens_per_batch}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[MicroBatch] = []
+    current: list[int] = []
+    current_max = 0
+    current_sum = 0
+    for i in order:
+        n = lengths[i]
+        new_max = max(current_max, n)
+        cost = current_sum + n if mode == "varlen" else new_max * (len(current) + 1)
+        if current and cost > max_tokens_per_batch:
+            batches.append(MicroBatch(current, current_max, current_sum))
+            current, current_max, current_sum = [], 0, 0
+            new_max = n
+        current.append(i)
+        current_max = new_max
+        current_sum += n
+    if current:
+        batches.append(MicroBatch(current, current_max, current_sum))
+    return batches
+
+
+def packed_tensors(
+    sequences: Sequence[Sequence[int]], read_positions: Sequence[Sequence[int]], device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One packed row for varlen attention.
+
+    Returns:
+        input_ids [1, N] with N = sum of lengths, position_ids [1, N] restarting at 0 for every sequence (this is
+        how transformers detects packed sequences: flash-attention varlen, or a block-diagonal mask otherwise),
+        and flat_read [R] = offset of each sequence + its read positions, concatenated in the given order.
+    """
+    lengths = [len(s) for s in sequences]
+    offsets = [0]
+    for n in lengths[:-1]:
+        offsets.append(offsets[-1] + n)
+    ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
+    positions = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths])
+    flat_read = torch.tensor([o + p for o, rp in zip(offsets, read_positions) for p in rp], dtype=torch.long)
+    return ids[None].to(device), positions[None].to(device), flat_read.to(device)
+
+
+def padded_tensors(
+    sequences: Sequence[Sequence[int]],
+    read_positions: Sequence[Sequence[int]],
+    pad_id: int,
+    device: torch.device | str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded batch (causal models: right padding leaves the real tokens' outputs unchanged).
+
+    Returns:
+        input_ids [b, L], attention_mask [b, L], position_ids [b, L] (0..L-1), and flat_read [R] indices into the
+        flattened [b * L] outputs, in the given order.
+    """
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, s in enumerate(sequences):
+        ids[row, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[row, : len(s)] = 1
+    positions = torch.arange(width, dtype=torch.long).expand(len(sequences), width)
+    flat_read = torch.tensor([row * width + p for row, rp in enumerate(read_positions) for p in rp], dtype=torch.long)
+    return ids.to(device), mask.to(device), positions.to(device), flat_read.to(device)
+
+
+def padding_share(batches: Sequence[MicroBatch], mode: Literal["varlen", "padded"]) -> float:
+    """Share of computed token slots that are padding: ``1 - real / computed``; 0 for ``varlen``."""
+    real = sum(b.total_tokens for b in batches)
+    if mode == "varlen" or real == 0:
+        return 0.0
+    computed = sum(b.max_length * len(b.indices) for b in batches)
+    return 1.0 - real / computed

@@ -1,0 +1,401 @@
+"""The prover critic: v_0 (prompt) and v_1..v_H (after each step) for every response, in one forward pass per
+sequence.
+
+Scoring path: step ends (from text spans, critic-side token positions, or policy tokens + ``StepSplit``) ->
+the format's adapter inserts its markers (``packing.insert_markers``) -> context check / left truncation ->
+micro-batches by a token budget, longest first -> one forward pass per micro-batch under
+``torch.inference_mode()`` (one packed row with restarting ``position_ids`` = varlen attention, or right-padded
+rows with minimal padding) -> the head applied only at the read positions -> values back in input order.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
+
+import torch
+
+from verl_prm.advantages import best_of_k as best_of_k_transform
+from verl_prm.critic.formats import FORMATS, CriticFormat, default_attn_implementation, resolve_dtype
+from verl_prm.critic.packing import (
+    CriticInput,
+    MicroBatch,
+    Truncation,
+    check_step_positions,
+    fit_context,
+    insert_markers,
+    packed_tensors,
+    padded_tensors,
+    plan_micro_batches,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CriticScores", "ProverCritic", "VARLEN_ATTENTION"]
+
+# Attention implementations of transformers that run a packed row (restarting position_ids) as varlen attention.
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn", "kernels-community/flash-attn3")
+
+Packing = Literal["auto", "varlen", "padded"]
+
+
+@dataclass
+class CriticScores:
+    """Critic values of a batch of B responses (fp32, CPU).
+
+    Attributes:
+        prompt_values: [B] v_0 per response.
+        step_values: [B, S] v_1..v_H per response; entries at h >= num_steps[b] are 0 and must be ignored.
+        num_steps: [B] int64, H per response (0 allowed).
+    """
+
+    prompt_values: torch.Tensor
+    step_values: torch.Tensor
+    num_steps: torch.Tensor
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        return {"prompt_values": self.prompt_values, "step_values": self.step_values, "num_steps": self.num_steps}
+
+
+class ProverCritic:
+    """A prover critic (PAV) that scores all steps of a response in one forward pass.
+
+    Build it with :meth:`from_pretrained`. Entry points:
+
+    - :meth:`score_texts` (prompts and responses as text; steps split by ``verl_prm.steps``),
+    - :meth:`score_sequences` (critic token ids with the positions of the prompt's and each step's last token),
+    - :meth:`score_policy_batch` (verl's ``prompts``/``responses``/``attention_mask`` + a ``StepSplit``; uses
+      ``align_to_critic`` when the critic's tokenizer differs from the policy's).
+
+    Values are raw unless ``best_of_k > 1``, in which case ``v -> 1 - (1 - v)^K`` is applied to every value.
+    (The PAV estimators apply Best-of-K themselves from ``algorithm.pav.best_of_k``: do not apply it twice.)
+    """
+
+    def __init__(
+        self,
+        adapter: CriticFormat,
+        tokenizer,
+        *,
+        device: torch.device,
+        best_of_k: int = 1,
+        max_tokens_per_batch: int = 16384,
+        max_length: int | None = None,
+        truncation: Truncation = "error",
+        packing: Packing = "auto",
+        progress: bool = False,
+    ):
+        if truncation not in ("error", "left_prompt"):
+            raise ValueError(f"truncation must be 'error' or 'left_prompt', got {truncation!r}")
+        if packing not in ("auto", "varlen", "padded"):
+            raise ValueError(f"packing must be 'auto', 'varlen' or 'padded', got {packing!r}")
+        best_of_k_transform(torch.zeros(1), best_of_k)  # validates k
+        self.adapter = adapter
+        self.tokenizer = tokenizer
+        self.device = device
+        self.best_of_k = best_of_k
+        self.max_tokens_per_batch = int(max_tokens_per_batch)
+        config_length = getattr(adapter.config, "max_position_embeddings", None)
+        self.max_length = max_length if max_length is not None else config_length
+        self.truncation = truncation
+        attn = getattr(adapter.config, "_attn_implementation", None) or "eager"
+        if packing == "auto":
+            packing = "varlen" if attn in VARLEN_ATTENTION else "padded"
+        self.packing: Literal["varlen", "padded"] = packing
+        self.progress = progress
+        pad = tokenizer.pad_token_id if tokenizer is not None else None
+        if pad is None and tokenizer is not None:
+            pad = tokenizer.eos_token_id
+        self.pad_id = int(pad) if pad is not None else 0
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str,
+        format: str = "value_head",
+        best_of_k: int = 1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | str | None = None,
+        max_tokens_per_batch: int = 16384,
+        max_length: int | None = None,
+        truncation: Truncation = "error",
+        packing: Packing = "auto",
+        attn_implementation: str | None = None,
+        tokenizer: Any = None,
+        progress: bool = False,
+        **format_options: Any,
+    ) -> "ProverCritic":
+        """Load a critic checkpoint (Hugging Face format, safetensors, ``trust_remote_code=False``).
+
+        Args:
+            path: checkpoint directory (model + tokenizer).
+            format: one of ``value_head`` (default), ``qwen_prm``, ``math_shepherd``, ``value_head_lm``
+                (see ``verl_prm.critic.formats``).
+            best_of_k: K >= 1; K > 1 returns Best-of-K values ``1 - (1 - v)^K``.
+            device: default CUDA when available, else CPU.
+            dtype: default bf16 on CUDA, fp32 elsewhere. The head always runs in fp32.
+            max_tokens_per_batch: token budget of one micro-batch (packed tokens, or rows x padded length).
+            max_length: the critic's context; default ``config.max_position_embeddings``.
+            truncation: ``"error"`` (default): a too-long input is an error naming the sample;
+                ``"left_prompt"``: drop tokens from the left of the prompt (never the prompt's last token, never
+                response tokens).
+            packing: ``"auto"`` (varlen when the attention implementation supports it, i.e. flash attention on
+                GPU; padded otherwise), ``"varlen"`` (one packed row per micro-batch; correct with any attention
+                implementation, but sdpa/eager then build a block-diagonal mask over the whole row), ``"padded"``.
+            attn_implementation: default flash_attention_2 on CUDA when flash-attn is installed, else sdpa.
+            tokenizer: default ``AutoTokenizer.from_pretrained(path)``.
+            progress: tqdm bar over micro-batches.
+            format_options: per format, e.g. ``separator=`` (qwen_prm), ``tag=``, ``positive_token=``,
+                ``negative_token=`` (math_shepherd), ``head_prefix=`` (value_head_lm, qwen_prm).
+        """
+        if format not in FORMATS:
+            raise ValueError(f"unknown critic format {format!r}; choose one of {sorted(FORMATS)}")
+        device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        torch_dtype = resolve_dtype(dtype, device)
+        attn = attn_implementation or default_attn_implementation(device)
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        adapter = FORMATS[format].load(path, tokenizer, dtype=torch_dtype, attn_implementation=attn, **format_options)
+        adapter.to(device)
+        return cls(
+            adapter,
+            tokenizer,
+            device=device,
+            best_of_k=best_of_k,
+            max_tokens_per_batch=max_tokens_per_batch,
+            max_length=max_length,
+            truncation=truncation,
+            packing=packing,
+            progress=progress,
+        )
+
+    # ------------------------------------------------------------------ entry points
+    def score_texts(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        delimiter: str = "\n\n",
+        regex: str | None = None,
+        max_steps: int | None = None,
+    ) -> CriticScores:
+        """Score responses given as text.
+
+        Steps are split with ``verl_prm.steps.step_char_spans`` (``delimiter`` or ``regex``); prompt and response
+        are tokenised separately by the critic's tokenizer and concatenated (``encode_with_step_ends``); v_h is
+        read at the token that holds step h's last character (or at the marker after it).
+
+        Returns:
+            CriticScores with prompt_values [B], step_values [B, max H], num_steps [B].
+        """
+        from verl_prm.steps import encode_with_step_ends, step_char_spans
+
+        if len(prompts) != len(responses):
+            raise ValueError(f"score_texts: {len(prompts)} prompts but {len(responses)} responses")
+        input_ids, prompt_ends, step_ends = [], [], []
+        for prompt, response in zip(prompts, responses):
+            spans = step_char_spans(response, delimiter, regex=regex, max_steps=max_steps)
+            encoded = encode_with_step_ends(self.tokenizer, prompt, response, spans)
+            input_ids.append(list(encoded.input_ids))
+            prompt_ends.append(int(encoded.prompt_end))
+            step_ends.append([int(e) for e in encoded.step_ends])
+        return self.score_sequences(input_ids, prompt_ends, step_ends)
+
+    def score_sequences(
+        self,
+        input_ids: Sequence[Sequence[int]],
+        prompt_ends: Sequence[int],
+        step_ends: Sequence[Sequence[int]],
+        *,
+        num_step_slots: int | None = None,
+        sample_offset: int = 0,
+    ) -> CriticScores:
+        """Score critic-tokenised sequences (the tensor-level entry point).
+
+        Args:
+            input_ids: B lists of critic token ids (prompt followed by response, no padding, no markers).
+            prompt_ends: [B] position of each prompt's last token.
+            step_ends: B lists of the positions of each step's last token (strictly increasing, after the
+                prompt); the adapter inserts its markers after these positions itself.
+            num_step_slots: width S of ``step_values`` (default: the largest H); must be >= every H.
+            sample_offset: added to sample indices in error messages (a data-parallel shard's first sample).
+
+        Returns:
+            CriticScores; results are in input order.
+        """
+        if not len(input_ids) == len(prompt_ends) == len(step_ends):
+            raise ValueError(
+                f"score_sequences: {len(input_ids)} sequences, {len(prompt_ends)} prompt_ends, {len(step_ends)} step_ends"
+            )
+        inputs = self.build_inputs(input_ids, prompt_ends, step_ends, sample_offset=sample_offset)
+        values = self.forward_values(inputs, sample_offset=sample_offset)
+        return self._assemble(values, num_step_slots)
+
+    def score_policy_batch(
+        self,
+        prompts: torch.Tensor,
+        responses: torch.Tensor,
+        attention_mask: torch.Tensor,
+        step_split,
+        policy_tokenizer=None,
+        *,
+        sample_offset: int = 0,
+    ) -> CriticScores:
+        """Score a verl rollout batch.
+
+        Args:
+            prompts: [B, P] policy token ids, left-padded (verl layout).
+            responses: [B, T] policy token ids, right-padded.
+            attention_mask: [B, P + T] 1 for real tokens.
+            step_split: ``verl_prm.steps.StepSplit`` of the responses (``step_ends`` index response tokens).
+            policy_tokenizer: the policy's tokenizer; required when it differs from the critic's (then the text
+                is re-tokenised with ``align_to_critic``); ``None`` means the critic reads the policy's ids.
+
+        Returns:
+            CriticScores with ``step_values`` [B, S] where S = ``step_split.step_ends.shape[1]``.
+        """
+        from verl_prm.steps import align_to_critic
+
+        num_slots = int(step_split.step_ends.shape[1])
+        if policy_tokenizer is None or policy_tokenizer is self.tokenizer:
+            input_ids, prompt_ends, step_ends = _policy_sequences(prompts, responses, attention_mask, step_split)
+        else:
+            aligned = align_to_critic(
+                prompts=prompts,
+                responses=responses,
+                attention_mask=attention_mask,
+                step_split=step_split,
+                policy_tokenizer=policy_tokenizer,
+                critic_tokenizer=self.tokenizer,
+            )
+            input_ids, prompt_ends, step_ends = _aligned_sequences(aligned)
+        return self.score_sequences(
+            input_ids, prompt_ends, step_ends, num_step_slots=num_slots, sample_offset=sample_offset
+        )
+
+    # ------------------------------------------------------------------ internals (public for the benchmark)
+    def build_inputs(
+        self,
+        input_ids: Sequence[Sequence[int]],
+        prompt_ends: Sequence[int],
+        step_ends: Sequence[Sequence[int]],
+        *,
+        sample_offset: int = 0,
+    ) -> list[CriticInput]:
+        """Validate positions, insert the format's markers, and fit the critic's context (see ``packing``)."""
+        inputs = []
+        for i, (ids, prompt_end, ends) in enumerate(zip(input_ids, prompt_ends, step_ends)):
+            sample = sample_offset + i
+            ids = [int(t) for t in ids]
+            ends = [int(e) for e in ends]
+            check_step_positions(sample, len(ids), int(prompt_end), ends)
+            marked, read_positions = insert_markers(ids, int(prompt_end), ends, self.adapter.marker_id)
+            inputs.append(fit_context(sample, marked, read_positions, int(prompt_end), self.max_length, self.truncation))
+        return inputs
+
+    def plan(self, inputs: Sequence[CriticInput], mode: Literal["varlen", "padded"] | None = None) -> list[MicroBatch]:
+        return plan_micro_batches([len(x.input_ids) for x in inputs], self.max_tokens_per_batch, mode or self.packing)
+
+    @torch.inference_mode()
+    def forward_values(
+        self,
+        inputs: Sequence[CriticInput],
+        batches: Sequence[MicroBatch] | None = None,
+        mode: Literal["varlen", "padded"] | None = None,
+        *,
+        sample_offset: int = 0,
+    ) -> list[torch.Tensor]:
+        """Values [H_i + 1] per input (fp32, CPU), in input order: one forward pass per micro-batch.
+
+        ``batches`` defaults to :meth:`plan` (length-sorted, token budget); the benchmark passes naive plans.
+        """
+        mode = mode or self.packing
+        batches = self.plan(inputs, mode) if batches is None else batches
+        results: list[torch.Tensor | None] = [None] * len(inputs)
+        iterator = batches
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            iterator = tqdm(batches, desc="critic", unit="batch")
+        for batch in iterator:
+            seqs = [inputs[i].input_ids for i in batch.indices]
+            reads = [inputs[i].read_positions for i in batch.indices]
+            if mode == "varlen":
+                ids, positions, flat_read = packed_tensors(seqs, reads, self.device)
+                hidden = self.adapter.backbone(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+            else:
+                ids, mask, positions, flat_read = padded_tensors(seqs, reads, self.pad_id, self.device)
+                hidden = self.adapter.backbone(
+                    input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
+                ).last_hidden_state
+            gathered = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_read).float()
+            logits = self.adapter.head(gathered)
+            values = self.adapter.logits_to_values(logits)
+            finite = torch.isfinite(gathered).all(-1) & torch.isfinite(logits).all(-1) & torch.isfinite(values)
+            values = values.cpu()
+            finite = finite.cpu()
+            start = 0
+            for i, rp in zip(batch.indices, reads):
+                chunk_finite = finite[start : start + len(rp)]
+                if not bool(chunk_finite.all()):
+                    bad = int((~chunk_finite).nonzero()[0])
+                    where = "the prompt" if bad == 0 else f"step {bad - 1}"
+                    raise FloatingPointError(
+                        f"sample {sample_offset + i}: the critic produced NaN/inf at {where} (token position "
+                        f"{rp[bad]} of {len(inputs[i].input_ids)}); check the checkpoint and the dtype (fp16 "
+                        "overflows; use bf16 or fp32)"
+                    )
+                results[i] = values[start : start + len(rp)]
+                start += len(rp)
+        return results  # type: ignore[return-value]
+
+    def _assemble(self, values: Sequence[torch.Tensor], num_step_slots: int | None) -> CriticScores:
+        num_steps = torch.tensor([len(v) - 1 for v in values], dtype=torch.long)
+        width = int(num_steps.max()) if len(values) else 0
+        if num_step_slots is not None:
+            if num_step_slots < width:
+                raise ValueError(f"num_step_slots={num_step_slots} is smaller than the largest step count {width}")
+            width = num_step_slots
+        prompt_values = torch.stack([v[0] for v in values]) if values else torch.zeros(0)
+        step_values = torch.zeros(len(values), width, dtype=torch.float32)
+        for row, v in enumerate(values):
+            step_values[row, : len(v) - 1] = v[1:]
+        if self.best_of_k > 1:
+            prompt_values = best_of_k_transform(prompt_values, self.best_of_k)
+            step_values = best_of_k_transform(step_values, self.best_of_k)
+            step_values = step_values * (torch.arange(width)[None, :] < num_steps[:, None])
+        return CriticScores(prompt_values.float(), step_values, num_steps)
+
+
+def _policy_sequences(
+    prompts: torch.Tensor, responses: torch.Tensor, attention_mask: torch.Tensor, step_split
+) -> tuple[list[list[int]], list[int], list[list[int]]]:
+    """Critic inputs from policy ids when the critic reads the policy's tokens: valid prompt tokens (left
+    padding removed) + valid response tokens; step ends shift by the prompt's length."""
+    prompt_len = prompts.shape[1]
+    prompt_mask = attention_mask[:, :prompt_len].bool().cpu()
+    response_mask = attention_mask[:, prompt_len:].bool().cpu()
+    prompts, responses = prompts.cpu(), responses.cpu()
+    step_ends_all = step_split.step_ends.cpu()
+    num_steps = step_split.num_steps.cpu()
+    input_ids, prompt_ends, step_ends = [], [], []
+    for b in range(prompts.shape[0]):
+        prompt_ids = prompts[b][prompt_mask[b]].tolist()
+        response_ids = responses[b][response_mask[b]].tolist()
+        n = len(prompt_ids)
+        input_ids.append(prompt_ids + response_ids)
+        prompt_ends.append(n - 1)
+        step_ends.append([n + int(e) for e in step_ends_all[b, : int(num_steps[b])].tolist()])
+    return input_ids, prompt_ends, step_ends
+
+
+def _aligned_sequences(aligned) -> tuple[list[list[int]], list[int], list[list[int]]]:
+    """Normalise ``align_to_critic``'s per-sample output (EncodedSteps-like objects) to three lists."""
+    input_ids, prompt_ends, step_ends = [], [], []
+    for item in aligned:
+        input_ids.append([int(t) for t in item.input_ids])
+        prompt_ends.append(int(item.prompt_end))
+        step_ends.append([int(e) for e in item.step_ends])
+    return input_ids, prompt_ends, step_ends

@@ -1,0 +1,113 @@
+"""The prover critic as a verl single-controller worker: each worker holds a critic replica and scores its shard
+of a ``DataProto`` (data parallel, ``Dispatch.DP_COMPUTE_PROTO``).
+
+Driver side (a trainer, or a test on CPU)::
+
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl_prm.critic.worker import ProverCriticWorker, compute_step_values
+
+    pool = RayResourcePool(process_on_nodes=[n_gpus], use_gpu=True, max_colocate_count=1)
+    cls = RayClassWithInitArgs(cls=ray.remote(ProverCriticWorker), model_path=..., critic_kwargs={...},
+                               policy_tokenizer_path=None)
+    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls)   # device_name="cpu" on CPU pools
+    group.init_model()
+    scores = compute_step_values(group, batch)   # pads to a multiple of the world size, unpads the result
+
+Each worker is a Ray actor that verl starts with ``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``/``MASTER_PORT`` in its
+environment (``RayWorkerGroup._create_worker``); ``Worker.__init__`` reads them. On a GPU pool each actor gets one
+GPU through ``CUDA_VISIBLE_DEVICES`` (``num_gpus = 1 / max_colocate_count``), so the critic runs on ``cuda``
+(device 0 of what the actor sees); on a CPU pool (``use_gpu=False``) there is no GPU resource and the critic runs
+on CPU. The critic needs no process group: replicas are independent (pure data parallelism), so no
+``torch.distributed`` initialisation happens here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from verl import DataProto
+from verl.protocol import pad_dataproto_to_divisor, unpad_dataproto
+from verl.single_controller.base import Worker
+from verl.single_controller.base.decorator import Dispatch, register
+
+__all__ = ["ProverCriticWorker", "compute_step_values", "INPUT_KEYS", "OUTPUT_KEYS"]
+
+# Input batch keys (verl layout + the step split of the responses):
+#   prompts [B, P] left-padded, responses [B, T], attention_mask [B, P + T],
+#   step_ends [B, S] (response-relative position of each step's last token, -1 padded), num_steps [B],
+#   optional step_ids [B, T] and merged_steps [B] (StepSplit fields; needed by align_to_critic).
+INPUT_KEYS = ("prompts", "responses", "attention_mask", "step_ends", "num_steps")
+OUTPUT_KEYS = ("prompt_values", "step_values", "num_steps")
+
+
+class ProverCriticWorker(Worker):
+    """A verl worker holding one ``ProverCritic`` replica.
+
+    Args:
+        model_path: critic checkpoint.
+        critic_kwargs: keyword arguments of ``ProverCritic.from_pretrained`` (format, best_of_k, dtype, ...);
+            ``device`` defaults to the worker's accelerator (``cuda`` when a GPU is visible, else ``cpu``).
+        policy_tokenizer_path: the policy's tokenizer when it differs from the critic's (then responses are
+            re-tokenised for the critic with ``align_to_critic``); None when the critic reads the policy's ids.
+    """
+
+    def __init__(self, model_path: str, critic_kwargs: dict[str, Any] | None = None,
+                 policy_tokenizer_path: str | None = None):
+        super().__init__()
+        self.model_path = model_path
+        self.critic_kwargs = dict(critic_kwargs or {})
+        self.policy_tokenizer_path = policy_tokenizer_path
+        self.critic = None
+        self.policy_tokenizer = None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> dict[str, Any]:
+        """Load the critic replica on this worker's device; returns a short description (rank, device)."""
+        from verl_prm.critic.scorer import ProverCritic
+
+        kwargs = dict(self.critic_kwargs)
+        kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+        self.critic = ProverCritic.from_pretrained(self.model_path, **kwargs)
+        if self.policy_tokenizer_path is not None:
+            from transformers import AutoTokenizer
+
+            self.policy_tokenizer = AutoTokenizer.from_pretrained(self.policy_tokenizer_path, trust_remote_code=False)
+        return {"rank": self.rank, "world_size": self.world_size, "device": str(self.critic.device),
+                "packing": self.critic.packing}
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_step_values(self, data: DataProto) -> DataProto:
+        """Score this worker's shard.
+
+        Input ``data.batch``: ``INPUT_KEYS`` (see module). Output ``batch``: ``prompt_values`` [b] fp32,
+        ``step_values`` [b, S] fp32 (S = the input's ``step_ends.shape[1]``, so shards concatenate),
+        ``num_steps`` [b] int64.
+        """
+        if self.critic is None:
+            raise RuntimeError("ProverCriticWorker: call init_model() on the worker group before compute_step_values")
+        from verl_prm.steps import StepSplit
+
+        missing = [k for k in INPUT_KEYS if k not in data.batch.keys()]
+        if missing:
+            raise KeyError(f"compute_step_values: the batch lacks {missing}; it needs {list(INPUT_KEYS)}")
+        batch = data.batch
+        responses = batch["responses"]
+        step_ends = batch["step_ends"]
+        step_ids = batch["step_ids"] if "step_ids" in batch.keys() else torch.full_like(responses, -1)
+        merged = batch["merged_steps"] if "merged_steps" in batch.keys() else torch.zeros_like(batch["num_steps"])
+        split = StepSplit(step_ids=step_ids, num_steps=batch["num_steps"], step_ends=step_ends, merged_steps=merged)
+        # DP_COMPUTE_PROTO hands out equal chunks in rank order, so this shard starts at rank * len(data).
+        scores = self.critic.score_policy_batch(
+            batch["prompts"], responses, batch["attention_mask"], split, self.policy_tokenizer,
+            sample_offset=self.rank * len(data),
+        )
+        return DataProto.from_dict(tensors=scores.as_dict())
+
+
+def compute_step_values(worker_group, data: DataProto) -> DataProto:
+    """Score ``data`` on a ``ProverCriticWorker`` group: pad to a multiple of the world size (repeating the first
+    samples, ``pad_dataproto_to_divisor``), dispatch, and drop the padded rows again."""
+    padded, pad_size = pad_dataproto_to_divisor(data, worker_group.world_size)
+    output = worker_group.compute_step_values(padded)
+    return unpad_dataproto(output, pad_size)

@@ -1,0 +1,25 @@
+"""Monte-Carlo step labels from a prover (DESIGN.md sections 1 and 7), resumable; converters of public data.
+
+Modules: ``format`` (the label columns), ``generators`` (transformers / vLLM / Ray back ends),
+``monte_carlo`` (every-prefix and first-pit labelling), ``store`` (crash-safe parquet shards), ``runner``
+(the resumable loop), ``inputs`` (verl parquet / jsonl prompts), ``scoring`` (verl scorers or a user function),
+``converters`` (Math-Shepherd, PRM800K), ``scripted`` (a task with exact values for tests), ``cli``.
+"""
+
+from verl_prm.labeling.format import LABEL_COLUMNS, LABEL_SCHEMA, best_of_k_from_counts, read_labels
+from verl_prm.labeling.generators import Completion, Generator, HFGenerator, RayGeneratorPool, VLLMGenerator
+from verl_prm.labeling.monte_carlo import LabelSettings, MonteCarloLabeler
+
+__all__ = [
+    "LABEL_COLUMNS",
+    "LABEL_SCHEMA",
+    "best_of_k_from_counts",
+    "read_labels",
+    "Completion",
+    "Generator",
+    "HFGenerator",
+    "RayGeneratorPool",
+    "VLLMGenerator",
+    "LabelSettings",
+    "MonteCarloLabeler",
+]

@@ -1,0 +1,198 @@
+"""Entry point of the "verl.plugins" group: ``import verl`` imports this module in every process.
+
+It registers every name the plugin adds to verl: the estimators at once, and the trainer hook ``pav_sync``
+(``verl_prm.trainer``) and the reward manager ``pav`` (``verl_prm.reward``) as soon as verl imports the registry
+they go into (``verl.trainer.ppo.v1`` and ``verl.experimental.reward_loop.reward_manager``): importing those
+verl modules costs seconds, and most processes of a run (rollout servers, actor workers) never need them. A
+meta-path finder wraps the loader of exactly those two packages and registers right after the package has
+executed, before the importer gets it back; a package that is already imported is registered at once.
+
+verl only logs a plugin's import failure at DEBUG level, so a failure here is logged at ERROR level and every
+name of the plugin is registered as a stub that raises the original error when used: a run that asks for
+``pav_grpo``, trainer ``pav_sync`` or reward manager ``pav`` then says why it is missing instead of "Unknown ...".
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import logging
+import sys
+import traceback
+from typing import Callable
+
+from verl_prm import SUPPORTED_VERL_VERSION
+
+logger = logging.getLogger("verl_prm")
+
+PLUGIN_ESTIMATOR_NAMES = ("pav_grpo", "pav_rloo", "pav_reinforce", "prm_aggregate")
+PLUGIN_TRAINER_NAME = "pav_sync"
+PLUGIN_REWARD_MANAGER_NAME = "pav"
+# verl package -> the registration that must run once it is imported
+TRAINER_REGISTRY_MODULE = "verl.trainer.ppo.v1"
+REWARD_REGISTRY_MODULE = "verl.experimental.reward_loop.reward_manager"
+
+load_error: BaseException | None = None
+
+
+class PluginLoadError(RuntimeError):
+    """verl-prm could not register itself in verl."""
+
+
+def check_verl_version(version: str) -> None:
+    if version != SUPPORTED_VERL_VERSION:
+        raise PluginLoadError(
+            f"verl-prm supports verl {SUPPORTED_VERL_VERSION} (it uses verl internals), but verl {version} is "
+            f"installed: pip install 'verl[verl-core]=={SUPPORTED_VERL_VERSION}'"
+        )
+
+
+def _register_trainer() -> None:
+    from verl_prm.trainer import register_trainer_hook
+
+    register_trainer_hook()
+
+
+def _register_reward_manager() -> None:
+    from verl_prm.reward import register_reward_manager
+
+    register_reward_manager()
+
+
+class _CallbackLoader(importlib.abc.Loader):
+    """Wraps a module's loader: runs ``callback`` after the module has executed."""
+
+    def __init__(self, loader, callback: Callable[[], None]):
+        self._loader = loader
+        self._callback = callback
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        self._callback()
+
+    def __getattr__(self, name):  # is_package, get_resource_reader, get_code, ...: the wrapped loader's
+        return getattr(self._loader, name)
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """Meta-path finder that attaches a registration to the import of named modules (each fires once)."""
+
+    def __init__(self) -> None:
+        self.callbacks: dict[str, Callable[[], None]] = {}
+
+    def find_spec(self, fullname, path, target=None):
+        callback = self.callbacks.pop(fullname, None)
+        if callback is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _CallbackLoader(spec.loader, callback)
+                return spec
+        return None
+
+
+_after_import = _RegisterAfterImport()
+
+
+def _guarded(name: str, register: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        global load_error
+        try:
+            register()
+        except Exception as error:  # keep verl importable; make the failure loud and the name explain it
+            load_error = error
+            logger.error("verl-prm failed to register %s with verl: %s\n%s", name, error, traceback.format_exc())
+            _register_failure(error)
+
+    return run
+
+
+def register_when_imported(module_name: str, register: Callable[[], None]) -> None:
+    """Run ``register`` now if ``module_name`` is imported, else right after its import."""
+    if module_name in sys.modules and not getattr(getattr(sys.modules[module_name], "__spec__", None),
+                                                   "_initializing", False):
+        register()
+        return
+    _after_import.callbacks[module_name] = register
+    if _after_import not in sys.meta_path:
+        sys.meta_path.insert(0, _after_import)
+
+
+def register_all() -> None:
+    """Register everything the plugin adds to verl. Idempotent."""
+    import verl
+
+    check_verl_version(verl.__version__)
+    from verl_prm.estimators import register_estimators
+
+    register_estimators()
+    register_when_imported(TRAINER_REGISTRY_MODULE, _guarded("trainer " + PLUGIN_TRAINER_NAME, _register_trainer))
+    register_when_imported(
+        REWARD_REGISTRY_MODULE, _guarded("reward manager " + PLUGIN_REWARD_MANAGER_NAME, _register_reward_manager)
+    )
+
+
+def _register_failure(error: BaseException) -> None:
+    try:
+        from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
+    except Exception:  # verl itself is broken: nothing to register into
+        return
+
+    def failed_estimator(*args, **kwargs):
+        raise PluginLoadError(f"verl-prm failed to load, so its estimators are unavailable: {error}") from error
+
+    for name in PLUGIN_ESTIMATOR_NAMES:
+        ADV_ESTIMATOR_REGISTRY.setdefault(name, failed_estimator)
+
+    message = f"verl-prm failed to load, so its trainer {PLUGIN_TRAINER_NAME!r} and reward manager " \
+        f"{PLUGIN_REWARD_MANAGER_NAME!r} are unavailable: {error}"
+
+    def register_trainer_stub() -> None:
+        from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+        from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+        class FailedPavTrainer(PPOTrainerSync):
+            def __init__(self, *args, **kwargs):
+                raise PluginLoadError(message) from error
+
+        TRAINER_REGISTRY.setdefault(PLUGIN_TRAINER_NAME, FailedPavTrainer)
+
+    def register_reward_stub() -> None:
+        from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
+        from verl.experimental.reward_loop.reward_manager.registry import REWARD_MANAGER
+
+        class FailedPavRewardManager(RewardManagerBase):
+            def __init__(self, *args, **kwargs):
+                raise PluginLoadError(message) from error
+
+            async def run_single(self, data):
+                raise PluginLoadError(message) from error
+
+        REWARD_MANAGER.setdefault(PLUGIN_REWARD_MANAGER_NAME, FailedPavRewardManager)
+
+    for module_name, stub in ((TRAINER_REGISTRY_MODULE, register_trainer_stub),
+                              (REWARD_REGISTRY_MODULE, register_reward_stub)):
+        try:
+            register_when_imported(module_name, stub)
+        except Exception:  # verl's registries themselves are broken: nothing to register into
+            logger.exception("verl-prm could not register a failure stub in %s", module_name)
+
+
+def load() -> None:
+    global load_error
+    try:
+        register_all()
+        load_error = None
+    except Exception as error:  # verl swallows plugin errors: make ours loud
+        load_error = error
+        logger.error("verl-prm failed to register with verl: %s\n%s", error, traceback.format_exc())
+        _register_failure(error)
+
+
+load()

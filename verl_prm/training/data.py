@@ -1,0 +1,179 @@
+"""Label rows -> training examples: one token sequence per rollout with the positions and labels of its steps.
+
+Each rollout is encoded once (``verl_prm.steps.encode_with_step_ends``: prompt and response tokenised
+separately and concatenated, the critic reads step h at the token holding its last character), so one forward
+pass trains all of its steps, exactly as the critic scores them. The prompt's last token carries the prompt
+value label when the rows have one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+import torch
+
+from verl_prm.labeling.format import best_of_k_from_counts
+
+__all__ = [
+    "EncodedRollout",
+    "encode_labels",
+    "split_by_prompt",
+    "class_balanced_weights",
+    "sample_batch_indices",
+    "collate",
+]
+
+
+@dataclass
+class EncodedRollout:
+    """input_ids [T]; positions [S] (token index of each labelled step, ascending); targets [S] in [0, 1]."""
+
+    input_ids: list[int]
+    positions: list[int]
+    targets: list[float]
+    prompt: str = ""
+
+
+@dataclass
+class EncodingStats:
+    rollouts: int = 0
+    steps: int = 0
+    unlabelled_steps: int = 0
+    rollouts_without_labels: int = 0
+    truncated_rollouts: int = 0
+    steps_beyond_max_length: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def _prompt_fraction(prompt: str, seed: int) -> float:
+    digest = hashlib.blake2b(f"{seed}\x1f{prompt}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0**64
+
+
+def split_by_prompt(frame: pd.DataFrame, eval_fraction: float, seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Held-out split by prompt text (never by rollout: rollouts of one prompt share prefixes and labels).
+
+    A prompt goes to the evaluation side iff hash(seed, prompt) / 2^64 < eval_fraction: deterministic,
+    independent of row order, stable when more labels arrive.
+    """
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    held_out = frame["prompt"].map(lambda prompt: _prompt_fraction(prompt, seed) < eval_fraction)
+    return frame[~held_out].reset_index(drop=True), frame[held_out].reset_index(drop=True)
+
+
+def encode_labels(
+    frame: pd.DataFrame,
+    tokenizer,
+    *,
+    max_length: int | None = None,
+    best_of_k: int = 1,
+    use_prompt_value: bool = True,
+) -> tuple[list[EncodedRollout], EncodingStats]:
+    """Encode label rows; steps with q = NaN are skipped (not labelled).
+
+    ``best_of_k > 1`` turns the labels into the Best-of-K prover's values (from the stored counts, see
+    :func:`verl_prm.labeling.format.best_of_k_from_counts`). A sequence longer than ``max_length`` keeps its
+    first ``max_length`` tokens and loses the labels of the steps that end beyond them (counted in the stats
+    and reported; no label is moved to another position). Rows left without any label are counted and skipped.
+    """
+    from verl_prm.steps import encode_with_step_ends
+
+    stats = EncodingStats()
+    examples: list[EncodedRollout] = []
+    for row in frame.itertuples(index=False):
+        stats.rollouts += 1
+        spans = [(int(a), int(b)) for a, b in zip(row.step_starts, row.step_ends)]
+        q = np.asarray(row.q, dtype=np.float64)
+        if best_of_k > 1:
+            q = best_of_k_from_counts(np.asarray(row.n_success), np.asarray(row.n_mc), q, best_of_k)
+        encoded = encode_with_step_ends(tokenizer, row.prompt, row.response, spans)
+        positions, targets = [], []
+        prompt_value = float(row.prompt_value)
+        if use_prompt_value and not math.isnan(prompt_value):
+            if best_of_k > 1:
+                prompt_value = float(best_of_k_from_counts(np.asarray(row.prompt_n_success), np.asarray(row.prompt_n_mc),
+                                                           np.asarray(prompt_value), best_of_k))
+            positions.append(int(encoded.prompt_end))
+            targets.append(prompt_value)
+        for end, value in zip(encoded.step_ends, q):
+            stats.steps += 1
+            if math.isnan(value):
+                stats.unlabelled_steps += 1
+                continue
+            positions.append(int(end))
+            targets.append(float(value))
+        input_ids = [int(t) for t in encoded.input_ids]
+        if max_length is not None and len(input_ids) > max_length:
+            stats.truncated_rollouts += 1
+            kept = [(p, t) for p, t in zip(positions, targets) if p < max_length]
+            stats.steps_beyond_max_length += len(positions) - len(kept)
+            positions, targets = [p for p, _ in kept], [t for _, t in kept]
+            input_ids = input_ids[:max_length]
+        if not positions:
+            stats.rollouts_without_labels += 1
+            continue
+        examples.append(EncodedRollout(input_ids, positions, targets, row.prompt))
+    if stats.truncated_rollouts:
+        stats.notes.append(
+            f"{stats.truncated_rollouts} rollouts exceed max_length={max_length}: their first {max_length} tokens "
+            f"are kept and {stats.steps_beyond_max_length} step labels beyond them are not trained on"
+        )
+    return examples, stats
+
+
+def class_balanced_weights(examples: list[EncodedRollout], threshold: float = 0.5) -> np.ndarray:
+    """Sampling weights of rollouts that balance steps with q < threshold against steps with q >= threshold.
+
+    Each labelled step gets the weight of its class, w_c = 1 / (2 N_c) (N_c = labelled steps of class c in
+    the data); a rollout's weight is the mean weight of its steps. A rollout whose steps are all of one class
+    (the common case: successes are mostly >= 0.5, steps after a pit all 0) is then drawn with a probability
+    that makes the two classes contribute about equally many steps; mixed rollouts sit in between. If one
+    class is absent every rollout weighs the same.
+
+    Returns:
+        [num_examples] float64 weights (sum 1).
+    """
+    targets = [np.asarray(e.targets) >= threshold for e in examples]
+    positives = sum(int(t.sum()) for t in targets)
+    negatives = sum(int((~t).sum()) for t in targets)
+    if positives == 0 or negatives == 0:
+        weights = np.ones(len(examples))
+    else:
+        weights = np.array([np.mean(np.where(t, 0.5 / positives, 0.5 / negatives)) for t in targets])
+    return weights / weights.sum()
+
+
+def sample_batch_indices(weights: np.ndarray, batch_size: int, step: int, seed: int) -> np.ndarray:
+    """The rollouts of optimizer step ``step``: ``batch_size`` draws with replacement, probability ~ weights.
+
+    A pure function of (weights, batch_size, step, seed): a resumed run draws exactly the batches the
+    uninterrupted run would have drawn, so no example is lost or repeated by a restart.
+    """
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63 - 1))
+    probabilities = torch.as_tensor(weights, dtype=torch.float64)
+    return torch.multinomial(probabilities, batch_size, replacement=True, generator=generator).numpy()
+
+
+def collate(examples: list[EncodedRollout], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch: input_ids/attention_mask [B, T]; positions/targets/step_mask [B, S]."""
+    length = max(len(e.input_ids) for e in examples)
+    steps = max(len(e.positions) for e in examples)
+    batch = len(examples)
+    input_ids = torch.full((batch, length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, length), dtype=torch.long)
+    positions = torch.zeros((batch, steps), dtype=torch.long)
+    targets = torch.zeros((batch, steps), dtype=torch.float32)
+    step_mask = torch.zeros((batch, steps), dtype=torch.bool)
+    for b, e in enumerate(examples):
+        input_ids[b, : len(e.input_ids)] = torch.tensor(e.input_ids)
+        attention_mask[b, : len(e.input_ids)] = 1
+        positions[b, : len(e.positions)] = torch.tensor(e.positions)
+        targets[b, : len(e.targets)] = torch.tensor(e.targets)
+        step_mask[b, : len(e.positions)] = True
+    return dict(input_ids=input_ids, attention_mask=attention_mask, positions=positions, targets=targets,
+                step_mask=step_mask)

@@ -1,0 +1,311 @@
+"""Training a PAV (process advantage verifier) on soft step labels, with accelerate.
+
+One code path for CPU, one GPU and several GPUs (``accelerate launch`` -> DDP): the model and optimizer go
+through ``accelerate.Accelerator``; every process draws the same global batch (a pure function of the step,
+see :func:`~verl_prm.training.data.sample_batch_indices`) and trains on its slice of it.
+
+Output directory::
+
+    checkpoint-0000200/   model.safetensors + config.json + tokenizer files (loads with
+                          ProverCritic.from_pretrained(path, format="value_head")) + training_state.pt
+                          (optimizer, scheduler, step, config)
+    metrics.jsonl         one line per logged training step and per evaluation
+    eval_metrics.json     the final held-out evaluation
+
+A checkpoint is written to a temporary directory and renamed when complete. A rerun with the same arguments
+resumes from the newest checkpoint: the weights, Adam moments and schedule are restored and the batches of the
+remaining steps are the ones the uninterrupted run draws, so no example is lost or trained on twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from verl_prm.training.data import (
+    EncodedRollout,
+    class_balanced_weights,
+    collate,
+    encode_labels,
+    sample_batch_indices,
+    split_by_prompt,
+)
+from verl_prm.training.losses import gather_step_logits, soft_label_bce, warmup_cosine_factor
+from verl_prm.training.metrics import value_metrics
+
+__all__ = ["TrainConfig", "train", "evaluate_examples", "latest_checkpoint", "build_model"]
+
+_CHECKPOINT = re.compile(r"checkpoint-(\d+)")
+# Settings that define the data, the batches and the schedule: a resumed run must keep them.
+_RESUME_KEYS = ("labels", "eval_labels", "eval_fraction", "batch_size", "grad_accum", "max_steps", "lr", "min_lr_ratio",
+                "warmup_steps", "weight_decay", "balance", "best_of_k", "use_prompt_value", "max_length", "seed")
+
+
+@dataclass
+class TrainConfig:
+    labels: list[str]
+    output_dir: str
+    init: str | None = None
+    init_config: str | None = None
+    tokenizer: str | None = None
+    eval_labels: list[str] | None = None
+    eval_fraction: float = 0.1
+    max_length: int | None = 4096
+    batch_size: int = 8
+    grad_accum: int = 1
+    max_steps: int = 1000
+    lr: float = 1e-5
+    min_lr_ratio: float = 0.0
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    balance: bool = True
+    best_of_k: int = 1
+    use_prompt_value: bool = True
+    eval_every: int = 0
+    eval_batch_size: int = 16
+    save_every: int = 0
+    keep_checkpoints: int = 2
+    resume: bool = True
+    seed: int = 0
+    mixed_precision: str = "no"
+    gradient_checkpointing: bool = False
+    cpu: bool = False
+    log_every: int = 10
+    progress: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if (self.init is None) == (self.init_config is None):
+            raise ValueError("give exactly one of init (a checkpoint) and init_config (a config for a new model)")
+        if self.init_config is not None and self.tokenizer is None:
+            raise ValueError("a model built from init_config needs a tokenizer path (--tokenizer)")
+        if self.max_steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
+            raise ValueError("max_steps, batch_size and grad_accum must be >= 1")
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step in ``output_dir`` (None if there is none)."""
+    found = []
+    for path in Path(output_dir).glob("checkpoint-*"):
+        match = _CHECKPOINT.fullmatch(path.name)
+        if match and (path / "training_state.pt").is_file():
+            found.append((int(match.group(1)), path))
+    return max(found)[1] if found else None
+
+
+def build_model(config: TrainConfig, tokenizer, checkpoint: Path | None = None):
+    """A token-classification model with one logit per token.
+
+    ``checkpoint`` (resume) or ``config.init``: ``AutoModelForTokenClassification.from_pretrained`` (a causal
+    LM checkpoint initialises the backbone, the one-logit head is new). ``config.init_config``: a config.json
+    (file or directory) for a new model with random weights (seeded by ``config.seed``).
+    """
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    torch.manual_seed(config.seed)
+    if checkpoint is not None or config.init is not None:
+        path = str(checkpoint or config.init)
+        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, trust_remote_code=False)
+    else:
+        source = Path(config.init_config)
+        if source.is_dir():
+            model_config = AutoConfig.from_pretrained(source, trust_remote_code=False)
+        else:
+            values = json.loads(source.read_text())
+            model_config = AutoConfig.for_model(values.pop("model_type"), **values)
+        model_config.num_labels = 1
+        if getattr(model_config, "vocab_size", None) is not None and model_config.vocab_size < len(tokenizer):
+            raise ValueError(f"init_config vocab_size={model_config.vocab_size} < tokenizer size {len(tokenizer)}")
+        model = AutoModelForTokenClassification.from_config(model_config)
+    if model.config.num_labels != 1:
+        raise ValueError(f"the critic needs one logit per token; the model has num_labels={model.config.num_labels}")
+    if model.config.pad_token_id is None and tokenizer.pad_token_id is not None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+@torch.inference_mode()
+def evaluate_examples(model, examples: list[EncodedRollout], *, batch_size: int, pad_token_id: int,
+                      device) -> tuple[np.ndarray, np.ndarray]:
+    """Predicted values sigmoid(logit) and targets at every labelled position: two [num labelled steps] arrays."""
+    was_training = model.training
+    model.eval()
+    predictions, targets = [], []
+    for begin in range(0, len(examples), batch_size):
+        batch = {k: v.to(device) for k, v in collate(examples[begin : begin + batch_size], pad_token_id).items()}
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        values = torch.sigmoid(gather_step_logits(logits.float(), batch["positions"]))
+        predictions.append(values[batch["step_mask"]].cpu().numpy())
+        targets.append(batch["targets"][batch["step_mask"]].cpu().numpy())
+    model.train(was_training)
+    if not predictions:
+        return np.zeros(0), np.zeros(0)
+    return np.concatenate(predictions).astype(np.float64), np.concatenate(targets).astype(np.float64)
+
+
+def _trim_log(path: Path, step: int) -> None:
+    """Drop log lines of steps after ``step`` (written after the checkpoint a resumed run starts from)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def train(config: TrainConfig, *, on_step: Callable[[int, dict], None] | None = None) -> dict:
+    """Train (or resume) a PAV; returns a summary with the final held-out metrics and checkpoint path.
+
+    ``on_step(step, record)`` is called after every optimizer step (tests use it to simulate a crash).
+    """
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
+
+    from verl_prm.labeling.format import read_labels
+
+    accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=config.cpu)
+    output_dir = Path(config.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = latest_checkpoint(output_dir) if config.resume else None
+    state = None
+    if checkpoint is not None:
+        state = torch.load(checkpoint / "training_state.pt", map_location="cpu", weights_only=False)
+        stored = state["config"]
+        differing = [k for k in _RESUME_KEYS if stored.get(k) != asdict(config).get(k)]
+        if differing:
+            details = ", ".join(f"{k}: {stored.get(k)!r} -> {asdict(config).get(k)!r}" for k in differing)
+            raise ValueError(f"cannot resume from {checkpoint}: settings differ ({details}); use the same settings "
+                             "or a new --output-dir")
+    tokenizer_path = str(checkpoint) if checkpoint is not None else (config.tokenizer or config.init)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=False)
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_token_id is None:
+        raise ValueError(f"tokenizer {tokenizer_path} has neither a pad nor an EOS token to pad batches with")
+
+    frame = read_labels(config.labels)
+    if config.eval_labels:
+        train_frame, eval_frame = frame, read_labels(config.eval_labels)
+    else:
+        train_frame, eval_frame = split_by_prompt(frame, config.eval_fraction, config.seed)
+    encode = dict(max_length=config.max_length, best_of_k=config.best_of_k, use_prompt_value=config.use_prompt_value)
+    train_examples, train_stats = encode_labels(train_frame, tokenizer, **encode)
+    eval_examples, eval_stats = encode_labels(eval_frame, tokenizer, **encode) if len(eval_frame) else ([], None)
+    if not train_examples:
+        raise ValueError(f"no labelled steps to train on in {config.labels}")
+    for note in train_stats.notes:
+        accelerator.print(f"verl-prm train: {note}")
+    weights = class_balanced_weights(train_examples) if config.balance else np.full(len(train_examples), 1.0 / len(train_examples))
+
+    model = build_model(config, tokenizer, checkpoint)
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda t: warmup_cosine_factor(t, config.warmup_steps, config.max_steps, config.min_lr_ratio)
+    )
+    # The scheduler is not prepared: accelerate would step it once per process; ours counts optimizer steps.
+    model, optimizer = accelerator.prepare(model, optimizer)
+    start_step = 0
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start_step = int(state["step"])
+        torch.set_rng_state(state["torch_rng"])
+    log_path = output_dir / "metrics.jsonl"
+    if accelerator.is_main_process:
+        _trim_log(log_path, start_step)
+        accelerator.print(
+            f"verl-prm train: {len(train_examples)} train rollouts ({sum(len(e.targets) for e in train_examples)} "
+            f"labels), {len(eval_examples)} held-out rollouts; steps {start_step} -> {config.max_steps}"
+            + (f", resumed from {checkpoint}" if checkpoint is not None else "")
+        )
+
+    def log(record: dict) -> None:
+        if accelerator.is_main_process:
+            with open(log_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def run_eval(step: int) -> dict:
+        metrics: dict = {}
+        if accelerator.is_main_process and eval_examples:
+            predictions, targets = evaluate_examples(accelerator.unwrap_model(model), eval_examples,
+                                                     batch_size=config.eval_batch_size, pad_token_id=pad_token_id,
+                                                     device=accelerator.device)
+            metrics = {f"eval/{k}": v for k, v in value_metrics(predictions, targets).items()}
+            log({"step": step, **metrics})
+        accelerator.wait_for_everyone()
+        return metrics
+
+    def save(step: int) -> Path:
+        final = output_dir / f"checkpoint-{step:07d}"
+        if accelerator.is_main_process:
+            temp = output_dir / f".checkpoint-{step:07d}.tmp"
+            shutil.rmtree(temp, ignore_errors=True)
+            accelerator.unwrap_model(model).save_pretrained(temp, safe_serialization=True)
+            tokenizer.save_pretrained(temp)
+            torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+                        "config": asdict(config), "torch_rng": torch.get_rng_state()}, temp / "training_state.pt")
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(temp, final)
+            checkpoints = sorted(p for p in output_dir.glob("checkpoint-*") if _CHECKPOINT.fullmatch(p.name))
+            for old in checkpoints[: max(0, len(checkpoints) - config.keep_checkpoints)]:
+                shutil.rmtree(old)
+        accelerator.wait_for_everyone()
+        return final
+
+    world, rank = accelerator.num_processes, accelerator.process_index
+    per_step = config.batch_size * world * config.grad_accum
+    metrics: dict = {}
+    last_checkpoint = checkpoint
+    bar = tqdm(total=config.max_steps, initial=start_step, desc="training PAV", unit="step",
+               disable=not (config.progress and accelerator.is_main_process))
+    for step in range(start_step, config.max_steps):
+        indices = sample_batch_indices(weights, per_step, step, config.seed)
+        losses = []
+        for micro in range(config.grad_accum):
+            begin = (micro * world + rank) * config.batch_size
+            batch = collate([train_examples[i] for i in indices[begin : begin + config.batch_size]], pad_token_id)
+            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            sync = accelerator.no_sync(model) if micro < config.grad_accum - 1 else contextlib.nullcontext()
+            with sync:
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                loss = soft_label_bce(gather_step_logits(logits, batch["positions"]), batch["targets"], batch["step_mask"])
+                accelerator.backward(loss / config.grad_accum)
+            losses.append(loss.detach().float().item())
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.grad_clip) if config.grad_clip else None
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        completed = step + 1
+        record = {"step": completed, "loss": float(np.mean(losses)), "lr": scheduler.get_last_lr()[0]}
+        if grad_norm is not None:
+            record["grad_norm"] = float(grad_norm)
+        if completed % max(config.log_every, 1) == 0 or completed == config.max_steps:
+            log(record)
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+        if (config.eval_every and completed % config.eval_every == 0) or completed == config.max_steps:
+            metrics = run_eval(completed)
+            record.update(metrics)
+        if (config.save_every and completed % config.save_every == 0) or completed == config.max_steps:
+            last_checkpoint = save(completed)
+        if on_step is not None:
+            on_step(completed, record)
+    bar.close()
+    if start_step >= config.max_steps:
+        metrics = run_eval(config.max_steps)
+    if accelerator.is_main_process:
+        (output_dir / "eval_metrics.json").write_text(json.dumps(metrics, indent=2))
+    return {"checkpoint": str(last_checkpoint) if last_checkpoint else None, "metrics": metrics,
+            "train_rollouts": len(train_examples), "eval_rollouts": len(eval_examples), "start_step": start_step}

@@ -25,6 +25,7 @@ from transformers import (
 )
 
 from verl_prm.critic import ProverCritic
+from verl_prm.critic.packing import padding_share, plan_micro_batches
 
 TOL = 1e-4
 FORMATS = ("value_head", "qwen_prm", "qwen_prm_public", "math_shepherd", "value_head_lm")
@@ -189,6 +190,15 @@ class PrefixReference:
         return [self.value_at_last(self.prefix(ids, ends[: h + 1])) for h in range(len(ends))]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """Tiny models on 2 shared cores: one intra-op thread is faster and steadier than two contending ones."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, bpe_small) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("critics")
@@ -303,7 +313,7 @@ def test_too_long_names_the_sample_and_left_prompt_truncation(checkpoints, sampl
     # the response alone is too long: still an error, also with left_prompt
     response_only = ProverCritic.from_pretrained(str(path), format="qwen_prm", max_length=lengths[longest] - prompt_ends[longest] - 1,
                                                  truncation="left_prompt")
-    with pytest.raises(ValueError, match=rf"sample {longest}: .*the response alone"):
+    with pytest.raises(ValueError, match=rf"sample {longest}: .*alone needs"):
         response_only.score_sequences(ids, prompt_ends, step_ends)
 
 
@@ -311,7 +321,8 @@ def test_nan_from_the_model_names_the_sample(tmp_path, bpe_small, samples):
     path = build_checkpoint("value_head", bpe_small, tmp_path / "nan")
     critic = ProverCritic.from_pretrained(str(path))
     ids, prompt_ends, step_ends = _sequences(critic.tokenizer, samples, random.Random(5))
-    poison = critic.tokenizer.convert_tokens_to_ids("<|pad|>")
+    used = {t for x in ids for t in x} | {critic.pad_id}
+    poison = next(t for t in range(len(critic.tokenizer)) if t not in used)  # in no sample, and not padding
     with torch.no_grad():
         critic.adapter.backbone.embed_tokens.weight[poison] = float("nan")
     # the poisoned token appears only in sample 2's response, before its last step end
@@ -329,3 +340,111 @@ def test_bad_positions_name_the_sample(checkpoints):
         ProverCritic.from_pretrained(str(checkpoints["value_head"]), format="nope")
     with pytest.raises(ValueError, match="num_labels=1"):
         ProverCritic.from_pretrained(str(checkpoints["qwen_prm"]), format="value_head")
+
+
+# ---------------------------------------------------------------------------------------------- policy tokens
+
+
+def _policy_batch(tokenizer, samples):
+    """verl layout: prompts left-padded [B, P], responses right-padded with EOS [B, T], attention_mask [B, P+T]."""
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    prompt_rows = [tokenizer.encode(q, add_special_tokens=False) for q, _ in samples]
+    response_rows = [tokenizer.encode(a, add_special_tokens=False) + [eos] for _, a in samples]
+    width_p = max(map(len, prompt_rows))
+    width_r = max(map(len, response_rows)) + 3
+    prompts = torch.tensor([[pad] * (width_p - len(r)) + r for r in prompt_rows])
+    responses = torch.tensor([r + [pad] * (width_r - len(r)) for r in response_rows])
+    mask = torch.cat(
+        [
+            torch.tensor([[0] * (width_p - len(r)) + [1] * len(r) for r in prompt_rows]),
+            torch.tensor([[1] * len(r) + [0] * (width_r - len(r)) for r in response_rows]),
+        ],
+        dim=1,
+    )
+    return prompts, responses, mask
+
+
+@pytest.mark.parametrize("kind", ["value_head", "qwen_prm"])
+def test_policy_tokens_with_another_tokenizer_equal_scoring_the_text(kind, checkpoints, samples, bpe_large, bpe_small):
+    from verl_prm.steps import split_steps
+
+    critic = ProverCritic.from_pretrained(str(checkpoints[kind]), format=kind)
+    texts = [(q, a) for q, a in samples]
+    expected = critic.score_texts([q for q, _ in texts], [a for _, a in texts], delimiter="\n")
+    assert int(expected.num_steps.min()) >= 2
+    for policy_tokenizer in (bpe_large, bpe_small):  # another tokenizer; the critic's own (fast path for value_head)
+        prompts, responses, mask = _policy_batch(policy_tokenizer, texts)
+        split = split_steps(responses, mask[:, prompts.shape[1]:], policy_tokenizer, "\n")
+        got = critic.score_policy_batch(prompts, responses, mask, split, policy_tokenizer,
+                                        prompt_texts=[q for q, _ in texts])
+        torch.testing.assert_close(got.num_steps, expected.num_steps)
+        torch.testing.assert_close(got.prompt_values, expected.prompt_values, atol=TOL, rtol=0)
+        width = expected.step_values.shape[1]
+        torch.testing.assert_close(got.step_values[:, :width], expected.step_values, atol=TOL, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------- Ray worker
+
+
+@pytest.mark.ray
+def test_worker_group_matches_in_process_critic(ray_local, checkpoints, samples, bpe_large, tmp_path):
+    import numpy as np
+    from verl import DataProto
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+    from verl_prm.critic.worker import ProverCriticWorker, compute_step_values
+    from verl_prm.steps import split_steps
+
+    policy_dir = tmp_path / "policy_tokenizer"
+    bpe_large.save_pretrained(policy_dir)
+    texts = samples[:5]  # 5 rows on 2 workers: padded to 6 and unpadded again
+    prompts, responses, mask = _policy_batch(bpe_large, texts)
+    split = split_steps(responses, mask[:, prompts.shape[1]:], bpe_large, "\n")
+    data = DataProto.from_dict(
+        tensors={
+            "prompts": prompts, "responses": responses, "attention_mask": mask, "step_ends": split.step_ends,
+            "num_steps": split.num_steps, "step_ids": split.step_ids, "merged_steps": split.merged_steps,
+            "step_char_ends": split.step_char_ends,
+        },
+        non_tensors={"critic_prompts": np.array([q for q, _ in texts], dtype=object)},
+    )
+    path = str(checkpoints["qwen_prm"])
+    kwargs = {"format": "qwen_prm", "max_tokens_per_batch": 512}
+    pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1)
+    worker_cls = RayClassWithInitArgs(cls=ray_local.remote(ProverCriticWorker), model_path=path, critic_kwargs=kwargs,
+                                      policy_tokenizer_path=str(policy_dir))
+    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker_cls, device_name="cpu")
+    info = group.init_model()
+    assert [i["rank"] for i in info] == [0, 1] and all(i["device"] == "cpu" for i in info)
+
+    out = compute_step_values(group, data)
+    critic = ProverCritic.from_pretrained(path, **kwargs)
+    expected = critic.score_policy_batch(prompts, responses, mask, split, bpe_large, prompt_texts=[q for q, _ in texts])
+    assert len(out) == 5
+    assert out.batch["step_values"].shape == split.step_ends.shape
+    torch.testing.assert_close(out.batch["num_steps"], expected.num_steps)
+    torch.testing.assert_close(out.batch["prompt_values"], expected.prompt_values, atol=TOL, rtol=0)
+    torch.testing.assert_close(out.batch["step_values"], expected.step_values, atol=TOL, rtol=0)
+
+    # an error inside a worker names the sample of the whole batch: sample 3 is the first row of rank 1's shard
+    long_prompts = np.array([q if b != 3 else q * 40 for b, (q, _) in enumerate(texts)], dtype=object)
+    data.non_tensor_batch["critic_prompts"] = long_prompts
+    with pytest.raises(Exception, match=r"sample 3: the critic input has \d+ tokens, more than the critic's context"):
+        compute_step_values(group, data)
+
+
+def test_micro_batch_plan_respects_budget_and_padding_bound():
+    rng = random.Random(7)
+    lengths = [int(64 * 16 ** rng.random()) for _ in range(200)]
+    for mode in ("varlen", "padded"):
+        plan = plan_micro_batches(lengths, 4096, mode, max_padding_share=0.1)
+        assert sorted(i for b in plan for i in b.indices) == list(range(len(lengths)))  # each sample once
+        for b in plan:
+            assert b.total_tokens == sum(lengths[i] for i in b.indices)
+            cost = b.total_tokens if mode == "varlen" else b.max_length * len(b.indices)
+            assert cost <= 4096 or len(b.indices) == 1
+            if mode == "padded":
+                assert 1 - b.total_tokens / (b.max_length * len(b.indices)) <= 0.1 + 1e-12
+        assert padding_share(plan, mode) <= 0.1
+    alone = plan_micro_batches([5000, 10, 10], 4096, "varlen")
+    assert [b.indices for b in alone] == [[0], [1, 2]]  # longer than the budget: runs alone

@@ -14,6 +14,7 @@ name of the plugin is registered as a stub that raises the original error when u
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import logging
 import sys
@@ -46,16 +47,22 @@ def check_verl_version(version: str) -> None:
         )
 
 
-def _register_trainer() -> None:
-    from verl_prm.trainer import register_trainer_hook
+def _register_or_defer(module_name: str, function_name: str) -> None:
+    """Call ``module_name.function_name()``; if that module is itself still being imported (it imported verl,
+    which loaded this plugin, which is now registering), flag it to register at the end of its own import."""
+    module = sys.modules.get(module_name)
+    if module is not None and getattr(getattr(module, "__spec__", None), "_initializing", False):
+        module.__dict__["_REGISTER_ON_IMPORT"] = True
+        return
+    getattr(importlib.import_module(module_name), function_name)()
 
-    register_trainer_hook()
+
+def _register_trainer() -> None:
+    _register_or_defer("verl_prm.trainer", "register_trainer_hook")
 
 
 def _register_reward_manager() -> None:
-    from verl_prm.reward import register_reward_manager
-
-    register_reward_manager()
+    _register_or_defer("verl_prm.reward", "register_reward_manager")
 
 
 class _CallbackLoader(importlib.abc.Loader):
@@ -80,12 +87,17 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
     """Meta-path finder that attaches a registration to the import of named modules (each fires once)."""
 
     def __init__(self) -> None:
-        self.callbacks: dict[str, Callable[[], None]] = {}
+        self.callbacks: dict[str, list[Callable[[], None]]] = {}
 
     def find_spec(self, fullname, path, target=None):
-        callback = self.callbacks.pop(fullname, None)
-        if callback is None:
+        callbacks = self.callbacks.pop(fullname, None)
+        if not callbacks:
             return None
+
+        def callback() -> None:
+            for registration in callbacks:
+                registration()
+
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
@@ -114,12 +126,12 @@ def _guarded(name: str, register: Callable[[], None]) -> Callable[[], None]:
 
 
 def register_when_imported(module_name: str, register: Callable[[], None]) -> None:
-    """Run ``register`` now if ``module_name`` is imported, else right after its import."""
-    if module_name in sys.modules and not getattr(getattr(sys.modules[module_name], "__spec__", None),
-                                                   "_initializing", False):
+    """Run ``register`` now if ``module_name`` is imported (or has executed and is in its post-import
+    registrations), else right after its import."""
+    if module_name in sys.modules:
         register()
         return
-    _after_import.callbacks[module_name] = register
+    _after_import.callbacks.setdefault(module_name, []).append(register)
     if _after_import not in sys.meta_path:
         sys.meta_path.insert(0, _after_import)
 

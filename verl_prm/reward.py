@@ -137,3 +137,9 @@ def register_reward_manager() -> None:
 
     if REWARD_MANAGER.get(REWARD_MANAGER_NAME) is not PavRewardManager:
         register(REWARD_MANAGER_NAME)(PavRewardManager)
+
+
+# This module imported verl, whose plugin loader asked for the registration while this module was incomplete
+# (verl_prm.plugin._register_or_defer): register now that it is complete.
+if globals().pop("_REGISTER_ON_IMPORT", False):
+    register_reward_manager()

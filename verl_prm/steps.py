@@ -697,13 +697,14 @@ def _nonspace_prefix(texts: list[str]) -> torch.Tensor:
         if not text:
             continue
         codepoints = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-        nonspace = ~np.isin(codepoints, _WHITESPACE_CODEPOINTS)
+        nonspace = _NONSPACE_TABLE[np.minimum(codepoints, len(_NONSPACE_TABLE) - 1)]
         out[b, 1 : len(text) + 1] = np.cumsum(nonspace)
         out[b, len(text) + 1 :] = out[b, len(text)]
     return torch.from_numpy(out)
 
 
-_WHITESPACE_CODEPOINTS = np.array([c for c in range(0x3001) if chr(c).isspace()], dtype=np.uint32)
+# every str.isspace() code point is below U+3001; the last entry stands for all code points above
+_NONSPACE_TABLE = np.array([not chr(c).isspace() for c in range(0x3001)] + [True], dtype=bool)
 
 
 def _fixed_size_steps(
@@ -759,14 +760,16 @@ def _check_spans(spans: Sequence[tuple[int, int]], length: int, sample: Any) -> 
 def _end_tokens_from_char_ends(char_ends: list[int], span_ends: list[int]) -> list[int]:
     """Index of the first token whose character end reaches each span end (the token holding the span's
     last character)."""
-    return np.searchsorted(np.asarray(char_ends, dtype=np.int64), np.asarray(span_ends, dtype=np.int64), "left").tolist()
+    ends = np.asarray(char_ends, dtype=np.int64)
+    return np.searchsorted(ends, np.asarray(span_ends, dtype=np.int64), "left").tolist()
 
 
 def _end_tokens_from_offsets(offsets: list[tuple[int, int]], span_ends: list[int]) -> list[int]:
     """Fallback for tokenizers whose decode does not reproduce the text (normalisers): with offset mappings
     into the original text, the token holding character e-1 is the last token that starts before e (pieces of
     one split character share its offsets, and the last piece holds its last byte)."""
-    starts = np.maximum.accumulate(np.asarray([s for s, _ in offsets], dtype=np.int64)) if offsets else np.zeros(0, np.int64)
+    starts = np.asarray([s for s, _ in offsets], dtype=np.int64)
+    starts = np.maximum.accumulate(starts) if len(starts) else starts
     return (np.searchsorted(starts, np.asarray(span_ends, dtype=np.int64), "left") - 1).clip(min=0).tolist()
 
 
@@ -789,7 +792,13 @@ def _response_char_ends(
     return out
 
 
-def _encode_batch(tokenizer: Any, prompts: list[str], responses: list[str], spans: list[Sequence[tuple[int, int]]], samples: list[Any]) -> list[EncodedSteps]:
+def _encode_batch(
+    tokenizer: Any,
+    prompts: list[str],
+    responses: list[str],
+    spans: list[Sequence[tuple[int, int]]],
+    samples: list[Any],
+) -> list[EncodedSteps]:
     """Batched `encode_with_step_ends` (one tokenizer call for all prompts and one for all responses)."""
     for prompt, sample in zip(prompts, samples):
         if not isinstance(prompt, str) or prompt == "":
@@ -886,7 +895,8 @@ def _prompt_id_rows(prompt_ids: Any, prompt_mask: Any, batch: int) -> list[list[
             raise ValueError("prompt_ids as a padded tensor needs prompt_mask (verl's prompt attention mask)")
         if prompt_mask.shape != prompt_ids.shape:
             raise ValueError(
-                f"prompt_mask must have the shape of prompt_ids {tuple(prompt_ids.shape)}, got {tuple(prompt_mask.shape)}"
+                f"prompt_mask must have the shape of prompt_ids {tuple(prompt_ids.shape)}, "
+                f"got {tuple(prompt_mask.shape)}"
             )
         ids = prompt_ids.detach().cpu().tolist()
         keep = (prompt_mask.detach().cpu() != 0).tolist()
@@ -925,8 +935,8 @@ def align_to_critic(
       PRM, or pass the raw question for a PRM trained on plain text).
 
     Steps are the same text in both vocabularies: for each h the critic's tokens up to ``step_ends[h]``
-    decode to the prompt + the response text up to (at least) the end of step h, and the critic tokens that
-    hold step h's last character is ``step_ends[h]``.
+    decode to the prompt + the response text up to (at least) the end of step h, and ``step_ends[h]`` is the
+    critic token that holds step h's last character.
 
     Args:
         response_ids: int [B, T] policy response ids (the ids ``split`` was computed from).

@@ -85,7 +85,8 @@ class CriticSection:
 class StepsSection:
     """``verl_prm.steps``: how a response is split into steps (verl_prm.steps.split_steps)."""
 
-    # A step ends at this text delimiter ("\n\n" by default; "\n" for one line per step).
+    # A step ends at this text delimiter ("\n\n" by default; "\n" for one line per step). The escapes \n, \r,
+    # \t and \\ are decoded, because a shell and Hydra pass `verl_prm.steps.delimiter='\n'` as backslash-n.
     delimiter: Optional[str] = "\n\n"
     # A regex whose matches end a step; replaces `delimiter` when set.
     regex: Optional[str] = None
@@ -149,8 +150,18 @@ def read_hook_config(section: Any) -> HookConfig:
                 f"Known keys of verl_prm{'.' + parent if parent else ''}: {known.get(parent, known[''])}"
             ) from None
         config = OmegaConf.to_object(merged)
+    if config.steps.delimiter is not None:
+        config.steps.delimiter = decode_escapes(config.steps.delimiter)
     _check_ranges(config)
     return config
+
+
+_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "\\": "\\"}
+
+
+def decode_escapes(text: str) -> str:
+    """``\\n``, ``\\r``, ``\\t`` and ``\\\\`` in ``text`` -> newline, return, tab, backslash (nothing else)."""
+    return re.sub(r"\\([nrt\\])", lambda match: _ESCAPES[match.group(1)], text)
 
 
 def _check_ranges(config: HookConfig) -> None:

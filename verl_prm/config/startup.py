@@ -1,10 +1,12 @@
 """Startup check of a verl run that uses verl-prm, as a Hydra callback.
 
 The ``verl_prm`` config group (``+verl_prm=pav`` with ``hydra.searchpath=[pkg://verl_prm.config]``) installs
-``StartupCheck`` as a Hydra callback. Hydra calls ``on_run_start`` in the driver, after composing the config and
-before verl's ``main`` starts Ray or loads any model, so a misconfigured run fails in seconds with one message.
-It also runs when verl did not load the plugin (``VERL_USE_EXTERNAL_PLUGINS=none``, or the plugin failed to
-import), which verl itself would only report later as an unknown trainer or estimator.
+``StartupCheck`` as a Hydra callback whose arguments are interpolations of the run config (``verl_prm``,
+``algorithm``, ``trainer.v1.trainer_mode``). Hydra builds its callbacks in the driver right after composing the
+config, before verl's ``main`` starts Ray or loads any model, so the check runs in the constructor: Hydra
+reports an exception raised there as the run's error (an exception in ``on_run_start`` would only be turned
+into a warning). It also runs when verl did not load the plugin (``VERL_USE_EXTERNAL_PLUGINS=none``, or the
+plugin failed to import), which verl itself would only report later as an unknown trainer or estimator.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import sys
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
 
 from verl_prm.config.hook import ConfigError, validate_run_config
 
@@ -49,20 +50,17 @@ def check_plugin_loaded() -> None:
 
 
 class StartupCheck(Callback):
-    """Hydra callback: plugin loaded and verl-prm config valid, before verl's main runs."""
+    """Hydra callback: the plugin is loaded and the verl-prm config is valid, checked when Hydra builds it."""
 
-    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self.check(config)
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self.check(config)
+    def __init__(self, verl_prm: Any = None, algorithm: Any = None, trainer_mode: Any = None) -> None:
+        self.check({"verl_prm": verl_prm, "algorithm": algorithm, "trainer": {"v1": {"trainer_mode": trainer_mode}}})
 
     @staticmethod
-    def check(config: DictConfig) -> None:
+    def check(config: Any) -> None:
+        """Raise ``PluginNotLoadedError`` or ``ConfigError`` (with "verl-prm startup check failed: ...")."""
         if "verl" in sys.modules:  # inside a verl entry point: the plugin must have been loaded with it
             check_plugin_loaded()
         try:
             validate_run_config(config)
         except ConfigError as error:
-            # Hydra prints only the message of an error raised here; keep it a full sentence.
             raise ConfigError(f"verl-prm startup check failed: {error}") from None

@@ -116,13 +116,16 @@ def fit_context(
     if truncation == "left_prompt" and excess <= prompt_last:
         return CriticInput(ids[excess:], [p - excess for p in read_positions], excess)
     response_part = length - prompt_last
-    hint = (
-        "the response alone (with its markers) needs "
-        f"{response_part} tokens; raise max_length or score a shorter response"
-        if truncation == "left_prompt"
-        else "raise max_length, shorten the prompt, or pass truncation='left_prompt' to drop prompt tokens from "
-        "the left"
-    )
+    if excess > prompt_last:
+        hint = (
+            f"the response (with the prompt's last token and the markers) alone needs {response_part} tokens; "
+            "raise max_length or score a shorter response"
+        )
+    else:
+        hint = (
+            f"raise max_length, shorten the prompt, or pass truncation='left_prompt' (drops {excess} prompt tokens "
+            "from the left)"
+        )
     raise ValueError(
         f"sample {sample}: the critic input has {length} tokens, more than the critic's context of {max_length} "
         f"tokens; {hint}"
@@ -139,15 +142,19 @@ class MicroBatch:
 
 
 def plan_micro_batches(
-    lengths: Sequence[int], max_tokens_per_batch: int, mode: Literal["varlen", "padded"]
+    lengths: Sequence[int],
+    max_tokens_per_batch: int,
+    mode: Literal["varlen", "padded"],
+    max_padding_share: float = 0.1,
 ) -> list[MicroBatch]:
     """Group sequences into micro-batches by a token budget, longest first.
 
     Sequences are sorted by length (descending; ties by index, so the plan is deterministic) and taken greedily.
     The cost of a micro-batch is ``sum(lengths)`` for ``varlen`` (one packed row, no padding) and
-    ``count * max(lengths)`` for ``padded`` (right padding to the longest; sorting keeps that near the sum).
-    A batch is closed when adding the next sequence would exceed ``max_tokens_per_batch``; a sequence longer
-    than the budget runs alone.
+    ``count * max(lengths)`` for ``padded`` (right padding to the longest). A batch is closed when adding the
+    next sequence would exceed ``max_tokens_per_batch`` or, for ``padded``, would make the batch's padded share
+    ``1 - sum / (count * max)`` exceed ``max_padding_share`` (so the whole plan stays within it). A sequence
+    longer than the budget runs alone.
     """
     if max_tokens_per_batch < 1:
         raise ValueError(f"max_tokens_per_batch must be >= 1, got {max_tokens_per_batch}")
@@ -158,14 +165,18 @@ def plan_micro_batches(
     current_sum = 0
     for i in order:
         n = lengths[i]
-        new_max = max(current_max, n)
-        cost = current_sum + n if mode == "varlen" else new_max * (len(current) + 1)
-        if current and cost > max_tokens_per_batch:
-            batches.append(MicroBatch(current, current_max, current_sum))
-            current, current_max, current_sum = [], 0, 0
-            new_max = n
+        if current:
+            if mode == "varlen":
+                close = current_sum + n > max_tokens_per_batch
+            else:
+                width = max(current_max, n)
+                slots = width * (len(current) + 1)
+                close = slots > max_tokens_per_batch or 1 - (current_sum + n) / slots > max_padding_share
+            if close:
+                batches.append(MicroBatch(current, current_max, current_sum))
+                current, current_max, current_sum = [], 0, 0
         current.append(i)
-        current_max = new_max
+        current_max = max(current_max, n)
         current_sum += n
     if current:
         batches.append(MicroBatch(current, current_max, current_sum))
@@ -201,8 +212,9 @@ def padded_tensors(
     """Right-padded batch (causal models: right padding leaves the real tokens' outputs unchanged).
 
     Returns:
-        input_ids [b, L], attention_mask [b, L], position_ids [b, L] (0..L-1), and flat_read [R] indices into the
-        flattened [b * L] outputs, in the given order.
+        input_ids [b, L], attention_mask [b, L] (None when no row is padded: then attention takes the plain
+        causal path), position_ids [b, L] (0..L-1), and flat_read [R] indices into the flattened [b * L]
+        outputs, in the given order.
     """
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
@@ -212,7 +224,8 @@ def padded_tensors(
         mask[row, : len(s)] = 1
     positions = torch.arange(width, dtype=torch.long).expand(len(sequences), width)
     flat_read = torch.tensor([row * width + p for row, rp in enumerate(read_positions) for p in rp], dtype=torch.long)
-    return ids.to(device), mask.to(device), positions.to(device), flat_read.to(device)
+    full = all(len(s) == width for s in sequences)
+    return ids.to(device), None if full else mask.to(device), positions.to(device), flat_read.to(device)
 
 
 def padding_share(batches: Sequence[MicroBatch], mode: Literal["varlen", "padded"]) -> float:

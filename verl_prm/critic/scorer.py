@@ -32,10 +32,16 @@ from verl_prm.critic.packing import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CriticScores", "ProverCritic", "VARLEN_ATTENTION"]
+__all__ = ["CriticScores", "ProverCritic", "runs_varlen"]
 
-# Attention implementations of transformers that run a packed row (restarting position_ids) as varlen attention.
-VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn", "kernels-community/flash-attn3")
+
+
+def runs_varlen(attn_implementation: str) -> bool:
+    """Whether transformers runs a packed row (restarting ``position_ids``, no attention mask) of this attention
+    implementation as varlen attention: the flash-attention family (``flash_attention_2``/``_3``, hub kernels
+    named ``*flash-attn*``). Others (sdpa, eager) build a dense block-diagonal mask over the whole row."""
+    return attn_implementation.startswith("flash_attention") or "flash-attn" in attn_implementation
+
 
 Packing = Literal["auto", "varlen", "padded"]
 
@@ -83,6 +89,7 @@ class ProverCritic:
         max_length: int | None = None,
         truncation: Truncation = "error",
         packing: Packing = "auto",
+        max_padding_share: float = 0.1,
         progress: bool = False,
     ):
         if truncation not in ("error", "left_prompt"):
@@ -100,8 +107,9 @@ class ProverCritic:
         self.truncation = truncation
         attn = getattr(adapter.config, "_attn_implementation", None) or "eager"
         if packing == "auto":
-            packing = "varlen" if attn in VARLEN_ATTENTION else "padded"
+            packing = "varlen" if runs_varlen(attn) else "padded"
         self.packing: Literal["varlen", "padded"] = packing
+        self.max_padding_share = float(max_padding_share)
         self.progress = progress
         pad = tokenizer.pad_token_id if tokenizer is not None else None
         if pad is None and tokenizer is not None:
@@ -121,6 +129,7 @@ class ProverCritic:
         max_length: int | None = None,
         truncation: Truncation = "error",
         packing: Packing = "auto",
+        max_padding_share: float = 0.1,
         attn_implementation: str | None = None,
         tokenizer: Any = None,
         progress: bool = False,
@@ -143,6 +152,7 @@ class ProverCritic:
             packing: ``"auto"`` (varlen when the attention implementation supports it, i.e. flash attention on
                 GPU; padded otherwise), ``"varlen"`` (one packed row per micro-batch; correct with any attention
                 implementation, but sdpa/eager then build a block-diagonal mask over the whole row), ``"padded"``.
+            max_padding_share: padded mode: a micro-batch closes before its padded share would exceed this.
             attn_implementation: default flash_attention_2 on CUDA when flash-attn is installed, else sdpa.
             tokenizer: default ``AutoTokenizer.from_pretrained(path)``.
             progress: tqdm bar over micro-batches.
@@ -169,6 +179,7 @@ class ProverCritic:
             max_length=max_length,
             truncation=truncation,
             packing=packing,
+            max_padding_share=max_padding_share,
             progress=progress,
         )
 
@@ -241,6 +252,7 @@ class ProverCritic:
         step_split,
         policy_tokenizer=None,
         *,
+        prompt_texts: Sequence[str] | None = None,
         sample_offset: int = 0,
     ) -> CriticScores:
         """Score a verl rollout batch.
@@ -248,27 +260,36 @@ class ProverCritic:
         Args:
             prompts: [B, P] policy token ids, left-padded (verl layout).
             responses: [B, T] policy token ids, right-padded.
-            attention_mask: [B, P + T] 1 for real tokens.
-            step_split: ``verl_prm.steps.StepSplit`` of the responses (``step_ends`` index response tokens).
-            policy_tokenizer: the policy's tokenizer; required when it differs from the critic's (then the text
-                is re-tokenised with ``align_to_critic``); ``None`` means the critic reads the policy's ids.
+            attention_mask: [B, P + T] 1 for real tokens; its last T columns are the responses' mask.
+            step_split: ``verl_prm.steps.StepSplit`` of the responses (``step_ends`` index response positions).
+            policy_tokenizer: the policy's tokenizer; ``None`` (or a tokenizer that ``same_tokenizer`` finds
+                identical) means the critic reads the policy's ids as they are (no tokenizer call). Otherwise
+                the text is re-tokenised with ``align_to_critic``; this needs ``step_split.texts`` and
+                ``step_split.step_char_ends`` (``split_steps`` fills them).
+            prompt_texts: B prompt texts exactly as the critic reads them (a different tokenizer only; e.g. with
+                the critic's chat template applied). Default: the policy prompt ids decoded by the policy
+                tokenizer with special tokens kept as text (a logged fallback).
 
         Returns:
             CriticScores with ``step_values`` [B, S] where S = ``step_split.step_ends.shape[1]``.
         """
-        from verl_prm.steps import align_to_critic
+        from verl_prm.steps import align_to_critic, same_tokenizer
 
         num_slots = int(step_split.step_ends.shape[1])
-        if policy_tokenizer is None or policy_tokenizer is self.tokenizer:
+        prompt_len = prompts.shape[1]
+        prompt_mask, response_mask = attention_mask[:, :prompt_len], attention_mask[:, prompt_len:]
+        if policy_tokenizer is None or same_tokenizer(policy_tokenizer, self.tokenizer):
             input_ids, prompt_ends, step_ends = _policy_sequences(prompts, responses, attention_mask, step_split)
         else:
+            if len(step_split.texts) != responses.shape[0] or step_split.step_char_ends.shape[:1] != responses.shape[:1]:
+                raise ValueError(
+                    "score_policy_batch: the critic's tokenizer differs from the policy's, so the step split must "
+                    "carry texts and step_char_ends (use verl_prm.steps.split_steps)"
+                )
+            if prompt_texts is None:
+                prompt_texts = _decode_prompts(policy_tokenizer, prompts, prompt_mask)
             aligned = align_to_critic(
-                prompts=prompts,
-                responses=responses,
-                attention_mask=attention_mask,
-                step_split=step_split,
-                policy_tokenizer=policy_tokenizer,
-                critic_tokenizer=self.tokenizer,
+                responses, response_mask, policy_tokenizer, self.tokenizer, step_split, prompts=list(prompt_texts)
             )
             input_ids, prompt_ends, step_ends = _aligned_sequences(aligned)
         return self.score_sequences(
@@ -293,10 +314,19 @@ class ProverCritic:
             check_step_positions(sample, len(ids), int(prompt_end), ends)
             marked, read_positions = insert_markers(ids, int(prompt_end), ends, self.adapter.marker_id)
             inputs.append(fit_context(sample, marked, read_positions, int(prompt_end), self.max_length, self.truncation))
+        truncated = [sample_offset + i for i, x in enumerate(inputs) if x.prompt_tokens_dropped]
+        if truncated:
+            logger.warning(
+                "truncation='left_prompt': dropped prompt tokens from the left of %d sample(s) to fit max_length=%s "
+                "(first: sample %d, %d tokens)", len(truncated), self.max_length, truncated[0],
+                inputs[truncated[0] - sample_offset].prompt_tokens_dropped,
+            )
         return inputs
 
     def plan(self, inputs: Sequence[CriticInput], mode: Literal["varlen", "padded"] | None = None) -> list[MicroBatch]:
-        return plan_micro_batches([len(x.input_ids) for x in inputs], self.max_tokens_per_batch, mode or self.packing)
+        return plan_micro_batches(
+            [len(x.input_ids) for x in inputs], self.max_tokens_per_batch, mode or self.packing, self.max_padding_share
+        )
 
     @torch.inference_mode()
     def forward_values(
@@ -329,7 +359,7 @@ class ProverCritic:
                 ids, mask, positions, flat_read = padded_tensors(seqs, reads, self.pad_id, self.device)
                 hidden = self.adapter.backbone(
                     input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
-                ).last_hidden_state
+                ).last_hidden_state  # mask None: no row padded, plain causal attention
             gathered = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_read).float()
             logits = self.adapter.head(gathered)
             values = self.adapter.logits_to_values(logits)
@@ -364,31 +394,44 @@ class ProverCritic:
             step_values[row, : len(v) - 1] = v[1:]
         if self.best_of_k > 1:
             prompt_values = best_of_k_transform(prompt_values, self.best_of_k)
-            step_values = best_of_k_transform(step_values, self.best_of_k)
-            step_values = step_values * (torch.arange(width)[None, :] < num_steps[:, None])
+            step_values = best_of_k_transform(step_values, self.best_of_k)  # padding stays 0: 1 - (1 - 0)^K = 0
         return CriticScores(prompt_values.float(), step_values, num_steps)
 
 
 def _policy_sequences(
     prompts: torch.Tensor, responses: torch.Tensor, attention_mask: torch.Tensor, step_split
 ) -> tuple[list[list[int]], list[int], list[list[int]]]:
-    """Critic inputs from policy ids when the critic reads the policy's tokens: valid prompt tokens (left
-    padding removed) + valid response tokens; step ends shift by the prompt's length."""
+    """Critic inputs from policy ids when the critic reads the policy's tokens: unmasked prompt tokens (left
+    padding removed) + unmasked response tokens; a step end at response position e becomes
+    ``prompt length + rank of e among the unmasked response tokens`` (= e for right-padded responses)."""
     prompt_len = prompts.shape[1]
-    prompt_mask = attention_mask[:, :prompt_len].bool().cpu()
-    response_mask = attention_mask[:, prompt_len:].bool().cpu()
-    prompts, responses = prompts.cpu(), responses.cpu()
-    step_ends_all = step_split.step_ends.cpu()
-    num_steps = step_split.num_steps.cpu()
+    prompt_mask = attention_mask[:, :prompt_len].cpu() != 0
+    response_mask = attention_mask[:, prompt_len:].cpu() != 0
+    prompt_rows, response_rows = prompts.cpu().tolist(), responses.cpu().tolist()
+    rank = (response_mask.long().cumsum(dim=1) - 1).gather(1, step_split.step_ends.cpu().clamp(min=0))
+    num_steps = step_split.num_steps.cpu().tolist()
     input_ids, prompt_ends, step_ends = [], [], []
-    for b in range(prompts.shape[0]):
-        prompt_ids = prompts[b][prompt_mask[b]].tolist()
-        response_ids = responses[b][response_mask[b]].tolist()
+    for b in range(len(prompt_rows)):
+        prompt_ids = [t for t, keep in zip(prompt_rows[b], prompt_mask[b].tolist()) if keep]
+        response_ids = [t for t, keep in zip(response_rows[b], response_mask[b].tolist()) if keep]
         n = len(prompt_ids)
         input_ids.append(prompt_ids + response_ids)
         prompt_ends.append(n - 1)
-        step_ends.append([n + int(e) for e in step_ends_all[b, : int(num_steps[b])].tolist()])
+        step_ends.append([n + r for r in rank[b, : num_steps[b]].tolist()])
     return input_ids, prompt_ends, step_ends
+
+
+def _decode_prompts(tokenizer, prompts: torch.Tensor, prompt_mask: torch.Tensor) -> list[str]:
+    logger.warning(
+        "critic tokenizer differs from the policy's and no prompt texts were given: the critic reads the policy "
+        "prompts decoded with special tokens kept as text; pass prompt_texts to control what it reads"
+    )
+    keep = prompt_mask.cpu() != 0
+    rows = prompts.cpu().tolist()
+    return [
+        tokenizer.decode([t for t, k in zip(row, krow) if k], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        for row, krow in zip(rows, keep.tolist())
+    ]
 
 
 def _aligned_sequences(aligned) -> tuple[list[list[int]], list[int], list[list[int]]]:

@@ -35,8 +35,11 @@ __all__ = ["ProverCriticWorker", "compute_step_values", "INPUT_KEYS", "OUTPUT_KE
 
 # Input batch keys (verl layout + the step split of the responses):
 #   prompts [B, P] left-padded, responses [B, T], attention_mask [B, P + T],
-#   step_ends [B, S] (response-relative position of each step's last token, -1 padded), num_steps [B],
-#   optional step_ids [B, T] and merged_steps [B] (StepSplit fields; needed by align_to_critic).
+#   step_ends [B, S] (response position of each step's last token, -1 padded), num_steps [B];
+#   optional: step_ids [B, T], merged_steps [B] (carried into the StepSplit);
+#   with a critic tokenizer other than the policy's: step_char_ends [B, S] (StepSplit.step_char_ends) and,
+#   optionally, non_tensor_batch["critic_prompts"] (B prompt texts exactly as the critic reads them; default:
+#   the policy prompts decoded with special tokens kept as text).
 INPUT_KEYS = ("prompts", "responses", "attention_mask", "step_ends", "num_steps")
 OUTPUT_KEYS = ("prompt_values", "step_values", "num_steps")
 
@@ -86,22 +89,46 @@ class ProverCriticWorker(Worker):
         """
         if self.critic is None:
             raise RuntimeError("ProverCriticWorker: call init_model() on the worker group before compute_step_values")
-        from verl_prm.steps import StepSplit
+        from verl_prm.steps import StepSplit, decode_with_char_ends
 
-        missing = [k for k in INPUT_KEYS if k not in data.batch.keys()]
+        batch = data.batch
+        missing = [k for k in INPUT_KEYS if k not in batch.keys()]
         if missing:
             raise KeyError(f"compute_step_values: the batch lacks {missing}; it needs {list(INPUT_KEYS)}")
-        batch = data.batch
-        responses = batch["responses"]
-        step_ends = batch["step_ends"]
-        step_ids = batch["step_ids"] if "step_ids" in batch.keys() else torch.full_like(responses, -1)
-        merged = batch["merged_steps"] if "merged_steps" in batch.keys() else torch.zeros_like(batch["num_steps"])
-        split = StepSplit(step_ids=step_ids, num_steps=batch["num_steps"], step_ends=step_ends, merged_steps=merged)
-        # DP_COMPUTE_PROTO hands out equal chunks in rank order, so this shard starts at rank * len(data).
-        scores = self.critic.score_policy_batch(
-            batch["prompts"], responses, batch["attention_mask"], split, self.policy_tokenizer,
-            sample_offset=self.rank * len(data),
+        prompts, responses, attention_mask = batch["prompts"], batch["responses"], batch["attention_mask"]
+        num_steps = batch["num_steps"]
+        split = StepSplit(
+            step_ids=batch["step_ids"] if "step_ids" in batch.keys() else torch.full_like(responses, -1),
+            num_steps=num_steps,
+            step_ends=batch["step_ends"],
+            merged_steps=batch["merged_steps"] if "merged_steps" in batch.keys() else torch.zeros_like(num_steps),
         )
+        prompt_texts = None
+        if self.policy_tokenizer is not None:
+            # Another tokenizer: the critic re-reads the text; the step split must say where steps end in it.
+            if "step_char_ends" not in batch.keys():
+                raise KeyError(
+                    "compute_step_values: the critic's tokenizer differs from the policy's, so the batch needs "
+                    "'step_char_ends' (StepSplit.step_char_ends of split_steps) to find the steps in the text"
+                )
+            response_mask = attention_mask[:, prompts.shape[1]:]
+            split.texts = decode_with_char_ends(self.policy_tokenizer, responses, response_mask).texts
+            split.step_char_ends = batch["step_char_ends"].cpu()
+            if "critic_prompts" in data.non_tensor_batch:
+                prompt_texts = [str(t) for t in data.non_tensor_batch["critic_prompts"]]
+        # DP_COMPUTE_PROTO hands out equal chunks in rank order, so this shard starts at rank * len(data).
+        first = self.rank * len(data)
+        try:
+            scores = self.critic.score_policy_batch(
+                prompts, responses, attention_mask, split, self.policy_tokenizer,
+                prompt_texts=prompt_texts, sample_offset=first,
+            )
+        except (ValueError, FloatingPointError) as error:
+            # say which rows of the whole batch this shard holds (messages of verl_prm.steps use shard indices)
+            raise type(error)(
+                f"prover critic worker rank {self.rank} (samples {first}..{first + len(data) - 1} of the batch, "
+                f"padded to a multiple of {self.world_size}): {error}"
+            ) from error
         return DataProto.from_dict(tensors=scores.as_dict())
 
 

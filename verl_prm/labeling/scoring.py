@@ -51,7 +51,13 @@ class OutcomeScorer:
             if "score" not in value:
                 raise ValueError(f"reward function returned a dict without 'score' for data_source={data_source!r}")
             value = value["score"]
-        value = float(value)
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"reward function returned {value!r} for data_source={data_source!r}; it must return a number or a "
+                "dict with 'score'"
+            ) from None
         if math.isnan(value):
             raise ValueError(f"reward function returned NaN for data_source={data_source!r}")
         return value

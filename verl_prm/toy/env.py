@@ -80,6 +80,13 @@ def kmp_transitions(planted: tuple[int, ...], vocab: int) -> torch.Tensor:
     return table
 
 
+def _sample_tokens(cdf: torch.Tensor, state: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token (1-based) per row from the per-state distributions: inverse CDF of one uniform per row
+    (cheaper than ``torch.multinomial`` over hundreds of thousands of rows)."""
+    uniform = torch.rand(state.shape[0], generator=generator, dtype=cdf.dtype)
+    return (uniform[:, None] >= cdf[state]).sum(dim=1).clamp_max(cdf.shape[1] - 1) + 1
+
+
 @dataclass(frozen=True)
 class PlantedTask:
     """The environment: sequence ``length``, tokens ``1..vocab`` (``vocab`` = EOS), planted sequence ``planted``."""
@@ -128,6 +135,12 @@ class PlantedTask:
         for k, a in enumerate(self.planted):
             weights[k, a - 1] = gamma
         return weights / weights.sum(dim=1, keepdim=True)
+
+    def prover_cdf(self, gamma: float) -> torch.Tensor:
+        """Cumulative mu_gamma(a | k) over tokens: [num_states, vocab] float64 (for inverse-CDF sampling)."""
+        cdf = torch.cumsum(self.prover_probs(gamma), dim=1)
+        cdf[:, -1] = 1.0
+        return cdf
 
     def value_table(self, gamma: float) -> torch.Tensor:
         """Exact V^{mu_gamma}(t, k): [length + 1, num_states] float64 (t = tokens generated so far)."""
@@ -187,7 +200,7 @@ class PlantedTask:
 
         Sequences are padded with EOS after their first EOS.
         """
-        probs = self.prover_probs(gamma).float()
+        cdf = self.prover_cdf(gamma)
         table = self.transitions
         if prefix is None:
             prefix = torch.zeros(num, 0, dtype=torch.long)
@@ -197,12 +210,35 @@ class PlantedTask:
         done = (prefix == self.eos).any(dim=1)
         out = [prefix]
         for _ in range(prefix.shape[1], self.length):
-            token = torch.multinomial(probs[state], 1, generator=generator).squeeze(1) + 1
+            token = _sample_tokens(cdf, state, generator)
             token = torch.where(done, torch.full_like(token, self.eos), token)
             done = done | (token == self.eos)
             state = table[state, token]
             out.append(token[:, None])
         return torch.cat(out, dim=1)
+
+    def complete_prefixes(
+        self, tokens: torch.Tensor, lengths: torch.Tensor, gamma: float, generator: torch.Generator
+    ) -> torch.Tensor:
+        """Keep the first ``lengths[i]`` tokens of each row of ``tokens`` [N, T] and sample the rest with mu_gamma.
+
+        Variable-length prefixes in one vectorised pass (a loop over the T positions). Returns [N, T] sequences,
+        EOS-padded after their first EOS.
+        """
+        cdf = self.prover_cdf(gamma)
+        table = self.transitions
+        num = tokens.shape[0]
+        state = torch.zeros(num, dtype=torch.long)
+        done = torch.zeros(num, dtype=torch.bool)
+        out = torch.empty_like(tokens)
+        for t in range(self.length):
+            sampled = _sample_tokens(cdf, state, generator)
+            token = torch.where(t < lengths, tokens[:, t], sampled)
+            token = torch.where(done, torch.full_like(token, self.eos), token)
+            out[:, t] = token
+            done = done | (token == self.eos)
+            state = table[state, token]
+        return out
 
     def monte_carlo_values(
         self, prefixes: torch.Tensor, gamma: float, num_rollouts: int, generator: torch.Generator

@@ -67,10 +67,11 @@ class RLConfig:
     batch_size: int = 64
     lr: float = 1e-3
     estimator: str = "pav_grpo"
-    # False: out_i = R_i - mean R (Dr. GRPO; with one group per batch this is the paper's REINFORCE with a
-    # batch-mean baseline). True: GRPO's division by the group std.
-    norm_adv_by_std: bool = False
-    loss_agg_mode: str = "seq-mean-token-sum"
+    # verl's defaults: GRPO's division by the group std (True) and token-mean loss aggregation. False:
+    # out_i = R_i - mean R (Dr. GRPO; with one group per batch this is the paper's REINFORCE with a batch-mean
+    # baseline, identical to pav_reinforce).
+    norm_adv_by_std: bool = True
+    loss_agg_mode: str = "token-mean"
     # iterations whose policy is kept (for Pass@N after 100 iterations)
     snapshots: tuple[int, ...] = (100,)
     # validate the step tensors on the first iteration only (the check reads them on the host)

@@ -14,7 +14,8 @@ Output directory::
 
 A checkpoint is written to a temporary directory and renamed when complete. A rerun with the same arguments
 resumes from the newest checkpoint: the weights, Adam moments and schedule are restored and the batches of the
-remaining steps are the ones the uninterrupted run draws, so no example is lost or trained on twice.
+remaining steps (and their dropout masks) are the ones the uninterrupted run draws, so no example is lost or
+trained on twice.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -153,6 +155,25 @@ def evaluate_examples(model, examples: list[EncodedRollout], *, batch_size: int,
     return np.concatenate(predictions).astype(np.float64), np.concatenate(targets).astype(np.float64)
 
 
+def _tokenizer_as_checkpoint_loads_it(tokenizer, model_config, output_dir: Path, note: Callable[[str], None]):
+    """The tokenizer that ``AutoTokenizer.from_pretrained(checkpoint)`` will return.
+
+    transformers chooses a checkpoint's tokenizer class from its config's ``model_type`` (a byte-level BPE saved
+    next to a qwen2 config loads as ``Qwen2Tokenizer``, whose pre-tokenizer splits text differently). Training
+    with the reloaded tokenizer makes training, resuming and scoring with ProverCritic tokenise alike.
+    """
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory(dir=output_dir, prefix=".tokenizer-") as directory:
+        model_config.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        reloaded = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
+    if type(reloaded) is not type(tokenizer):
+        note(f"verl-prm train: the checkpoint will load the tokenizer as {type(reloaded).__name__} (not "
+             f"{type(tokenizer).__name__}); training uses that class so that scoring tokenises the same way")
+    return reloaded
+
+
 def _trim_log(path: Path, step: int) -> None:
     """Drop log lines of steps after ``step`` (written after the checkpoint a resumed run starts from)."""
     if not path.exists():
@@ -187,6 +208,9 @@ def train(config: TrainConfig, *, on_step: Callable[[int, dict], None] | None = 
                              "or a new --output-dir")
     tokenizer_path = str(checkpoint) if checkpoint is not None else (config.tokenizer or config.init)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=False)
+    model = build_model(config, tokenizer, checkpoint)
+    if checkpoint is None:
+        tokenizer = _tokenizer_as_checkpoint_loads_it(tokenizer, model.config, output_dir, accelerator.print)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_token_id is None:
         raise ValueError(f"tokenizer {tokenizer_path} has neither a pad nor an EOS token to pad batches with")
@@ -205,7 +229,6 @@ def train(config: TrainConfig, *, on_step: Callable[[int, dict], None] | None = 
         accelerator.print(f"verl-prm train: {note}")
     weights = class_balanced_weights(train_examples) if config.balance else np.full(len(train_examples), 1.0 / len(train_examples))
 
-    model = build_model(config, tokenizer, checkpoint)
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model.train()
@@ -220,7 +243,6 @@ def train(config: TrainConfig, *, on_step: Callable[[int, dict], None] | None = 
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start_step = int(state["step"])
-        torch.set_rng_state(state["torch_rng"])
     log_path = output_dir / "metrics.jsonl"
     if accelerator.is_main_process:
         _trim_log(log_path, start_step)
@@ -254,7 +276,7 @@ def train(config: TrainConfig, *, on_step: Callable[[int, dict], None] | None = 
             accelerator.unwrap_model(model).save_pretrained(temp, safe_serialization=True)
             tokenizer.save_pretrained(temp)
             torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                        "config": asdict(config), "torch_rng": torch.get_rng_state()}, temp / "training_state.pt")
+                        "config": asdict(config)}, temp / "training_state.pt")
             if final.exists():
                 shutil.rmtree(final)
             os.replace(temp, final)
@@ -271,6 +293,9 @@ def train(config: TrainConfig, *, on_step: Callable[[int, dict], None] | None = 
     bar = tqdm(total=config.max_steps, initial=start_step, desc="training PAV", unit="step",
                disable=not (config.progress and accelerator.is_main_process))
     for step in range(start_step, config.max_steps):
+        # Dropout and any other randomness of a step is seeded by (seed, step, rank): a resumed run repeats
+        # the uninterrupted run's step exactly without carrying RNG state through the checkpoint.
+        torch.manual_seed((config.seed * 1_000_003 + step) * 4099 + rank)
         indices = sample_batch_indices(weights, per_step, step, config.seed)
         losses = []
         for micro in range(config.grad_accum):

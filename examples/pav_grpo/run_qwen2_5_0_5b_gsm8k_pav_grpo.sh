@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# PAV-GRPO on GSM8K: Qwen2.5-0.5B-Instruct policy, a prover critic (PAV) scoring every step, one H100/H200.
+#
+#   python examples/data_preprocess/gsm8k.py --local_save_dir ~/data/gsm8k
+#   CRITIC_PATH=/path/to/pav bash examples/pav_grpo/run_qwen2_5_0_5b_gsm8k_pav_grpo.sh [more overrides]
+#
+# The verl-prm part is the block marked "verl-prm": the plugin's Hydra config group (trainer hook pav_sync,
+# estimator pav_grpo, reward manager pav, startup check), the critic checkpoint and alpha. Everything else is
+# a plain verl GRPO run. The GRPO baseline (run_qwen2_5_0_5b_gsm8k_grpo_baseline.sh) runs this file with
+# ADV_ESTIMATOR=grpo and nothing else changed.
+set -xeuo pipefail
+
+MODEL_PATH=${MODEL_PATH:-Qwen/Qwen2.5-0.5B-Instruct}
+CRITIC_PATH=${CRITIC_PATH:-$HOME/models/pav_qwen2_5_0_5b_gsm8k}
+DATA_DIR=${DATA_DIR:-$HOME/data/gsm8k}
+ADV_ESTIMATOR=${ADV_ESTIMATOR:-pav_grpo}
+PAV_ALPHA=${PAV_ALPHA:-3.0}
+PROJECT=${PROJECT:-verl_prm_gsm8k}
+
+python3 -m verl.trainer.main_ppo \
+    "hydra.searchpath=[pkg://verl_prm.config]" \
+    +verl_prm=pav \
+    verl_prm.critic.path="$CRITIC_PATH" \
+    verl_prm.critic.format=value_head \
+    verl_prm.critic.max_tokens_per_batch=32768 \
+    verl_prm.steps.delimiter='\n\n' \
+    verl_prm.placement.pool=colocated \
+    algorithm.pav.alpha="$PAV_ALPHA" \
+    algorithm.pav.best_of_k=1 \
+    algorithm.adv_estimator="$ADV_ESTIMATOR" \
+    algorithm.use_kl_in_reward=False \
+    data.train_files="$DATA_DIR/train.parquet" \
+    data.val_files="$DATA_DIR/test.parquet" \
+    data.train_batch_size=128 \
+    data.max_prompt_length=512 \
+    data.max_response_length=1024 \
+    data.filter_overlong_prompts=True \
+    data.truncation=error \
+    actor_rollout_ref.model.path="$MODEL_PATH" \
+    actor_rollout_ref.model.use_remove_padding=True \
+    actor_rollout_ref.model.enable_gradient_checkpointing=True \
+    actor_rollout_ref.actor.optim.lr=1e-6 \
+    actor_rollout_ref.actor.ppo_mini_batch_size=64 \
+    actor_rollout_ref.actor.use_dynamic_bsz=True \
+    actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24576 \
+    actor_rollout_ref.actor.use_kl_loss=True \
+    actor_rollout_ref.actor.kl_loss_coef=0.001 \
+    actor_rollout_ref.actor.kl_loss_type=low_var_kl \
+    actor_rollout_ref.actor.entropy_coeff=0 \
+    actor_rollout_ref.rollout.name=vllm \
+    actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.5 \
+    actor_rollout_ref.rollout.n=8 \
+    actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True \
+    actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768 \
+    actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True \
+    actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=32768 \
+    trainer.critic_warmup=0 \
+    trainer.logger='["console"]' \
+    trainer.project_name="$PROJECT" \
+    trainer.experiment_name="qwen2_5_0_5b_gsm8k_${ADV_ESTIMATOR}_alpha${PAV_ALPHA}" \
+    trainer.n_gpus_per_node=1 \
+    trainer.nnodes=1 \
+    trainer.save_freq=50 \
+    trainer.test_freq=10 \
+    trainer.total_epochs=3 \
+    "$@"

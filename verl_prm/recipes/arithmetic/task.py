@@ -1,0 +1,258 @@
+"""Multi-step modular arithmetic with one line per operation: the task of the arithmetic recipe.
+
+A problem is a start value and a chain of operations evaluated left to right modulo a prime ``p``::
+
+    prompt:    ((5+7)*3)-4 mod 13
+    solution:  5+7=12
+               12*3=10
+               10-4=6
+               answer 6
+
+Every operation line is one step (the step delimiter is ``"\\n"``); the last line gives the answer. Each line's
+result is reduced mod p into [0, p). Operands are in [1, max_operand] with ``max_operand < p`` and p prime, so
+every operation (x + c, x - c, x * c mod p) is a bijection of Z_p: a wrong intermediate value can never turn
+back into the right one, and **a solution with a slip always ends in a wrong answer**.
+
+Slips. The supervised data has solutions with a slip (``slip_rate``, default 0.3, is the fraction of SFT
+solutions that have one): at one operation step chosen uniformly at random, the written result is a uniformly
+random wrong value, and the following steps compute correctly from that wrong value. A policy trained on this
+data slips at a rate it learnt, at single steps; the values of its prefixes drop to 0 at the slip, so values
+differ from step to step (what a process verifier must see).
+
+This module is self-contained (standard library only): verl loads it as a file through
+``reward.custom_reward_function.path=.../task.py`` and ``custom_reward_function.name=compute_score``, and
+``verl-prm label --reward-fn .../task.py:compute_score`` does the same.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+__all__ = [
+    "DATA_SOURCE",
+    "STEP_DELIMITER",
+    "TaskConfig",
+    "Problem",
+    "apply_op",
+    "compute_score",
+    "extract_answer",
+    "generate_problems",
+    "is_prime",
+    "prefix_correctness",
+    "sft_example",
+    "solution_lines",
+    "verl_row",
+]
+
+DATA_SOURCE = "arithmetic_mod"
+STEP_DELIMITER = "\n"
+OPS = ("+", "-", "*")
+_ANSWER = re.compile(r"answer\s+(-?\d+)\s*$")
+_LINE = re.compile(r"^\s*(-?\d+)\s*([-+*])\s*(\d+)\s*=\s*(-?\d+)\s*$")
+
+
+def is_prime(n: int) -> bool:
+    return n >= 2 and all(n % d for d in range(2, int(n**0.5) + 1))
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """Difficulty knobs.
+
+    Attributes:
+        min_ops, max_ops: number of operations per problem (uniform in [min_ops, max_ops]).
+        modulus: the prime p; results live in [0, p).
+        max_operand: operands c are uniform in [1, max_operand] (``max_operand < p`` keeps every op a bijection).
+        ops: the operations used, a subset of "+-*".
+        slip_rate: fraction of supervised solutions with one slip (a wrong result at a random step).
+    """
+
+    min_ops: int = 2
+    max_ops: int = 4
+    modulus: int = 13
+    max_operand: int = 12
+    ops: str = "+-*"
+    slip_rate: float = 0.3
+
+    def __post_init__(self) -> None:
+        if not is_prime(self.modulus):
+            raise ValueError(f"modulus must be prime (every op a bijection, so slips always fail), got {self.modulus}")
+        if not 1 <= self.max_operand < self.modulus:
+            raise ValueError(f"max_operand must be in [1, modulus - 1] = [1, {self.modulus - 1}], got {self.max_operand}")
+        if not 1 <= self.min_ops <= self.max_ops:
+            raise ValueError(f"need 1 <= min_ops <= max_ops, got {self.min_ops}, {self.max_ops}")
+        if not self.ops or any(op not in OPS for op in self.ops):
+            raise ValueError(f"ops must be a non-empty subset of {''.join(OPS)!r}, got {self.ops!r}")
+        if not 0.0 <= self.slip_rate <= 1.0:
+            raise ValueError(f"slip_rate must be in [0, 1], got {self.slip_rate}")
+
+
+def apply_op(x: int, op: str, c: int, modulus: int) -> int:
+    """``(x op c) mod modulus`` in [0, modulus)."""
+    if op == "+":
+        return (x + c) % modulus
+    if op == "-":
+        return (x - c) % modulus
+    if op == "*":
+        return (x * c) % modulus
+    raise ValueError(f"unknown operation {op!r}")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """``start``, then ``ops`` [(op, operand), ...] left to right, modulo ``modulus``."""
+
+    start: int
+    ops: tuple[tuple[str, int], ...]
+    modulus: int
+    values: tuple[int, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        values, x = [], self.start
+        for op, c in self.ops:
+            x = apply_op(x, op, c, self.modulus)
+            values.append(x)
+        object.__setattr__(self, "values", tuple(values))
+
+    @property
+    def answer(self) -> int:
+        return self.values[-1]
+
+    @property
+    def expression(self) -> str:
+        """Fully parenthesised so that the usual precedence gives the left-to-right order: ``((5+7)*3)-4``."""
+        text = str(self.start)
+        for i, (op, c) in enumerate(self.ops):
+            text = f"{text}{op}{c}"
+            if i < len(self.ops) - 1:
+                text = f"({text})"
+        return text
+
+    @property
+    def prompt_text(self) -> str:
+        """The user message: ``((5+7)*3)-4 mod 13``."""
+        return f"{self.expression} mod {self.modulus}"
+
+
+def generate_problems(n: int, config: TaskConfig, seed: int, exclude: Iterable[str] = ()) -> list[Problem]:
+    """``n`` distinct problems (distinct prompts, none in ``exclude``), deterministic for (config, seed)."""
+    rng = random.Random(f"arithmetic-problems-{seed}")
+    seen = set(exclude)
+    problems: list[Problem] = []
+    attempts = 0
+    while len(problems) < n:
+        attempts += 1
+        if attempts > 50 * n + 1000:
+            raise ValueError(f"could not draw {n} distinct problems with {config}: the problem space is too small")
+        num_ops = rng.randint(config.min_ops, config.max_ops)
+        ops = tuple((rng.choice(config.ops), rng.randint(1, config.max_operand)) for _ in range(num_ops))
+        problem = Problem(rng.randrange(config.modulus), ops, config.modulus)
+        if problem.prompt_text in seen:
+            continue
+        seen.add(problem.prompt_text)
+        problems.append(problem)
+    return problems
+
+
+def solution_lines(problem: Problem, slip_step: int | None = None, slip_value: int | None = None) -> list[str]:
+    """The solution's lines: one per operation, then ``answer N``.
+
+    With ``slip_step = h`` (0-based operation index) the result written at step h is ``slip_value`` (must
+    differ from the true result) and later steps compute from it; the answer line is then wrong.
+    """
+    lines, x = [], problem.start
+    for h, (op, c) in enumerate(problem.ops):
+        y = apply_op(x, op, c, problem.modulus)
+        if h == slip_step:
+            if slip_value is None or slip_value == y or not 0 <= slip_value < problem.modulus:
+                raise ValueError(f"slip_value must be a wrong result in [0, {problem.modulus}), got {slip_value} (true {y})")
+            y = slip_value
+        lines.append(f"{x}{op}{c}={y}")
+        x = y
+    lines.append(f"answer {x}")
+    return lines
+
+
+def sft_example(problem: Problem, rng: random.Random, slip_rate: float) -> tuple[str, int]:
+    """One supervised solution text and its slip step (-1: no slip). With probability ``slip_rate`` one
+    uniformly random operation step gets a uniformly random wrong result."""
+    if rng.random() < slip_rate:
+        h = rng.randrange(len(problem.ops))
+        wrong = [v for v in range(problem.modulus) if v != problem.values[h]]
+        return "\n".join(solution_lines(problem, h, rng.choice(wrong))), h
+    return "\n".join(solution_lines(problem)), -1
+
+
+def extract_answer(solution_str: str) -> int | None:
+    """The integer of the last non-empty line if it reads ``answer N``; else None."""
+    lines = [line for line in solution_str.strip().split("\n") if line.strip()]
+    if not lines:
+        return None
+    match = _ANSWER.match(lines[-1].strip())
+    return int(match.group(1)) if match else None
+
+
+def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    """verl score function: 1.0 iff the final ``answer N`` line equals the ground truth, else 0.0.
+
+    Usable as ``reward.custom_reward_function.path=<this file>`` ``reward.custom_reward_function.name=compute_score``.
+    Raises for a foreign ``data_source`` (a mis-wired reward is an error, not a silent 0).
+    """
+    if data_source != DATA_SOURCE:
+        raise ValueError(f"compute_score of the arithmetic task got data_source={data_source!r}, expected {DATA_SOURCE!r}")
+    answer = extract_answer(solution_str)
+    return 1.0 if answer is not None and answer == int(ground_truth) else 0.0
+
+
+def prefix_correctness(problem: Problem, response: str) -> list[bool]:
+    """Per step (line) of ``response``: whether every line up to and including it is right (the prefix is
+    still on a correct path). An operation line is right when it applies the problem's next operation to the
+    previous right result and writes the reduced result; the answer line when it is the last line and names the
+    true answer. Any other line is wrong. Used to measure a critic's step-level AUROC against the truth."""
+    lines = [line for line in response.split(STEP_DELIMITER) if line.strip()]
+    out, ok, x = [], True, problem.start
+    for h, line in enumerate(lines):
+        if ok:
+            if h < len(problem.ops):
+                op, c = problem.ops[h]
+                y = apply_op(x, op, c, problem.modulus)
+                match = _LINE.match(line)
+                ok = bool(match) and (int(match.group(1)), match.group(2), int(match.group(3)), int(match.group(4))) == (x, op, c, y)
+                x = y
+            else:
+                ok = h == len(problem.ops) and h == len(lines) - 1 and extract_answer(line) == problem.answer
+        out.append(ok)
+    return out
+
+
+def verl_row(problem: Problem, split: str, index: int) -> dict:
+    """A verl RL parquet row (the layout of verl's data preprocessing scripts)."""
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": problem.prompt_text}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(problem.answer)},
+        "extra_info": {
+            "split": split,
+            "index": index,
+            "start": problem.start,
+            "ops": "".join(f"{op}{c} " for op, c in problem.ops).strip(),
+            "modulus": problem.modulus,
+            "num_ops": len(problem.ops),
+        },
+    }
+
+
+def problem_from_row(row: dict) -> Problem:
+    """Inverse of :func:`verl_row` (reads ``extra_info``)."""
+    info = row["extra_info"]
+    ops = tuple((token[0], int(token[1:])) for token in str(info["ops"]).split())
+    return Problem(int(info["start"]), ops, int(info["modulus"]))
+
+
+def slip_free(problems: Sequence[Problem]) -> list[str]:
+    """Reference solutions (no slip) of ``problems``."""
+    return ["\n".join(solution_lines(p)) for p in problems]

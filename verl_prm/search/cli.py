@@ -1,0 +1,343 @@
+"""`verl-prm search`: best-of-N, beam search on Q (+ alpha * A) and greedy step search over a data set, swept
+over N, with per-problem results, a summary table and a plot of accuracy against generated tokens.
+
+    verl-prm search --task toy --output-dir runs/search_toy
+    verl-prm search --task text --input gsm8k.parquet --policy PATH --q-critic PATH [--prover PATH] \\
+        --output-dir runs/search_gsm8k
+
+Methods (``--methods``, comma-separated):
+    best_of_n  N' = N * M full samples (``--bon-n`` to set them), re-ranked by ``--rank`` (ORM: the Q critic's
+               final value) over the Q critic's step values (``--rank-scores``)
+    beam_q     beam search, width N, M = ``--samples-per-beam`` steps per beam, ranked by Q alone
+    beam_pav   the same, ranked by Q + alpha * A (A from ``--prover``, or from the Q critic with ``--best-of-k``)
+    greedy     greedy step search with 1 + R = N samples per prefix (R = N - 1 retries), accepting on the
+               prover's (or the Q critic's) value or progress against ``--threshold``
+
+Outputs in ``--output-dir``: ``results.jsonl`` (one line per method, N and problem), ``summary.csv`` and
+``summary.md`` (accuracy and mean compute per method and N), ``accuracy_vs_compute.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import csv
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from verl_prm.search.core import (
+    BeamConfig,
+    BestOfNConfig,
+    CachedCritic,
+    GreedyConfig,
+    SearchResult,
+    beam_search,
+    best_of_n,
+    greedy_step_search,
+)
+
+__all__ = ["main", "run_sweep", "plot_accuracy_vs_compute", "summarize"]
+
+METHODS = ("best_of_n", "beam_q", "beam_pav", "greedy")
+METHOD_LABELS = {
+    "best_of_n": "best-of-N (ORM)",
+    "beam_q": "beam search on Q",
+    "beam_pav": "beam search on Q + alpha*A (PAV)",
+    "greedy": "greedy step search",
+}
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def _methods(text: str) -> list[str]:
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise argparse.ArgumentTypeError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    return methods
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="verl-prm search", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", choices=("toy", "text"), default="text",
+                   help="toy: the planted sub-sequence task with exact critics (CPU, seconds); text: a data set "
+                   "with a language-model policy and critics")
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--methods", type=_methods, default=list(METHODS[:3]),
+                   help=f"comma-separated, from {', '.join(METHODS)} (default: best_of_n,beam_q,beam_pav)")
+    p.add_argument("--n", type=_ints, default=None, help="beam widths N to sweep (default toy 1,2,4,8,16; text 1,2,4)")
+    p.add_argument("--bon-n", type=_ints, default=None, help="best-of-N sample counts (default: N * samples-per-beam)")
+    p.add_argument("--samples-per-beam", type=int, default=3, help="M: next steps sampled per beam")
+    p.add_argument("--alpha", type=float, default=0.5, help="weight of the prover's progress in Q + alpha*A")
+    p.add_argument("--best-of-k", type=int, default=1, help="K of the Best-of-K prover (A from BoK values)")
+    p.add_argument("--max-steps", type=int, default=32, help="steps after which a response is truncated")
+    p.add_argument("--rank", default="orm", help="best-of-N ranking: orm, min, max, mean, sum, product, last")
+    p.add_argument("--rank-scores", choices=("values", "progress"), default="values")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="greedy: accept a step iff its score >= threshold (default 0 for progress, 0.5 for value)")
+    p.add_argument("--accept-on", choices=("value", "progress"), default="progress", help="greedy acceptance score")
+    p.add_argument("--max-backtracks", type=int, default=2, help="greedy: backtracks per problem")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=int, default=None, help="use the first LIMIT problems")
+    toy = p.add_argument_group("toy task (--task toy)")
+    toy.add_argument("--problems", type=int, default=200, help="planted sequences (problems)")
+    toy.add_argument("--policy-gamma", type=float, default=2.0, help="base policy mu_gamma (weak)")
+    toy.add_argument("--prover-gamma", type=float, default=10.0, help="prover mu_gamma")
+    toy.add_argument("--q-rollouts", type=int, default=16,
+                     help="Q critic of the base policy fitted to this many rollouts per state (0: exact)")
+    toy.add_argument("--step-tokens", type=int, default=2, help="tokens per step")
+    text = p.add_argument_group("text task (--task text)")
+    text.add_argument("--input", help="problems: verl parquet rows or jsonl")
+    text.add_argument("--prompt-field", default="prompt")
+    text.add_argument("--answer-field", default="reward_model.ground_truth")
+    text.add_argument("--answer-regex", default=None, help="extract the ground truth by this regex's first group")
+    text.add_argument("--data-source-field", default="data_source")
+    text.add_argument("--data-source", default=None, help="override the data source of every row")
+    text.add_argument("--reward-fn", default=None, help="path.py:function (default: verl's default_compute_score)")
+    text.add_argument("--policy", help="base policy: local HF model directory (or a vLLM model path)")
+    text.add_argument("--q-critic", help="value critic of the base policy (HF directory)")
+    text.add_argument("--q-critic-format", default="value_head")
+    text.add_argument("--prover", default=None, help="prover critic (PAV); default: the Q critic with --best-of-k")
+    text.add_argument("--prover-format", default="value_head")
+    text.add_argument("--backend", choices=("hf", "vllm"), default="hf")
+    text.add_argument("--device", default=None)
+    text.add_argument("--delimiter", default="\\n\\n", help="step delimiter (escapes like \\n are decoded)")
+    text.add_argument("--step-regex", default=None, help="steps end at matches of this regex (hf back end)")
+    text.add_argument("--max-step-tokens", type=int, default=256)
+    text.add_argument("--max-response-tokens", type=int, default=1024)
+    text.add_argument("--temperature", type=float, default=1.0)
+    text.add_argument("--top-p", type=float, default=1.0)
+    text.add_argument("--batch-size", type=int, default=32, help="hf back end: sequences per generate call")
+    return p
+
+
+class _Setup:
+    """What a sweep needs: problems, sampler, critic factories, the verifier and a text renderer."""
+
+    def __init__(self, problems, sampler, q_critic: Callable[[], Any], prover: Callable[[], Any] | None,
+                 reward: Callable, text: Callable) -> None:
+        self.problems, self.sampler = problems, sampler
+        self.q_critic, self.prover = q_critic, prover
+        self.reward, self.text = reward, text
+
+
+def _toy_setup(args) -> _Setup:
+    from verl_prm.search.toy import ToySearchTask
+
+    task = ToySearchTask(args.problems, policy_gamma=args.policy_gamma, step_tokens=args.step_tokens, seed=args.seed)
+    problems = list(range(task.num_problems if args.limit is None else min(args.limit, task.num_problems)))
+    return _Setup(
+        problems,
+        task,
+        lambda: task.critic(rollouts=args.q_rollouts, seed=args.seed + 1),
+        lambda: task.critic(args.prover_gamma),
+        lambda node: task.reward(node),
+        task.text,
+    )
+
+
+def _text_setup(args) -> _Setup:
+    from verl_prm.critic import ProverCritic
+    from verl_prm.labeling.inputs import read_prompts, render_prompt
+    from verl_prm.labeling.scoring import OutcomeScorer, load_reward_function
+    from verl_prm.search.generation import HFStepSampler, TextCritic, VLLMStepSampler
+
+    missing = [name for name in ("input", "policy", "q_critic") if getattr(args, name) is None]
+    if missing:
+        raise SystemExit(f"verl-prm search --task text needs {', '.join('--' + m.replace('_', '-') for m in missing)}")
+    items = read_prompts(args.input, prompt_field=args.prompt_field, answer_field=args.answer_field,
+                         data_source_field=args.data_source_field, data_source=args.data_source,
+                         answer_regex=args.answer_regex, limit=args.limit)
+    delimiter = codecs.decode(args.delimiter, "unicode_escape")
+    common = dict(max_step_tokens=args.max_step_tokens, max_response_tokens=args.max_response_tokens,
+                  temperature=args.temperature, top_p=args.top_p)
+    if args.backend == "hf":
+        sampler = HFStepSampler.from_pretrained(args.policy, [], device=args.device, delimiter=delimiter,
+                                                regex=args.step_regex, batch_size=args.batch_size, **common)
+        prompts = [render_prompt(item.prompt, sampler.tokenizer) for item in items]
+        sampler.prompts = prompts
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.policy, trust_remote_code=False)
+        prompts = [render_prompt(item.prompt, tokenizer) for item in items]
+        sampler = VLLMStepSampler(args.policy, prompts, delimiter=delimiter, **common)
+    scorer = OutcomeScorer(load_reward_function(args.reward_fn))
+
+    def reward(node) -> float:
+        item = items[node.problem]
+        return float(scorer.success(scorer.score(item.data_source, "".join(node.steps), item.ground_truth, item.extra_info)))
+
+    loaded: dict[str, Any] = {}
+
+    def critic(path: str, format: str):
+        def build():
+            if path not in loaded:
+                loaded[path] = ProverCritic.from_pretrained(path, format=format, device=args.device)
+            return TextCritic(loaded[path], prompts)
+        return build
+
+    return _Setup(
+        list(range(len(items))),
+        sampler,
+        critic(args.q_critic, args.q_critic_format),
+        critic(args.prover, args.prover_format) if args.prover else None,
+        reward,
+        lambda node: "".join(node.steps),
+    )
+
+
+def run_sweep(args, setup: _Setup, log: Callable[[str], None] = print) -> list[dict]:
+    """Run every method at every N; return one record per (method, N, problem). Critic caches are fresh per
+    (method, N) run, so each run pays for its own critic calls."""
+    beam_widths = args.n
+    bon_ns = args.bon_n or [n * args.samples_per_beam for n in beam_widths]
+    threshold = args.threshold if args.threshold is not None else (0.0 if args.accept_on == "progress" else 0.5)
+    records: list[dict] = []
+    plan: list[tuple[str, int]] = []
+    for method in args.methods:
+        plan += [(method, n) for n in (bon_ns if method == "best_of_n" else beam_widths)]
+    try:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(plan, desc="search", unit="run")
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        iterator = plan
+    for method, n in iterator:
+        started = time.perf_counter()
+        q_critic = CachedCritic(setup.q_critic(), "q_critic")
+        prover = CachedCritic(setup.prover(), "prover") if setup.prover is not None else None
+        if method == "best_of_n":
+            results = best_of_n(setup.problems, setup.sampler, q_critic,
+                                BestOfNConfig(n=n, rank=args.rank, scores=args.rank_scores, seed=args.seed))
+        elif method in ("beam_q", "beam_pav"):
+            config = BeamConfig(beam_width=n, samples_per_beam=args.samples_per_beam,
+                                alpha=0.0 if method == "beam_q" else args.alpha, best_of_k=args.best_of_k,
+                                max_steps=args.max_steps, seed=args.seed)
+            results = beam_search(setup.problems, setup.sampler, q_critic, prover, config)
+        else:
+            config = GreedyConfig(threshold=threshold, accept_on=args.accept_on, max_retries=n - 1,
+                                  max_backtracks=args.max_backtracks, max_steps=args.max_steps,
+                                  best_of_k=args.best_of_k, seed=args.seed)
+            results = greedy_step_search(setup.problems, setup.sampler, prover if prover is not None else q_critic, config)
+        seconds = time.perf_counter() - started
+        for result in results:
+            records.append(_record(method, n, result, setup))
+        accuracy = sum(r["reward"] for r in records[-len(results):]) / max(len(results), 1)
+        log(f"{method:>10} N={n:<4} accuracy={accuracy:.3f} ({seconds:.1f} s)")
+    return records
+
+
+def _record(method: str, n: int, result: SearchResult, setup: _Setup) -> dict:
+    node = result.node
+    return dict(method=method, n=n, problem=result.problem, reward=float(setup.reward(node)), score=result.score,
+                num_steps=node.num_steps, truncated=node.truncated, response_tokens=node.num_tokens,
+                response=setup.text(node), **result.compute.as_dict(), info=result.info)
+
+
+def summarize(records: Sequence[dict]) -> list[dict]:
+    """Accuracy and mean compute per (method, n), in first-seen order."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for record in records:
+        groups.setdefault((record["method"], record["n"]), []).append(record)
+    rows = []
+    for (method, n), group in groups.items():
+        count = len(group)
+        rows.append(dict(
+            method=method, n=n, problems=count,
+            accuracy=sum(r["reward"] for r in group) / count,
+            generated_tokens=sum(r["generated_tokens"] for r in group) / count,
+            critic_tokens=sum(r["critic_tokens"] for r in group) / count,
+            step_samples=sum(r["step_samples"] for r in group) / count,
+        ))
+    return rows
+
+
+def _markdown(rows: Sequence[dict]) -> str:
+    lines = ["| method | N | accuracy | generated tokens / problem | critic tokens / problem | sampled steps / problem |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['n']} | {r['accuracy']:.3f} | {r['generated_tokens']:.1f} | "
+                     f"{r['critic_tokens']:.1f} | {r['step_samples']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_accuracy_vs_compute(rows: Sequence[dict], path: str | Path, title: str = "") -> None:
+    """Accuracy against mean generated tokens per problem (log scale), one line per method, N annotated."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6.4, 4.4))
+    for method in METHODS:
+        points = sorted((r["generated_tokens"], r["accuracy"], r["n"]) for r in rows if r["method"] == method)
+        if not points:
+            continue
+        xs, ys, ns = zip(*points)
+        axis.plot(xs, ys, marker="o", label=METHOD_LABELS[method])
+        for x, y, n in points:
+            axis.annotate(f"{n}", (x, y), textcoords="offset points", xytext=(3, 4), fontsize=7)
+    axis.set_xscale("log")
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    axis.xaxis.set_major_formatter(ScalarFormatter())
+    axis.xaxis.set_minor_formatter(NullFormatter())
+    axis.set_xlabel("generated tokens per problem (log scale)")
+    axis.set_ylabel("accuracy")
+    axis.set_title(title, fontsize=9)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.n is None:
+        args.n = [1, 2, 4, 8, 16] if args.task == "toy" else [1, 2, 4]
+    if "beam_pav" in args.methods and args.prover is None and args.task == "text" and args.best_of_k == 1:
+        print("verl-prm search: beam_pav without --prover uses the Q critic as the prover; with --best-of-k 1 its "
+              "progress only re-weights Q (set --best-of-k 4, the paper's choice, or pass --prover)", file=sys.stderr)
+    output = Path(args.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    setup = _toy_setup(args) if args.task == "toy" else _text_setup(args)
+    records = run_sweep(args, setup)
+    with open(output / "results.jsonl", "w") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    rows = summarize(records)
+    with open(output / "summary.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    table = _markdown(rows)
+    (output / "summary.md").write_text(table)
+    if args.task == "toy":
+        q_source = f"fitted to {args.q_rollouts} rollouts per state" if args.q_rollouts else "exact"
+        title = (f"planted sub-sequence task, {len(setup.problems)} problems; base policy mu_{args.policy_gamma:g}\n"
+                 f"Q^pi {q_source}; prover mu_{args.prover_gamma:g} (exact); alpha={args.alpha:g}, "
+                 f"M={args.samples_per_beam}, Best-of-{args.best_of_k}")
+    else:
+        title = f"{Path(args.input).name}, {len(setup.problems)} problems, alpha={args.alpha:g}, M={args.samples_per_beam}"
+    plot_accuracy_vs_compute(rows, output / "accuracy_vs_compute.png", title)
+    print(table)
+    print(f"wrote {output / 'results.jsonl'}, {output / 'summary.csv'}, {output / 'accuracy_vs_compute.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

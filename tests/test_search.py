@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +29,16 @@ from verl_prm.search.core import (
 )
 from verl_prm.search.generation import HFStepSampler, first_step_end, delimiter_regex
 from verl_prm.search.toy import ToySearchTask
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models on a shared 2-core machine: one intra-op thread is ~100x faster than two threads competing
+    with other processes (measured: 5 ms vs 450 ms per forward of the tiny Qwen2 under load)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -183,7 +192,7 @@ def test_compute_counters_add_up_and_prefixes_are_scored_once(toy):
         assert len(keys) == len(set(keys)), "a prefix was scored twice"
     # Batched: one sampler round and at most one call per critic and round (+ the final ORM pass, cached).
     rounds = 10 // 2
-    assert q_inner.calls <= rounds + 1 and p_inner.calls <= 2 * rounds
+    assert q_inner.calls <= rounds + 1 and p_inner.calls <= rounds
     for result in results:
         p = result.problem
         mine = [t for _, problem, t in sampler.steps if problem == p]

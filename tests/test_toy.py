@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -298,3 +299,8 @@ def test_demo_quick_runs_end_to_end(tmp_path, capsys, verl_loaded):
         assert (tmp_path / name).stat().st_size > 1000, name
     text = "\n".join(out)
     assert "outcome-only" in text and "Pass@N" in text and "prover sweep" in text
+    # the seeded quick run shows the demo's point: PAV (mu_10, alpha 1) reaches 90% and ends above outcome-only
+    report = json.loads((tmp_path / "results.json").read_text())
+    pav, outcome = report["comparison"]["PAV"], report["comparison"]["outcome-only"]
+    assert all(hit is not None for hit in pav["iterations_to_90"]), pav
+    assert min(pav["final_accuracy"]) > max(outcome["final_accuracy"]), (pav, outcome)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shlex
 import subprocess
 import sys
 import uuid
@@ -141,7 +140,7 @@ def test_critic_formats_match_the_critic_module():
 )
 def test_startup_validation_errors(overrides, message, critic_dir):
     config = compose_verl(PLUGIN_OVERRIDES + [f"verl_prm.critic.path={critic_dir}"] + overrides)
-    with pytest.raises(ConfigError, match=None) as error:
+    with pytest.raises(ConfigError) as error:
         validate_run_config(config)
     assert message in str(error.value)
 
@@ -248,19 +247,15 @@ def test_label_train_launcher_uses_the_label_and_train_commands(launcher_calls):
 # ---------------------------------------------------------------------------------------------- real main_ppo runs
 
 
-# Fresh processes: our modules imported before verl (verl_prm.trainer imports verl, whose plugin loader then
-# registers while verl_prm.trainer is incomplete), and a trainer module that fails to import (stub + loud error).
-IMPORT_ORDER_SCRIPT = """
-import verl_prm.trainer as t, verl_prm.reward as r
-from verl.trainer.ppo.v1 import get_trainer_cls
-from verl.experimental.reward_loop.reward_manager import get_reward_manager_cls
-import verl_prm.plugin as p
-print("REGISTERED", get_trainer_cls("pav_sync") is t.PavSyncTrainer, get_reward_manager_cls("pav") is r.PavRewardManager,
-      p.load_error)
-"""
-BROKEN_TRAINER_SCRIPT = """
+# A fresh process: verl_prm.reward imported before verl (it imports verl, whose plugin loader then registers
+# while verl_prm.reward is incomplete: the registration is deferred to the end of its import), and a trainer
+# module that cannot be imported (a stub that raises the error + an ERROR log, verl stays usable).
+PLUGIN_ORDER_AND_FAILURE_SCRIPT = """
 import sys
 sys.modules["verl_prm.critic.worker"] = None  # the trainer module cannot import
+import verl_prm.reward as r
+from verl.experimental.reward_loop.reward_manager import get_reward_manager_cls
+print("REGISTERED", get_reward_manager_cls("pav") is r.PavRewardManager)
 from verl.trainer.ppo.v1 import get_trainer_cls
 try:
     get_trainer_cls("pav_sync")(None)
@@ -279,8 +274,7 @@ def main_ppo_runs(critic_dir) -> dict[str, subprocess.CompletedProcess]:
                             {"VERL_USE_EXTERNAL_PLUGINS": "none"}),
         "negative_alpha": (main_ppo + PLUGIN_OVERRIDES + [f"verl_prm.critic.path={critic_dir}",
                                                           "algorithm.pav.alpha=-1"], {}),
-        "import_order": ([sys.executable, "-c", IMPORT_ORDER_SCRIPT], {}),
-        "broken_trainer": ([sys.executable, "-c", BROKEN_TRAINER_SCRIPT], {}),
+        "plugin_order_and_failure": ([sys.executable, "-c", PLUGIN_ORDER_AND_FAILURE_SCRIPT], {}),
     }
     processes = {
         name: subprocess.Popen(command, env=dict(os.environ, **env_extra), stdout=subprocess.PIPE,
@@ -313,15 +307,14 @@ def test_main_ppo_startup_check_rejects_a_bad_config_before_ray(main_ppo_runs):
     assert "Please set at least one of" not in output and "ray init kwargs" not in output
 
 
-def test_plugin_registers_when_our_modules_are_imported_before_verl(main_ppo_runs):
-    result = main_ppo_runs["import_order"]
+def test_plugin_registers_when_our_module_is_imported_before_verl(main_ppo_runs):
+    result = main_ppo_runs["plugin_order_and_failure"]
     assert result.returncode == 0, result.stderr
-    assert "REGISTERED True True None" in result.stdout
+    assert "REGISTERED True" in result.stdout
 
 
 def test_plugin_failure_registers_a_stub_that_names_the_error(main_ppo_runs):
-    result = main_ppo_runs["broken_trainer"]
-    assert result.returncode == 0, result.stderr
+    result = main_ppo_runs["plugin_order_and_failure"]
     assert "verl-prm failed to register trainer pav_sync with verl" in result.stderr  # logged at ERROR
     assert "STUB PluginLoadError verl-prm failed to load, so its trainer 'pav_sync'" in result.stdout
     assert "verl_prm.critic.worker" in result.stdout
@@ -590,7 +583,7 @@ def test_hook_advantage_phase_equals_the_pieces(hook_trainer, transfer_queue, gs
 
 
 @pytest.mark.ray
-def test_hook_with_grpo_keeps_verl_advantages_and_logs_pav_metrics(hook_trainer, transfer_queue, gsm8k_rows, bpe_small):
+def test_hook_with_grpo_keeps_verl_advantages_and_pav_alpha_zero_equals_them(hook_trainer, transfer_queue, gsm8k_rows, bpe_small):
     from transfer_queue import KVBatchMeta
     from verl import DataProto
     from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
@@ -614,6 +607,17 @@ def test_hook_with_grpo_keeps_verl_advantages_and_logs_pav_metrics(hook_trainer,
     expected = compute_advantage_for_multi_trajectories(data, batch_keys=keys, adv_estimator="grpo", config=algorithm)
     torch.testing.assert_close(advantages.to_padded_tensor(padding=0.0), expected.batch["advantages"])
     assert metrics["pav/steps_per_response"] >= 2 and "pav/process_term/std" in metrics
+
+    # pav_grpo with alpha = 0 through the hook gives verl's grpo advantages
+    alpha = algorithm.pav.alpha
+    algorithm.pav.alpha = 0.0
+    try:
+        hook_trainer._compute_advantage(KVBatchMeta(partition_id="train", keys=keys, tags=tags), {})
+    finally:
+        algorithm.pav.alpha = alpha
+    pav_zero = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["advantages"])["advantages"]
+    torch.testing.assert_close(pav_zero.to_padded_tensor(padding=0.0), expected.batch["advantages"],
+                               atol=1e-6, rtol=1e-5)
     tq.kv_clear(keys=keys, partition_id="train")
 
 
@@ -657,3 +661,29 @@ def test_patches_cli_check_exit_code(capsys):
 
     assert main(["patches", "check"]) == 0
     assert capsys.readouterr().out.count("applies") == 3
+
+
+def test_truncated_responses_reads_every_eos_id():
+    from verl_prm.trainer import truncated_responses
+
+    responses = torch.tensor([[5, 6, 1, 0], [5, 2, 0, 0], [5, 6, 7, 8], [0, 0, 0, 0]])
+    lengths = torch.tensor([3, 2, 4, 0])
+    assert truncated_responses(responses, lengths, [1, 2]).tolist() == [False, False, True, True]
+    assert truncated_responses(responses, lengths, 1).tolist() == [False, True, True, True]
+
+
+def test_own_placement_adds_the_critic_pool_to_verl_resource_pools(critic_dir, policy_dir):
+    """placement.pool=own: the critic's pool joins verl's ResourcePoolManager spec before verl creates the pools
+    (so verl's GPU-availability check counts it); colocated adds nothing (the critic uses global_pool)."""
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    from verl_prm.trainer import CRITIC_POOL_NAME
+
+    base = PLUGIN_OVERRIDES + [f"verl_prm.critic.path={critic_dir}", f"actor_rollout_ref.model.path={policy_dir}"]
+    own = get_trainer_cls("pav_sync")(compose_verl(base + [
+        "verl_prm.placement.pool=own", "verl_prm.placement.n_gpus_per_node=2", "verl_prm.placement.nnodes=1"]))
+    own._init_resource_pool_mgr()
+    assert own.resource_pool_manager.resource_pool_spec == {"global_pool": [8], CRITIC_POOL_NAME: [2]}  # verl default: 8 GPUs
+    colocated = get_trainer_cls("pav_sync")(compose_verl(base))
+    colocated._init_resource_pool_mgr()
+    assert colocated.resource_pool_manager.resource_pool_spec == {"global_pool": [8]}

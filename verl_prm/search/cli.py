@@ -6,8 +6,9 @@ over N, with per-problem results, a summary table and a plot of accuracy against
         --output-dir runs/search_gsm8k
 
 Methods (``--methods``, comma-separated):
-    best_of_n  N' = N * M full samples (``--bon-n`` to set them), re-ranked by ``--rank`` (ORM: the Q critic's
-               final value) over the Q critic's step values (``--rank-scores``)
+    best_of_n  N' = N * M full samples (``--bon-n`` to set them), re-ranked by ``--rank`` (``orm``: the final
+               value as an outcome verifier; or min/max/mean/sum/product/last of the step values or progress,
+               ``--rank-scores``) of the Q critic (or of the prover: ``--rank-critic prover``)
     beam_q     beam search, width N, M = ``--samples-per-beam`` steps per beam, ranked by Q alone
     beam_pav   the same, ranked by Q + alpha * A (A from ``--prover``, or from the Q critic with ``--best-of-k``)
     greedy     greedy step search with 1 + R = N samples per prefix (R = N - 1 retries), accepting on the
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from verl_prm.advantages import AGGREGATIONS
 from verl_prm.search.core import (
     BeamConfig,
     BestOfNConfig,
@@ -83,8 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alpha", type=float, default=0.5, help="weight of the prover's progress in Q + alpha*A")
     p.add_argument("--best-of-k", type=int, default=1, help="K of the Best-of-K prover (A from BoK values)")
     p.add_argument("--max-steps", type=int, default=32, help="steps after which a response is truncated")
-    p.add_argument("--rank", default="orm", help="best-of-N ranking: orm, min, max, mean, sum, product, last")
-    p.add_argument("--rank-scores", choices=("values", "progress"), default="values")
+    p.add_argument("--rank", choices=("orm", *AGGREGATIONS), default="orm",
+                   help="best-of-N ranking: orm (final value) or an aggregation of the step scores")
+    p.add_argument("--rank-scores", choices=("values", "progress"), default="values",
+                   help="best-of-N: aggregate the step values or their progress")
+    p.add_argument("--rank-critic", choices=("q", "prover"), default="q",
+                   help="best-of-N: the critic whose scores rank the samples (default: the Q critic)")
     p.add_argument("--threshold", type=float, default=None,
                    help="greedy: accept a step iff its score >= threshold (default 0 for progress, 0.5 for value)")
     p.add_argument("--accept-on", choices=("value", "progress"), default="progress", help="greedy acceptance score")
@@ -220,7 +226,8 @@ def run_sweep(args, setup: _Setup, log: Callable[[str], None] = print) -> list[d
         q_critic = CachedCritic(setup.q_critic(), "q_critic")
         prover = CachedCritic(setup.prover(), "prover") if setup.prover is not None else None
         if method == "best_of_n":
-            results = best_of_n(setup.problems, setup.sampler, q_critic,
+            ranker = prover if args.rank_critic == "prover" and prover is not None else q_critic
+            results = best_of_n(setup.problems, setup.sampler, ranker,
                                 BestOfNConfig(n=n, rank=args.rank, scores=args.rank_scores, seed=args.seed))
         elif method in ("beam_q", "beam_pav"):
             config = BeamConfig(beam_width=n, samples_per_beam=args.samples_per_beam,

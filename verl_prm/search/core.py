@@ -495,31 +495,26 @@ def beam_search(
             break
         children: list[Node] = []
         child_parent: list[Node] = []
-        # The roots sample N * M candidates, later rounds M per beam; grouped in two sampler calls at most.
-        for is_root, n in ((True, config.beam_width * config.samples_per_beam), (False, config.samples_per_beam)):
-            batch = [node for node in parents if (node.num_steps == 0) == is_root]
-            if not batch:
-                continue
-            base = node_seed(config.seed, "beam", depth, is_root)
-            seeds = [(base + i) % (2**31 - 1) for i in range(len(batch))]
-            samples = sampler.sample_steps(batch, n, seeds)
-            for parent, group in zip(batch, samples):
-                for sample in group:
-                    child = parent.extend(sample)
-                    if depth == config.max_steps - 1 and not child.finished:
-                        child = child.truncate()
-                    children.append(child)
-                    child_parent.append(parent)
-                    compute[parent.problem].generated_tokens += sample.num_tokens
-                    compute[parent.problem].step_samples += 1
+        # The first round samples N * M candidates from each root, later rounds M per unfinished beam.
+        n = config.beam_width * config.samples_per_beam if depth == 0 else config.samples_per_beam
+        base = node_seed(config.seed, "beam", depth)
+        seeds = [(base + i) % (2**31 - 1) for i in range(len(parents))]
+        samples = sampler.sample_steps(parents, n, seeds)
+        for parent, group in zip(parents, samples):
+            for sample in group:
+                child = parent.extend(sample)
+                if depth == config.max_steps - 1 and not child.finished:
+                    child = child.truncate()
+                children.append(child)
+                child_parent.append(parent)
+                compute[parent.problem].generated_tokens += sample.num_tokens
+                compute[parent.problem].step_samples += 1
         q_values = q_critic.values(children, compute)
         if config.alpha != 0:
+            # One prover call for the candidates and their parents (parents are cached after the first round).
+            both = prover_critic.values(children + child_parent, compute)
             child_scores = beam_scores(
-                q_values,
-                prover_critic.values(children, compute),
-                prover_critic.values(child_parent, compute),
-                config.alpha,
-                config.best_of_k,
+                q_values, both[: len(children)], both[len(children) :], config.alpha, config.best_of_k
             )
         else:
             child_scores = q_values

@@ -14,7 +14,9 @@ Steps are ``step_tokens`` consecutive tokens (the last step ends at EOS or at th
 - **Prover critic** mu_gamma: exact ``V^{mu_gamma}(t, k)``.
 - **Verifier**: the exact reward.
 
-Critic tokens count the tokens of the prefix the critic reads (as a language-model critic would).
+Critic tokens count the tokens of the prefix the critic reads (as a language-model critic would). Sampling
+draws from one generator per call, seeded by the call's first seed (results depend on how nodes are batched,
+which the search algorithms fix).
 """
 
 from __future__ import annotations

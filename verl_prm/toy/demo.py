@@ -363,7 +363,7 @@ def _plots(out: Path, report: dict[str, Any]) -> list[str]:
     ax2.set_ylabel("mean |A^mu| (base policy)", color="tab:orange")
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
-    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper left", fontsize=8)
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="center right", fontsize=8)
     ax.set_title("prover sweep")
     fig.tight_layout()
     fig.savefig(out / "accuracy_vs_gamma.png", dpi=120)

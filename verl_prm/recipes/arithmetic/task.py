@@ -19,9 +19,9 @@ random wrong value, and the following steps compute correctly from that wrong va
 data slips at a rate it learnt, at single steps; the values of its prefixes drop to 0 at the slip, so values
 differ from step to step (what a process verifier must see).
 
-This module is self-contained (standard library only): verl loads it as a file through
-``reward.custom_reward_function.path=.../task.py`` and ``custom_reward_function.name=compute_score``, and
-``verl-prm label --reward-fn .../task.py:compute_score`` does the same.
+The verifier (``compute_score``, verl's score-function signature) lives in ``score.py``, a file that verl
+loads by path: ``reward.custom_reward_function.path=.../score.py``; ``verl-prm label --reward-fn
+.../score.py:compute_score`` does the same.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
+
+from verl_prm.recipes.arithmetic.score import DATA_SOURCE, compute_score, extract_answer
 
 __all__ = [
     "DATA_SOURCE",
@@ -47,10 +49,8 @@ __all__ = [
     "verl_row",
 ]
 
-DATA_SOURCE = "arithmetic_mod"
 STEP_DELIMITER = "\n"
 OPS = ("+", "-", "*")
-_ANSWER = re.compile(r"answer\s+(-?\d+)\s*$")
 _LINE = re.compile(r"^\s*(-?\d+)\s*([-+*])\s*(\d+)\s*=\s*(-?\d+)\s*$")
 
 
@@ -184,27 +184,6 @@ def sft_example(problem: Problem, rng: random.Random, slip_rate: float) -> tuple
         wrong = [v for v in range(problem.modulus) if v != problem.values[h]]
         return "\n".join(solution_lines(problem, h, rng.choice(wrong))), h
     return "\n".join(solution_lines(problem)), -1
-
-
-def extract_answer(solution_str: str) -> int | None:
-    """The integer of the last non-empty line if it reads ``answer N``; else None."""
-    lines = [line for line in solution_str.strip().split("\n") if line.strip()]
-    if not lines:
-        return None
-    match = _ANSWER.match(lines[-1].strip())
-    return int(match.group(1)) if match else None
-
-
-def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
-    """verl score function: 1.0 iff the final ``answer N`` line equals the ground truth, else 0.0.
-
-    Usable as ``reward.custom_reward_function.path=<this file>`` ``reward.custom_reward_function.name=compute_score``.
-    Raises for a foreign ``data_source`` (a mis-wired reward is an error, not a silent 0).
-    """
-    if data_source != DATA_SOURCE:
-        raise ValueError(f"compute_score of the arithmetic task got data_source={data_source!r}, expected {DATA_SOURCE!r}")
-    answer = extract_answer(solution_str)
-    return 1.0 if answer is not None and answer == int(ground_truth) else 0.0
 
 
 def prefix_correctness(problem: Problem, response: str) -> list[bool]:

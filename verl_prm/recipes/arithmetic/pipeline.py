@@ -1,0 +1,388 @@
+"""The arithmetic recipe end to end, stage by stage, each stage resuming from its outputs.
+
+    python -m verl_prm.recipes.arithmetic --scale cpu --work-dir runs/arithmetic_cpu
+
+Stages (``--stages``, default all, in this order), each writing under ``--work-dir``:
+
+==========  ===========================================================================================
+data        ``data/``: verl parquet rows (``rl_train``, ``label``, ``test``) and the SFT solutions
+            (``sft.jsonl``, ``slip_rate`` of them with one slip)
+sft         ``policy/``: a tiny Qwen2 causal LM trained from scratch (HF format, safetensors, tokenizer)
+label       ``labels/``: ``verl-prm label`` (Monte-Carlo values of step prefixes; the prover is the policy,
+            raw success counts kept so that the Best-of-K prover's values follow)
+pav         ``pav/``: ``verl-prm train`` (a value-head PAV initialised from the policy)
+rl_grpo     ``rl_grpo/``: GRPO (CPU loop of :mod:`.rl`, or verl's ``main_ppo`` on GPU: ``run_gpu.sh``)
+rl_pav      ``rl_pav_grpo/``: PAV-GRPO, the same seeds, prompts and budget
+evaluate    ``results/``: ``results.md``, ``results.json`` and three PNG plots
+==========  ===========================================================================================
+
+A stage is skipped when its ``DONE.json`` marker exists and records the same settings; a marker with other
+settings is an error (use another work directory). ``verl-prm label``, ``verl-prm train`` and the RL loop also
+resume inside a stage that was interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Sequence
+
+from verl_prm.recipes.arithmetic.model import ModelConfig, SFTConfig
+from verl_prm.recipes.arithmetic.rl import RLConfig
+from verl_prm.recipes.arithmetic.task import TaskConfig
+
+__all__ = ["Scale", "SCALES", "STAGES", "run", "main"]
+
+STAGES = ("data", "sft", "label", "pav", "rl_grpo", "rl_pav", "evaluate")
+SCORE_FILE = Path(__file__).with_name("score.py")
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Every setting of one run of the recipe."""
+
+    task: TaskConfig = field(default_factory=TaskConfig)
+    sft_problems: int = 20000
+    rl_problems: int = 2000
+    label_problems: int = 96
+    test_problems: int = 256
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    # verl-prm label
+    n_cov: int = 2
+    n_mc: int = 8
+    label_backend: str = "hf"
+    label_batch_size: int = 256
+    # verl-prm train
+    pav_steps: int = 150
+    pav_batch_size: int = 32
+    pav_lr: float = 1e-3
+    pav_warmup: int = 10
+    # RL (both runs)
+    rl: RLConfig = field(default_factory=RLConfig)
+    # evaluation
+    eval_samples: int = 4
+    search_problems: int = 64
+    best_of_n: tuple[int, ...] = (1, 2, 4, 8)
+    beam_widths: tuple[int, ...] = (1, 2, 4)
+    samples_per_beam: int = 2
+    search_alpha: float = 0.5
+    device: str = "cpu"
+
+    @property
+    def max_new_tokens(self) -> int:
+        """Longest solution: per op "x?c=y\\n" with up to 2-digit numbers, "answer N", EOS; plus slack."""
+        digits = len(str(self.task.modulus - 1))
+        return self.task.max_ops * (3 * digits + 3) + 8 + digits + 8
+
+
+SCALES: dict[str, Scale] = {
+    # The default CPU recipe: ~1 M parameters, a few minutes per stage on 2 cores.
+    "cpu": Scale(),
+    # The test suite's micro run: every stage for real, a few optimisation steps each.
+    "micro": Scale(
+        task=TaskConfig(min_ops=1, max_ops=2, modulus=7, max_operand=6),
+        sft_problems=200, rl_problems=20, label_problems=3, test_problems=6,
+        model=ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                          num_key_value_heads=2, max_position_embeddings=64),
+        sft=SFTConfig(steps=4, batch_size=8, warmup_steps=1),
+        n_cov=1, n_mc=2, label_batch_size=16, pav_steps=2, pav_batch_size=4, pav_warmup=1,
+        rl=RLConfig(steps=2, prompts_per_step=2, group_size=2, eval_every=1, eval_samples=1),
+        eval_samples=1, search_problems=2, best_of_n=(1, 2), beam_widths=(1,), samples_per_beam=2,
+    ),
+    # One H100/H200: a ~25 M parameter model on a harder task; the RL stages run in verl (run_gpu.sh).
+    "gpu": Scale(
+        task=TaskConfig(min_ops=3, max_ops=6, modulus=97, max_operand=96, slip_rate=0.3),
+        sft_problems=400_000, rl_problems=20_000, label_problems=2000, test_problems=1024,
+        model=ModelConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                          num_key_value_heads=8, max_position_embeddings=512),
+        sft=SFTConfig(steps=6000, batch_size=256, lr=1e-3, warmup_steps=200),
+        n_cov=4, n_mc=16, label_backend="vllm", label_batch_size=1024,
+        pav_steps=2000, pav_batch_size=64, pav_lr=2e-4, pav_warmup=100,
+        rl=RLConfig(steps=200, prompts_per_step=128, group_size=8, lr=1e-5, eval_every=10, eval_samples=4),
+        eval_samples=4, search_problems=512, best_of_n=(1, 2, 4, 8, 16, 32), beam_widths=(1, 2, 4, 8),
+        samples_per_beam=3, device="cuda",
+    ),
+}
+
+
+def _jsonable(value):
+    return json.loads(json.dumps(value, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)))
+
+
+class Stage:
+    """A stage directory with a completion marker that records the stage's settings."""
+
+    def __init__(self, root: Path, name: str, settings: dict) -> None:
+        self.path = root / name
+        self.marker = self.path / "DONE.json"
+        self.settings = _jsonable(settings)
+
+    def done(self) -> bool:
+        if not self.marker.exists():
+            return False
+        recorded = json.loads(self.marker.read_text())
+        if recorded.get("settings") != self.settings:
+            raise ValueError(f"{self.path} was completed with other settings; use another --work-dir or delete it "
+                             f"(recorded {recorded.get('settings')}, now {self.settings})")
+        return True
+
+    def finish(self, outputs: dict, seconds: float) -> dict:
+        record = {"settings": self.settings, "outputs": _jsonable(outputs), "seconds": round(seconds, 1)}
+        tmp = self.marker.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=2))
+        tmp.replace(self.marker)
+        return record
+
+    def outputs(self) -> dict:
+        return json.loads(self.marker.read_text())["outputs"]
+
+
+# ------------------------------------------------------------------------------------------------- stages
+
+
+def _problems(scale: Scale):
+    """(sft, rl, label, test) problems; test prompts appear in no other split."""
+    from verl_prm.recipes.arithmetic.task import generate_problems
+
+    test = generate_problems(scale.test_problems, scale.task, seed=1)
+    held = [p.prompt_text for p in test]
+    rl = generate_problems(scale.rl_problems, scale.task, seed=2, exclude=held)
+    sft = generate_problems(scale.sft_problems, scale.task, seed=3, exclude=held)
+    label = generate_problems(scale.label_problems, scale.task, seed=4, exclude=held)
+    return sft, rl, label, test
+
+
+def stage_data(stage: Stage, scale: Scale) -> dict:
+    import pandas as pd
+
+    from verl_prm.recipes.arithmetic.task import sft_example, verl_row
+
+    sft, rl, label, test = _problems(scale)
+    stage.path.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for name, problems in (("rl_train", rl), ("label", label), ("test", test)):
+        path = stage.path / f"{name}.parquet"
+        pd.DataFrame([verl_row(p, name, i) for i, p in enumerate(problems)]).to_parquet(path)
+        files[name] = str(path)
+    rng = random.Random(f"sft-solutions-{scale.sft.seed}")
+    slips = 0
+    with open(stage.path / "sft.jsonl", "w") as f:
+        for p in sft:
+            text, slip = sft_example(p, rng, scale.task.slip_rate)
+            slips += slip >= 0
+            f.write(json.dumps({"prompt": p.prompt_text, "response": text, "slip_step": slip}) + "\n")
+    files["sft"] = str(stage.path / "sft.jsonl")
+    return {"files": files, "sft_solutions": len(sft), "sft_slip_share": slips / max(len(sft), 1)}
+
+
+def stage_sft(stage: Stage, scale: Scale, data_dir: Path, progress: bool) -> dict:
+    import torch
+
+    from verl_prm.recipes.arithmetic.model import build_model, build_tokenizer, encode_sft, save_policy, train_sft
+
+    rows = [json.loads(line) for line in open(data_dir / "sft.jsonl")]
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, scale.model, seed=scale.sft.seed).to(scale.device)
+    examples = encode_sft(tokenizer, [r["prompt"] for r in rows], [r["response"] for r in rows])
+    stage.path.mkdir(parents=True, exist_ok=True)
+    log_path = stage.path / "sft_metrics.jsonl"
+    log_path.write_text("")
+
+    def log(record: dict) -> None:
+        with open(log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    losses = train_sft(model, examples, scale.sft, tokenizer.pad_token_id, progress=progress, log=log,
+                       device=torch.device(scale.device))
+    save_policy(model.to("cpu"), tokenizer, stage.path)
+    return {"parameters": sum(p.numel() for p in model.parameters()), "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+            "path": str(stage.path)}
+
+
+def stage_label(stage: Stage, scale: Scale, data_dir: Path, policy: Path, progress: bool) -> dict:
+    from verl_prm.cli import main as cli
+
+    argv = ["label", "--input", str(data_dir / "label.parquet"), "--policy", str(policy), "--output-dir",
+            str(stage.path), "--backend", scale.label_backend, "--n-cov", str(scale.n_cov), "--n-mc", str(scale.n_mc),
+            "--strategy", "every", "--delimiter", "\\n", "--max-new-tokens", str(scale.max_new_tokens),
+            "--temperature", "1.0", "--batch-size", str(scale.label_batch_size), "--reward-fn",
+            f"{SCORE_FILE}:compute_score", "--seed", "0"]
+    if scale.label_backend == "hf":
+        argv += ["--device", scale.device, "--dtype", "float32"]
+    if not progress:
+        argv.append("--no-progress")
+    if cli(argv) != 0:
+        raise RuntimeError(f"verl-prm {' '.join(argv)} failed")
+    from verl_prm.labeling.format import read_labels
+
+    frame = read_labels(stage.path)
+    q = [v for values in frame["q"] for v in values]
+    return {"command": "verl-prm " + " ".join(argv), "rollouts": len(frame), "labelled_steps": len(q),
+            "seed_accuracy": float(frame["outcome"].mean()), "mean_q": sum(q) / max(len(q), 1)}
+
+
+def stage_pav(stage: Stage, scale: Scale, labels: Path, policy: Path, progress: bool) -> dict:
+    from verl_prm.cli import main as cli
+    from verl_prm.training.trainer import latest_checkpoint
+
+    argv = ["train", "--labels", str(labels), "--init", str(policy), "--output-dir", str(stage.path),
+            "--max-steps", str(scale.pav_steps), "--batch-size", str(scale.pav_batch_size), "--lr", str(scale.pav_lr),
+            "--warmup-steps", str(scale.pav_warmup), "--eval-fraction", "0.2", "--best-of-k", "1",
+            "--max-length", str(scale.model.max_position_embeddings), "--log-every", "10", "--seed", "0"]
+    if scale.device == "cpu":
+        argv.append("--cpu")
+    if not progress:
+        argv.append("--no-progress")
+    if cli(argv) != 0:
+        raise RuntimeError(f"verl-prm {' '.join(argv)} failed")
+    metrics = json.loads((stage.path / "eval_metrics.json").read_text())
+    return {"command": "verl-prm " + " ".join(argv), "checkpoint": str(latest_checkpoint(stage.path)),
+            "eval_metrics": metrics}
+
+
+def stage_rl(stage: Stage, scale: Scale, estimator: str, policy: Path, critic: str | None, progress: bool) -> dict:
+    from verl_prm.recipes.arithmetic.rl import run_rl
+
+    sft, rl, label, test = _problems(scale)
+    config = replace(scale.rl, estimator=estimator, max_new_tokens=scale.max_new_tokens)
+    summary = run_rl(policy, critic if estimator != "grpo" else None, rl, test, config, stage.path, progress=progress)
+    return {"final_eval_accuracy": summary["final_eval_accuracy"], "curve": summary["eval_curve"],
+            "final_policy": summary["final_policy"]}
+
+
+def stage_evaluate(stage: Stage, scale: Scale, root: Path, policy: Path, critic: str, pav_metrics: dict,
+                   curves: dict, final_policies: dict) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_prm.critic import ProverCritic
+    from verl_prm.recipes.arithmetic import evaluate as ev
+    from verl_prm.recipes.arithmetic.model import render
+
+    sft, rl, label, test = _problems(scale)
+    stage.path.mkdir(parents=True, exist_ok=True)
+
+    def texts_of(tokenizer, problems=test):
+        return [render(tokenizer, p.prompt_text) for p in problems]
+
+    seed = 12345
+    policies = {}
+    for name, path in (("base", policy), ("grpo", final_policies["grpo"]), ("pav_grpo", final_policies["pav_grpo"])):
+        policies[name] = ev.policy_accuracy(path, texts_of, test, samples=scale.eval_samples,
+                                            max_new_tokens=scale.max_new_tokens, seed=seed)
+        policies[name]["path"] = str(path)
+        policies[name]["steps"] = 0 if name == "base" else curves[name][-1][0]
+        policies[name]["samples"] = 0 if name == "base" else curves[name][-1][1]
+    tokenizer = AutoTokenizer.from_pretrained(str(policy), trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(str(policy), trust_remote_code=False).to(scale.device).eval()
+    critic_model = ProverCritic.from_pretrained(critic, format="value_head", device=scale.device)
+    critic_result = ev.critic_step_auroc(critic_model, tokenizer, model, texts_of(tokenizer), test, samples=1,
+                                         max_new_tokens=scale.max_new_tokens, seed=seed + 1)
+    critic_result["label_auroc"] = float(pav_metrics.get("eval/auroc", float("nan")))
+    critic_result["label_mse"] = float(pav_metrics.get("eval/mse", float("nan")))
+    search_set = test[: scale.search_problems]
+    search = ev.search_sweep(model, tokenizer, critic_model, texts_of(tokenizer, search_set), search_set,
+                             best_of_n=scale.best_of_n, beam_widths=scale.beam_widths,
+                             samples_per_beam=scale.samples_per_beam, alpha=scale.search_alpha,
+                             best_of_k=scale.rl.best_of_k, max_new_tokens=scale.max_new_tokens,
+                             max_steps=scale.task.max_ops + 2, seed=seed)
+    results = {"policies": policies, "curves": curves, "critic": critic_result, "search": search,
+               "sample_efficiency": ev.sample_efficiency(curves["grpo"], curves["pav_grpo"]),
+               "settings": _jsonable(scale)}
+    table = ev.write_table(results, stage.path / "results.md", stage.path / "results.json")
+    plots = ev.plot_all(results, stage.path)
+    return {"table": table, "plots": plots, "results": str(stage.path / "results.json")}
+
+
+# ------------------------------------------------------------------------------------------------- driver
+
+
+def run(scale: Scale, work_dir: str | Path, stages: Sequence[str] = STAGES, *, progress: bool = True,
+        log=print) -> dict:
+    """Run the requested stages (skipping complete ones); returns every stage's record."""
+    import torch
+
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise ValueError(f"unknown stages {unknown}; choose from {STAGES}")
+    root = Path(work_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    if scale.device == "cpu":
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
+    d = Stage(root, "data", {"task": scale.task, "n": [scale.sft_problems, scale.rl_problems, scale.label_problems,
+                                                        scale.test_problems], "seed": scale.sft.seed})
+    s = Stage(root, "policy", {"data": d.settings, "model": scale.model, "sft": scale.sft})
+    lab = Stage(root, "labels", {"policy": s.settings, "n": [scale.n_cov, scale.n_mc], "backend": scale.label_backend,
+                                 "max_new_tokens": scale.max_new_tokens})
+    pav = Stage(root, "pav", {"labels": lab.settings, "steps": scale.pav_steps, "batch": scale.pav_batch_size,
+                              "lr": scale.pav_lr, "warmup": scale.pav_warmup})
+    rl_settings = {"policy": s.settings, "critic": pav.settings, "rl": scale.rl, "max_new_tokens": scale.max_new_tokens}
+    rl_stages = {"grpo": Stage(root, "rl_grpo", {**rl_settings, "estimator": "grpo", "critic": None}),
+                 "pav_grpo": Stage(root, "rl_pav_grpo", {**rl_settings, "estimator": "pav_grpo"})}
+    ev = Stage(root, "results", {"rl": [st.settings for st in rl_stages.values()], "eval_samples": scale.eval_samples,
+                                 "search": [scale.search_problems, scale.best_of_n, scale.beam_widths,
+                                            scale.samples_per_beam, scale.search_alpha]})
+    records: dict = {}
+
+    def do(name: str, stage: Stage, fn) -> dict:
+        if stage.done():
+            log(f"[arithmetic] {name}: complete, skipped ({stage.path})")
+            records[name] = json.loads(stage.marker.read_text())
+            return records[name]["outputs"]
+        if name not in stages:
+            raise RuntimeError(f"stage {name} is needed but not complete and not requested (--stages)")
+        log(f"[arithmetic] {name}: running -> {stage.path}")
+        started = time.perf_counter()
+        outputs = fn()
+        records[name] = stage.finish(outputs, time.perf_counter() - started)
+        log(f"[arithmetic] {name}: done in {records[name]['seconds']} s")
+        return outputs
+
+    # Every stage up to the last requested one runs in order; one that was not requested must be complete.
+    needed = set(STAGES[: max(STAGES.index(x) for x in stages) + 1])
+    pav_out: dict = {}
+    if "data" in needed:
+        do("data", d, lambda: stage_data(d, scale))
+    if "sft" in needed:
+        do("sft", s, lambda: stage_sft(s, scale, d.path, progress))
+    if "label" in needed:
+        do("label", lab, lambda: stage_label(lab, scale, d.path, s.path, progress))
+    if "pav" in needed:
+        pav_out = do("pav", pav, lambda: stage_pav(pav, scale, lab.path, s.path, progress))
+    outs = {}
+    for key, name in (("grpo", "rl_grpo"), ("pav_grpo", "rl_pav")):
+        if name in needed:
+            outs[key] = do(name, rl_stages[key],
+                           lambda key=key: stage_rl(rl_stages[key], scale, key, s.path, pav_out["checkpoint"], progress))
+    if "evaluate" in needed:
+        curves = {k: v["curve"] for k, v in outs.items()}
+        finals = {k: v["final_policy"] for k, v in outs.items()}
+        result = do("evaluate", ev, lambda: stage_evaluate(ev, scale, root, s.path, pav_out["checkpoint"],
+                                                            pav_out["eval_metrics"], curves, finals))
+        log(result["table"])
+        log("plots: " + ", ".join(result["plots"]))
+    return records
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m verl_prm.recipes.arithmetic", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scale", choices=sorted(SCALES), default="cpu")
+    parser.add_argument("--work-dir", required=True, help="outputs of every stage; rerun to resume")
+    parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    parser.add_argument("--rl-steps", type=int, default=None, help="override the RL iterations of the scale")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    scale = SCALES[args.scale]
+    if args.rl_steps is not None:
+        scale = replace(scale, rl=replace(scale.rl, steps=args.rl_steps))
+    run(scale, args.work_dir, [s.strip() for s in args.stages.split(",") if s.strip()], progress=not args.no_progress)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

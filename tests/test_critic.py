@@ -190,14 +190,6 @@ class PrefixReference:
         return [self.value_at_last(self.prefix(ids, ends[: h + 1])) for h in range(len(ends))]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny models on 2 shared cores: one intra-op thread is faster and steadier than two contending ones."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, bpe_small) -> dict[str, Path]:

@@ -22,15 +22,6 @@ from verl_prm.evaluation.processbench import (
     sweep_thresholds,
 )
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread is ~100x faster than two threads competing
-    with other processes (measured: 5 ms vs 450 ms per forward of the tiny Qwen2 under load)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 # Five samples, threshold 0.5 (hand-computed):
 #   s0: first score < 0.5 at h=1, label 1  -> right (erroneous)

@@ -36,15 +36,6 @@ def scripted_labeler(settings: LabelSettings, p_policy: float, p_prover: float) 
                              OutcomeScorer(scripted_step_score), settings)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """One intra-op thread: on a shared 2-core machine, OpenMP threads that spin-wait for busy cores make tiny
-    models 10x slower (measured: 80 training steps 8.8 s with 1 thread, 144 s with 2 under load)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 # ------------------------------------------------------------------------------------------------ Monte Carlo
 

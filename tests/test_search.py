@@ -31,15 +31,6 @@ from verl_prm.search.generation import HFStepSampler, first_step_end, delimiter_
 from verl_prm.search.toy import ToySearchTask
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread is ~100x faster than two threads competing
-    with other processes (measured: 5 ms vs 450 ms per forward of the tiny Qwen2 under load)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 # ------------------------------------------------------------------------------------------------ helpers
 class RecordingSampler:
@@ -440,3 +431,15 @@ def test_search_cli_text_runs_every_method_with_tiny_models(tmp_path, text_model
         assert r["critic_tokens"] > 0 and r["reward"] in (0.0, 1.0)
         assert r["response"].count("x") % 2 == (0 if r["reward"] else 1)
     assert (out / "accuracy_vs_compute.png").exists()
+
+
+def test_cache_scores_only_the_longest_of_nested_prefixes():
+    inner = RecordingCritic(ConstantCritic(0.25))
+    critic = CachedCritic(inner)
+    compute: dict = {}
+    nodes = [Node(0), Node(0, ("a",)), Node(0, ("a", "b")), Node(1, ("c",)), Node(0, ("a", "b"))]
+    assert critic.values(nodes, compute).tolist() == [0.25] * 5
+    assert [key for key, _, _ in inner.scored] == [(0, ("a", "b")), (1, ("c",))]
+    assert compute[0].critic_sequences == 1 and compute[0].critic_tokens == 3 and compute[1].critic_tokens == 2
+    critic.values([Node(0, ("a",)), Node(0, ("a", "x"))], compute)  # only the new branch is scored
+    assert [key for key, _, _ in inner.scored][2:] == [(0, ("a", "x"))] and inner.calls == 2

@@ -36,15 +36,6 @@ from verl_prm.training.trainer import TrainConfig, latest_checkpoint, train
 P_PROVER, P_POLICY, NUM_STEPS = 0.7, 0.75, 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """One intra-op thread: on a shared 2-core machine, OpenMP threads that spin-wait for busy cores make tiny
-    models 10x slower (measured: 80 training steps 8.8 s with 1 thread, 144 s with 2 under load)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 # ------------------------------------------------------------------------------------------------ metrics
 

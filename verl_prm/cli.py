@@ -13,6 +13,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "critic"): ("verl_prm.bench.critic:main", "packed vs per-prefix vs padded critic scoring"),
     ("label",): ("verl_prm.labeling.cli:main", "Monte-Carlo step labels from a prover"),
     ("train",): ("verl_prm.training.cli:main", "train a PAV on step labels"),
+    ("search",): ("verl_prm.search.cli:main", "best-of-N, beam search on Q + alpha*A, greedy step search"),
+    ("eval", "processbench"): ("verl_prm.evaluation.processbench:main", "first-error F1 of a PRM (ProcessBench)"),
     ("patches",): ("verl_prm.patching:main", "check or apply the upstreamable verl patches"),
 }
 

@@ -197,9 +197,10 @@ def node_seed(*parts: object) -> int:
 class CachedCritic:
     """A prefix critic behind a cache of prefix values.
 
-    ``values(nodes)`` scores, in one ``score_nodes`` call, the distinct nodes whose value is not cached yet,
-    and caches the value of every prefix of each scored node (they come out of the same forward pass), so a
-    parent or a beam carried to the next round is never scored again. Critic tokens and sequences are added
+    ``values(nodes)`` scores, in one ``score_nodes`` call, the distinct nodes whose value is not cached yet
+    (except those that are prefixes of other nodes of the call), and caches the value of every prefix of each
+    scored node (they come out of the same forward pass), so a parent or a beam carried to the next round is
+    never scored again. Critic tokens and sequences are added
     to the ``Compute`` of each scored node's problem.
     """
 
@@ -218,7 +219,15 @@ class CachedCritic:
                 missing[node.key] = node
         if not missing:
             return
-        todo = list(missing.values())
+        # A node that is a prefix of another node of the batch gets its value from that node's pass.
+        covered: set = set()
+        for node in missing.values():
+            for h in range(node.num_steps - 1, -1, -1):
+                key = (node.problem, node.steps[:h])
+                if key in self._values or key in covered:
+                    break
+                covered.add(key)
+        todo = [node for key, node in missing.items() if key not in covered]
         values, tokens = self.critic.score_nodes(todo)
         if len(values) != len(todo) or len(tokens) != len(todo):
             raise ValueError(f"{self.name}: score_nodes returned {len(values)} results for {len(todo)} nodes")

@@ -533,7 +533,7 @@ def _print_report(report: dict[str, Any], settings: DemoSettings, files: list[st
                  f"{100 * row['accuracy_mean']:.1f}%", f"{100 * np.mean(row['accuracy_at_end']):.1f}%",
                  _fmt_hits(row["iterations_to_90"], end)]
         if row["critic"]:
-            cells.append(f"{row['critic']['value_mae']:.3f} / {row['critic']['progress_mae']:.3f}")
+            cells.append(f"{row['critic']['value_mae']:.4f} / {row['critic']['progress_mae']:.4f}")
         rows.append(cells)
     header = ["gamma", "V^mu(start)", "mean |A^mu| (base)", f"accuracy at {at}", f"accuracy at {end}",
               "iterations to 90%"]

@@ -76,9 +76,16 @@ class Scale:
 
     @property
     def max_new_tokens(self) -> int:
-        """Longest solution: per op "x?c=y\\n" with up to 2-digit numbers, "answer N", EOS; plus slack."""
-        digits = len(str(self.task.modulus - 1))
-        return self.task.max_ops * (3 * digits + 3) + 8 + digits + 8
+        """The longest reference solution (every number with the most digits) plus slack for one EOS and a
+        few wrong tokens."""
+        from verl_prm.recipes.arithmetic.task import Problem, solution_lines
+
+        top = self.task.modulus - 1
+        worst = Problem(top, tuple((self.task.ops[0], self.task.max_operand) for _ in range(self.task.max_ops)),
+                        self.task.modulus)
+        longest = sum(len(line.replace(str(worst.values[h] if h < len(worst.values) else top), str(top))) + 1
+                      for h, line in enumerate(solution_lines(worst)))
+        return longest + len(str(top)) * self.task.max_ops + 8
 
 
 SCALES: dict[str, Scale] = {
@@ -89,7 +96,7 @@ SCALES: dict[str, Scale] = {
         task=TaskConfig(min_ops=1, max_ops=2, modulus=7, max_operand=6),
         sft_problems=200, rl_problems=20, label_problems=3, test_problems=6,
         model=ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                          num_key_value_heads=2, max_position_embeddings=64),
+                          num_key_value_heads=2, max_position_embeddings=160),
         sft=SFTConfig(steps=4, batch_size=8, warmup_steps=1),
         n_cov=1, n_mc=2, label_batch_size=16, pav_steps=2, pav_batch_size=4, pav_warmup=1,
         rl=RLConfig(steps=2, prompts_per_step=2, group_size=2, eval_every=1, eval_samples=1),

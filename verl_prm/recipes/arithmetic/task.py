@@ -3,14 +3,14 @@
 A problem is a start value and a chain of operations evaluated left to right modulo a prime ``p``::
 
     prompt:    ((5+7)*3)-4 mod 13
-    solution:  5+7=12
-               12*3=10
-               10-4=6
+    solution:  (12*3)-4
+               10-4
+               6
                answer 6
 
-Every operation line is one step (the step delimiter is ``"\\n"``); the last line gives the answer. Each line's
-result is reduced mod p into [0, p). Operands are in [1, max_operand] with ``max_operand < p`` and p prime, so
-every operation (x + c, x - c, x * c mod p) is a bijection of Z_p: a wrong intermediate value can never turn
+Every line is one step (the step delimiter is ``"\\n"``): it rewrites the expression with its innermost
+operation evaluated (reduced mod p into [0, p)); the last line gives the answer. Operands are in
+[1, max_operand] with ``max_operand < p`` and p prime, so every operation (x + c, x - c, x * c mod p) is a bijection of Z_p: a wrong intermediate value can never turn
 back into the right one, and **a solution with a slip always ends in a wrong answer**.
 
 Slips. The supervised data has solutions with a slip (``slip_rate``, default 0.3, is the fraction of SFT
@@ -27,7 +27,6 @@ loads by path: ``reward.custom_reward_function.path=.../score.py``; ``verl-prm l
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -51,7 +50,6 @@ __all__ = [
 
 STEP_DELIMITER = "\n"
 OPS = ("+", "-", "*")
-_LINE = re.compile(r"^\s*(-?\d+)\s*([-+*])\s*(\d+)\s*=\s*(-?\d+)\s*$")
 
 
 def is_prime(n: int) -> bool:
@@ -157,11 +155,28 @@ def generate_problems(n: int, config: TaskConfig, seed: int, exclude: Iterable[s
     return problems
 
 
+def rewrite(start: int, ops: Sequence[tuple[str, int]], modulus: int, depth: int) -> str:
+    """The expression after ``depth`` operations were evaluated: the value so far followed by the remaining
+    operations, parenthesised as in :attr:`Problem.expression` (``depth = len(ops)``: the bare value)."""
+    del modulus  # the value is given; kept for symmetry with apply_op
+    text = str(start)
+    rest = ops[depth:]
+    for i, (op, c) in enumerate(rest):
+        text = f"{text}{op}{c}"
+        if i < len(rest) - 1:
+            text = f"({text})"
+    return text
+
+
 def solution_lines(problem: Problem, slip_step: int | None = None, slip_value: int | None = None) -> list[str]:
     """The solution's lines: one per operation, then ``answer N``.
 
-    With ``slip_step = h`` (0-based operation index) the result written at step h is ``slip_value`` (must
-    differ from the true result) and later steps compute from it; the answer line is then wrong.
+    Line h rewrites the expression with its innermost operation evaluated: for ``((5+7)*3)-4 mod 13`` the
+    lines are ``(12*3)-4``, ``10-4``, ``6``, ``answer 6``. Each line reads the first operation of the previous
+    line (or of the prompt), so every step is a local computation plus a copy of the remaining operations.
+
+    With ``slip_step = h`` (0-based operation index) the value written at step h is ``slip_value`` (it must
+    differ from the true value) and later steps compute from it; the answer line is then wrong.
     """
     lines, x = [], problem.start
     for h, (op, c) in enumerate(problem.ops):
@@ -170,7 +185,7 @@ def solution_lines(problem: Problem, slip_step: int | None = None, slip_value: i
             if slip_value is None or slip_value == y or not 0 <= slip_value < problem.modulus:
                 raise ValueError(f"slip_value must be a wrong result in [0, {problem.modulus}), got {slip_value} (true {y})")
             y = slip_value
-        lines.append(f"{x}{op}{c}={y}")
+        lines.append(rewrite(y, problem.ops, problem.modulus, h + 1))
         x = y
     lines.append(f"answer {x}")
     return lines
@@ -188,19 +203,16 @@ def sft_example(problem: Problem, rng: random.Random, slip_rate: float) -> tuple
 
 def prefix_correctness(problem: Problem, response: str) -> list[bool]:
     """Per step (line) of ``response``: whether every line up to and including it is right (the prefix is
-    still on a correct path). An operation line is right when it applies the problem's next operation to the
-    previous right result and writes the reduced result; the answer line when it is the last line and names the
-    true answer. Any other line is wrong. Used to measure a critic's step-level AUROC against the truth."""
+    still on a correct path). Operation line h is right when it is exactly the reference line h; the answer
+    line when it is the last line and names the true answer. Any other line is wrong. Used to measure a
+    critic's step-level AUROC against the truth."""
+    reference = solution_lines(problem)
     lines = [line for line in response.split(STEP_DELIMITER) if line.strip()]
-    out, ok, x = [], True, problem.start
+    out, ok = [], True
     for h, line in enumerate(lines):
         if ok:
             if h < len(problem.ops):
-                op, c = problem.ops[h]
-                y = apply_op(x, op, c, problem.modulus)
-                match = _LINE.match(line)
-                ok = bool(match) and (int(match.group(1)), match.group(2), int(match.group(3)), int(match.group(4))) == (x, op, c, y)
-                x = y
+                ok = line.strip() == reference[h]
             else:
                 ok = h == len(problem.ops) and h == len(lines) - 1 and extract_answer(line) == problem.answer
         out.append(ok)

@@ -39,18 +39,21 @@ def make_batch(batch: int, length: int, steps: int, group: int, device: str, see
     return tensors
 
 
-def median_seconds(fn, repeats: int, device: str) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+def interleaved_medians(cases: dict, repeats: int, device: str) -> dict[str, float]:
+    """Median seconds of each case, timed round-robin so that load changes on the machine hit all cases alike."""
+    times: dict[str, list[float]] = {label: [] for label in cases}
+    for fn in cases.values():  # warm-up
         fn()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    for _ in range(repeats):
+        for label, fn in cases.items():
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            times[label].append(time.perf_counter() - start)
+    return {label: statistics.median(values) for label, values in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--group", type=int, default=8, help="responses per prompt")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = parser.parse_args(argv)
@@ -99,11 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         ("pav_grpo, check_inputs on", ours("pav_grpo", check=True)),
     ]
     print(f"B={args.batch} T={args.length} steps={args.steps} group={args.group} device={args.device} "
-          f"threads={torch.get_num_threads()} repeats={args.repeats} (median)")
-    timings = {}
-    for label, fn in cases:
-        with torch.no_grad():
-            timings[label] = median_seconds(fn, args.repeats, args.device)
+          f"threads={torch.get_num_threads()} repeats={args.repeats} (median, cases interleaved)")
+    with torch.no_grad():
+        timings = interleaved_medians(dict(cases), args.repeats, args.device)
     reference = timings["grpo_vectorized (verl)"]
     loop = timings["grpo (verl, loop)"]
     print(f"{'estimator':<30} {'ms':>9} {'x grpo_vectorized':>18} {'x grpo (loop)':>14}")

@@ -197,7 +197,7 @@ def plot_all(results: dict, output_dir: str | Path) -> list[str]:
 
 
 def policy_accuracy(path: str | Path, prompt_texts_of, problems: Sequence[Problem], *, samples: int,
-                    max_new_tokens: int, seed: int) -> dict:
+                    max_new_tokens: int, seed: int, device: str = "cpu") -> dict:
     """Sampled accuracy and mean response tokens of the policy at ``path``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -205,7 +205,8 @@ def policy_accuracy(path: str | Path, prompt_texts_of, problems: Sequence[Proble
     from verl_prm.recipes.arithmetic.rollout import sample
 
     tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, trust_remote_code=False).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, trust_remote_code=False)
+    model = model.to(device).eval()
     rollouts = sample(model, tokenizer, prompt_texts_of(tokenizer), samples, max_new_tokens=max_new_tokens, seed=seed)
     rewards = outcome_rewards(rollouts, problems)
     return {"accuracy": float(rewards.mean()), "response_tokens": float(rollouts.response_mask.sum(dim=1).mean()),

@@ -38,6 +38,7 @@ from verl_prm.recipes.arithmetic.task import TaskConfig
 
 __all__ = ["Scale", "SCALES", "STAGES", "run", "main"]
 
+DATA_SOURCE_NAME = "arithmetic_mod"
 STAGES = ("data", "sft", "label", "pav", "rl_grpo", "rl_pav", "evaluate")
 SCORE_FILE = Path(__file__).with_name("score.py")
 
@@ -256,6 +257,9 @@ def stage_pav(stage: Stage, scale: Scale, labels: Path, policy: Path, progress: 
 def stage_rl(stage: Stage, scale: Scale, estimator: str, policy: Path, critic: str | None, progress: bool) -> dict:
     from verl_prm.recipes.arithmetic.rl import run_rl
 
+    if scale.device != "cpu":
+        raise RuntimeError("at this scale the RL stages run in verl (python -m verl.trainer.main_ppo with vLLM): "
+                           "bash examples/arithmetic/run_gpu.sh")
     sft, rl, label, test = _problems(scale)
     config = replace(scale.rl, estimator=estimator, max_new_tokens=scale.max_new_tokens)
     summary = run_rl(policy, critic if estimator != "grpo" else None, rl, test, config, stage.path, progress=progress)
@@ -281,7 +285,7 @@ def stage_evaluate(stage: Stage, scale: Scale, root: Path, policy: Path, critic:
     policies = {}
     for name, path in (("base", policy), ("grpo", final_policies["grpo"]), ("pav_grpo", final_policies["pav_grpo"])):
         policies[name] = ev.policy_accuracy(path, texts_of, test, samples=scale.eval_samples,
-                                            max_new_tokens=scale.max_new_tokens, seed=seed)
+                                            max_new_tokens=scale.max_new_tokens, seed=seed, device=scale.device)
         policies[name]["path"] = str(path)
         policies[name]["steps"] = 0 if name == "base" else curves[name][-1][0]
         policies[name]["samples"] = 0 if name == "base" else curves[name][-1][1]
@@ -309,6 +313,61 @@ def stage_evaluate(stage: Stage, scale: Scale, root: Path, policy: Path, critic:
 # ------------------------------------------------------------------------------------------------- driver
 
 
+def stages_of(scale: Scale, root: Path) -> dict[str, Stage]:
+    """Every stage's directory and settings (a stage's settings include those of the stages it reads)."""
+    d = Stage(root, "data", {"task": scale.task, "n": [scale.sft_problems, scale.rl_problems, scale.label_problems,
+                                                        scale.test_problems], "seed": scale.sft.seed})
+    s = Stage(root, "policy", {"data": d.settings, "model": scale.model, "sft": scale.sft})
+    lab = Stage(root, "labels", {"policy": s.settings, "n": [scale.n_cov, scale.n_mc], "backend": scale.label_backend,
+                                 "max_new_tokens": scale.max_new_tokens})
+    pav = Stage(root, "pav", {"labels": lab.settings, "steps": scale.pav_steps, "batch": scale.pav_batch_size,
+                              "lr": scale.pav_lr, "warmup": scale.pav_warmup})
+    rl_settings = {"policy": s.settings, "critic": pav.settings, "rl": scale.rl, "max_new_tokens": scale.max_new_tokens}
+    grpo = Stage(root, "rl_grpo", {**rl_settings, "estimator": "grpo", "critic": None})
+    pav_grpo = Stage(root, "rl_pav_grpo", {**rl_settings, "estimator": "pav_grpo"})
+    ev = Stage(root, "results", {"rl": [grpo.settings, pav_grpo.settings], "eval_samples": scale.eval_samples,
+                                 "search": [scale.search_problems, scale.best_of_n, scale.beam_widths,
+                                            scale.samples_per_beam, scale.search_alpha]})
+    return {"data": d, "sft": s, "label": lab, "pav": pav, "rl_grpo": grpo, "rl_pav": pav_grpo, "evaluate": ev}
+
+
+def import_verl_run(scale: Scale, work_dir: str | Path, estimator: str, run_dir: str | Path) -> dict:
+    """Record a finished ``verl.trainer.main_ppo`` run (GPU scale, ``run_gpu.sh``) as the ``rl_grpo`` /
+    ``rl_pav`` stage: the validation curve from verl's file logger (``run_dir/metrics.jsonl``, the metric
+    ``val-core/arithmetic_mod/acc/mean@N``) and the merged Hugging Face model ``run_dir/final``."""
+    import shutil
+
+    run_dir = Path(run_dir)
+    name = {"grpo": "rl_grpo", "pav_grpo": "rl_pav"}.get(estimator)
+    if name is None:
+        raise ValueError(f"--import-verl-run: estimator must be grpo or pav_grpo, got {estimator!r}")
+    stage = stages_of(scale, Path(work_dir))[name]
+    if stage.done():
+        return stage.outputs()
+    final = run_dir / "final"
+    if not (final / "config.json").exists():
+        raise FileNotFoundError(f"{final} holds no merged model: run verl's model merger first (run_gpu.sh does)")
+    policy = stages_of(scale, Path(work_dir))["sft"].path
+    for tokenizer_file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (policy / tokenizer_file).exists() and not (final / tokenizer_file).exists():
+            shutil.copy(policy / tokenizer_file, final / tokenizer_file)
+    per_step = scale.rl.prompts_per_step * scale.rl.group_size
+    curve = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        keys = [k for k in record["data"] if k.startswith(f"val-core/{DATA_SOURCE_NAME}/acc/mean@")]
+        if keys:
+            curve.append((int(record["step"]), int(record["step"]) * per_step, float(record["data"][keys[0]])))
+    if not curve:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no val-core/{DATA_SOURCE_NAME}/acc/mean@N metric: was the run "
+                         "started with trainer.logger including 'file' and a test_freq?")
+    stage.path.mkdir(parents=True, exist_ok=True)
+    outputs = {"final_eval_accuracy": curve[-1][2], "curve": curve, "final_policy": str(final),
+               "verl_run": str(run_dir)}
+    stage.finish(outputs, 0.0)
+    return outputs
+
+
 def run(scale: Scale, work_dir: str | Path, stages: Sequence[str] = STAGES, *, progress: bool = True,
         log=print) -> dict:
     """Run the requested stages (skipping complete ones); returns every stage's record."""
@@ -321,19 +380,10 @@ def run(scale: Scale, work_dir: str | Path, stages: Sequence[str] = STAGES, *, p
     root.mkdir(parents=True, exist_ok=True)
     if scale.device == "cpu":
         torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
-    d = Stage(root, "data", {"task": scale.task, "n": [scale.sft_problems, scale.rl_problems, scale.label_problems,
-                                                        scale.test_problems], "seed": scale.sft.seed})
-    s = Stage(root, "policy", {"data": d.settings, "model": scale.model, "sft": scale.sft})
-    lab = Stage(root, "labels", {"policy": s.settings, "n": [scale.n_cov, scale.n_mc], "backend": scale.label_backend,
-                                 "max_new_tokens": scale.max_new_tokens})
-    pav = Stage(root, "pav", {"labels": lab.settings, "steps": scale.pav_steps, "batch": scale.pav_batch_size,
-                              "lr": scale.pav_lr, "warmup": scale.pav_warmup})
-    rl_settings = {"policy": s.settings, "critic": pav.settings, "rl": scale.rl, "max_new_tokens": scale.max_new_tokens}
-    rl_stages = {"grpo": Stage(root, "rl_grpo", {**rl_settings, "estimator": "grpo", "critic": None}),
-                 "pav_grpo": Stage(root, "rl_pav_grpo", {**rl_settings, "estimator": "pav_grpo"})}
-    ev = Stage(root, "results", {"rl": [st.settings for st in rl_stages.values()], "eval_samples": scale.eval_samples,
-                                 "search": [scale.search_problems, scale.best_of_n, scale.beam_widths,
-                                            scale.samples_per_beam, scale.search_alpha]})
+    named = stages_of(scale, root)
+    d, s, lab, pav = named["data"], named["sft"], named["label"], named["pav"]
+    rl_stages = {"grpo": named["rl_grpo"], "pav_grpo": named["rl_pav"]}
+    ev = named["evaluate"]
     records: dict = {}
 
     def do(name: str, stage: Stage, fn) -> dict:
@@ -382,11 +432,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--work-dir", required=True, help="outputs of every stage; rerun to resume")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     parser.add_argument("--rl-steps", type=int, default=None, help="override the RL iterations of the scale")
+    parser.add_argument("--import-verl-run", default=None, metavar="ESTIMATOR=RUN_DIR",
+                        help="record a finished verl main_ppo run (run_gpu.sh) as the grpo or pav_grpo RL stage")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     scale = SCALES[args.scale]
     if args.rl_steps is not None:
         scale = replace(scale, rl=replace(scale.rl, steps=args.rl_steps))
+    if args.import_verl_run:
+        estimator, _, run_dir = args.import_verl_run.partition("=")
+        print(json.dumps(import_verl_run(scale, args.work_dir, estimator, run_dir)))
+        return 0
     run(scale, args.work_dir, [s.strip() for s in args.stages.split(",") if s.strip()], progress=not args.no_progress)
     return 0
 

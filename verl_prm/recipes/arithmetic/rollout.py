@@ -65,11 +65,12 @@ def sample(model, tokenizer, prompt_texts: Sequence[str], n: int, *, max_new_tok
                 mask[row, prompt_len - len(tokens) :] = 1
             torch.manual_seed((seed * 1_000_003 + begin) % (2**31 - 1))
             sampling = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if temperature > 0 else dict(do_sample=False)
+            device = next(model.parameters()).device
             with torch.inference_mode():
-                output = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                output = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
                                         eos_token_id=eos, pad_token_id=pad, **sampling)
             prompt_rows.append(ids)
-            for row in output[:, prompt_len:].tolist():
+            for row in output[:, prompt_len:].cpu().tolist():
                 response_rows.append(row)
     finally:
         tokenizer.padding_side = saved_side

@@ -1,15 +1,16 @@
 """Multi-step modular arithmetic with one line per operation: the task of the arithmetic recipe.
 
-A problem is a start value and a chain of operations evaluated left to right modulo a prime ``p``::
+A problem is a start value and a chain of operations applied in order (left to right, no precedence: the
+problem ``((5+7)*3-4) mod 13`` is written ``5 +7 *3 -4 mod 13``) modulo a prime ``p``::
 
-    prompt:    ((5+7)*3)-4 mod 13
-    solution:  (12*3)-4
-               10-4
-               6
+    prompt:    5 +7 *3 -4 mod 13
+    solution:  5+7=12 *3 -4
+               12*3=10 -4
+               10-4=6
                answer 6
 
-Every line is one step (the step delimiter is ``"\\n"``): it rewrites the expression with its innermost
-operation evaluated (reduced mod p into [0, p)); the last line gives the answer. Operands are in
+Every line is one step (the step delimiter is ``"\\n"``): it applies the next operation to the value so far
+(reduced mod p into [0, p)) and carries the remaining operations along; the last line gives the answer. Operands are in
 [1, max_operand] with ``max_operand < p`` and p prime, so every operation (x + c, x - c, x * c mod p) is a bijection of Z_p: a wrong intermediate value can never turn
 back into the right one, and **a solution with a slip always ends in a wrong answer**.
 
@@ -121,17 +122,12 @@ class Problem:
 
     @property
     def expression(self) -> str:
-        """Fully parenthesised so that the usual precedence gives the left-to-right order: ``((5+7)*3)-4``."""
-        text = str(self.start)
-        for i, (op, c) in enumerate(self.ops):
-            text = f"{text}{op}{c}"
-            if i < len(self.ops) - 1:
-                text = f"({text})"
-        return text
+        """The start value and the operations in order: ``5 +7 *3 -4`` (applied left to right)."""
+        return f"{self.start}{remaining_ops(self.ops, 0)}"
 
     @property
     def prompt_text(self) -> str:
-        """The user message: ``((5+7)*3)-4 mod 13``."""
+        """The user message: ``5 +7 *3 -4 mod 13``."""
         return f"{self.expression} mod {self.modulus}"
 
 
@@ -155,25 +151,18 @@ def generate_problems(n: int, config: TaskConfig, seed: int, exclude: Iterable[s
     return problems
 
 
-def rewrite(start: int, ops: Sequence[tuple[str, int]], modulus: int, depth: int) -> str:
-    """The expression after ``depth`` operations were evaluated: the value so far followed by the remaining
-    operations, parenthesised as in :attr:`Problem.expression` (``depth = len(ops)``: the bare value)."""
-    del modulus  # the value is given; kept for symmetry with apply_op
-    text = str(start)
-    rest = ops[depth:]
-    for i, (op, c) in enumerate(rest):
-        text = f"{text}{op}{c}"
-        if i < len(rest) - 1:
-            text = f"({text})"
-    return text
+def remaining_ops(ops: Sequence[tuple[str, int]], depth: int) -> str:
+    """The operations from ``depth`` on, as the prompt writes them: ``" *3 -4"``."""
+    return "".join(f" {op}{c}" for op, c in ops[depth:])
 
 
 def solution_lines(problem: Problem, slip_step: int | None = None, slip_value: int | None = None) -> list[str]:
     """The solution's lines: one per operation, then ``answer N``.
 
-    Line h rewrites the expression with its innermost operation evaluated: for ``((5+7)*3)-4 mod 13`` the
-    lines are ``(12*3)-4``, ``10-4``, ``6``, ``answer 6``. Each line reads the first operation of the previous
-    line (or of the prompt), so every step is a local computation plus a copy of the remaining operations.
+    Line h computes operation h on the value so far and carries the remaining operations along:
+    for ``5 +7 *3 -4 mod 13`` the lines are ``5+7=12 *3 -4``, ``12*3=10 -4``, ``10-4=6``, ``answer 6``. Each
+    line reads its value and operation from the start of the previous line's carried part (or the prompt), so
+    every step is a local computation plus a copy.
 
     With ``slip_step = h`` (0-based operation index) the value written at step h is ``slip_value`` (it must
     differ from the true value) and later steps compute from it; the answer line is then wrong.
@@ -185,7 +174,7 @@ def solution_lines(problem: Problem, slip_step: int | None = None, slip_value: i
             if slip_value is None or slip_value == y or not 0 <= slip_value < problem.modulus:
                 raise ValueError(f"slip_value must be a wrong result in [0, {problem.modulus}), got {slip_value} (true {y})")
             y = slip_value
-        lines.append(rewrite(y, problem.ops, problem.modulus, h + 1))
+        lines.append(f"{x}{op}{c}={y}{remaining_ops(problem.ops, h + 1)}")
         x = y
     lines.append(f"answer {x}")
     return lines

@@ -1,0 +1,327 @@
+"""The arithmetic recipe: generator and verifier, the verl score function, the RL advantage path, a micro run of
+the whole recipe (every stage for real, a few optimisation steps each; resume), and the GPU launcher's verl
+overrides composed with verl's own config."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from verl_prm.recipes.arithmetic.score import DATA_SOURCE, compute_score, extract_answer
+from verl_prm.recipes.arithmetic.task import (
+    Problem,
+    TaskConfig,
+    generate_problems,
+    prefix_correctness,
+    problem_from_row,
+    sft_example,
+    solution_lines,
+    verl_row,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "verl_prm" / "recipes" / "arithmetic"
+EXAMPLE = REPO / "examples" / "arithmetic"
+CONFIGS = [
+    TaskConfig(),
+    TaskConfig(min_ops=1, max_ops=2, modulus=7, max_operand=6),
+    TaskConfig(min_ops=3, max_ops=6, modulus=97, max_operand=96, ops="*-"),
+]
+
+# ------------------------------------------------------------------------------------------- task
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["default", "mod7", "mod97"])
+def test_every_solution_without_a_slip_verifies_and_every_slip_fails(config):
+    problems = generate_problems(60, config, seed=11)
+    for problem in problems:
+        reference = "\n".join(solution_lines(problem))
+        assert compute_score(DATA_SOURCE, reference, str(problem.answer)) == 1.0
+        assert prefix_correctness(problem, reference) == [True] * (len(problem.ops) + 1)
+        for h in range(len(problem.ops)):
+            # every wrong value at every step (a sample of them at mod 97)
+            wrong = [v for v in range(problem.modulus) if v != problem.values[h]]
+            for value in wrong if problem.modulus < 20 else random.Random(h).sample(wrong, 5):
+                slipped = "\n".join(solution_lines(problem, h, value))
+                assert compute_score(DATA_SOURCE, slipped, str(problem.answer)) == 0.0, (problem, h, value)
+                truth = prefix_correctness(problem, slipped)
+                assert truth == [True] * h + [False] * (len(problem.ops) + 1 - h)
+
+
+def test_solution_format_one_line_per_operation_then_the_answer():
+    problem = Problem(5, (("+", 7), ("*", 3), ("-", 4)), 13)
+    assert problem.prompt_text == "5 +7 *3 -4 mod 13"
+    assert ((5 + 7) * 3 - 4) % 13 == problem.answer == 6
+    assert solution_lines(problem) == ["5+7=12 *3 -4", "12*3=10 -4", "10-4=6", "answer 6"]
+    assert solution_lines(problem, 1, 0) == ["5+7=12 *3 -4", "12*3=0 -4", "0-4=9", "answer 9"]
+    with pytest.raises(ValueError, match="wrong result"):
+        solution_lines(problem, 1, problem.values[1])
+
+
+def test_sft_slips_have_the_documented_rate_and_fail():
+    config = TaskConfig(slip_rate=0.3)
+    rng = random.Random(0)
+    problems = generate_problems(2000, config, seed=5)
+    outcomes = [(sft_example(p, rng, config.slip_rate), p) for p in problems]
+    slip_share = sum(slip >= 0 for (_, slip), _ in outcomes) / len(outcomes)
+    assert abs(slip_share - 0.3) < 0.04  # binomial std 0.01
+    for (text, slip), problem in outcomes:
+        assert compute_score(DATA_SOURCE, text, problem.answer) == float(slip < 0)
+    steps = [slip for (_, slip), _ in outcomes if slip >= 0]
+    assert len(set(steps)) == config.max_ops  # slips land on every step position
+
+
+def test_generator_is_deterministic_distinct_and_excludes():
+    a = generate_problems(300, TaskConfig(), seed=1)
+    assert a == generate_problems(300, TaskConfig(), seed=1)
+    assert len({p.prompt_text for p in a}) == 300
+    b = generate_problems(300, TaskConfig(), seed=2, exclude=[p.prompt_text for p in a])
+    assert not {p.prompt_text for p in a} & {p.prompt_text for p in b}
+    assert all(2 <= len(p.ops) <= 4 for p in a)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(modulus=12, max_operand=5), "prime"),
+    (dict(modulus=7, max_operand=7), "max_operand"),
+    (dict(min_ops=3, max_ops=2), "min_ops"),
+    (dict(ops="+/"), "ops"),
+    (dict(slip_rate=1.5), "slip_rate"),
+])
+def test_task_config_rejects_bad_knobs(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TaskConfig(**kwargs)
+
+
+def test_verifier_edge_cases():
+    assert extract_answer("3+1\nanswer 4\n") == 4
+    assert extract_answer("answer 4\nmore") is None
+    assert compute_score(DATA_SOURCE, "", "4") == 0.0
+    assert compute_score(DATA_SOURCE, "answer four", "4") == 0.0
+    with pytest.raises(ValueError, match="data_source"):
+        compute_score("openai/gsm8k", "answer 4", "4")
+
+
+def test_score_file_loads_through_verls_custom_reward_loader():
+    from verl.utils.import_utils import load_extern_object
+
+    fn = load_extern_object(module_path=str(RECIPE / "score.py"), object_name="compute_score")
+    assert fn(DATA_SOURCE, "5\nanswer 5", "5") == 1.0
+    assert fn(DATA_SOURCE, "5\nanswer 6", "5") == 0.0
+
+
+def test_verl_rows_round_trip():
+    problems = generate_problems(5, TaskConfig(), seed=3)
+    rows = [verl_row(p, "test", i) for i, p in enumerate(problems)]
+    frame = pd.DataFrame(rows)
+    assert list(frame.columns) == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
+    for row, problem in zip(rows, problems):
+        assert row["prompt"] == [{"role": "user", "content": problem.prompt_text}]
+        assert row["reward_model"] == {"style": "rule", "ground_truth": str(problem.answer)}
+        assert problem_from_row(row) == problem
+
+
+def test_tokenizer_is_per_character_and_renders_like_verl_prm_label():
+    from verl_prm.labeling.inputs import render_prompt
+    from verl_prm.recipes.arithmetic.model import build_tokenizer, render
+
+    tokenizer = build_tokenizer()
+    text = "5 +12 *3 -4 mod 13\n5+12=4 *3 -4\nanswer 6"
+    assert len(tokenizer(text, add_special_tokens=False)["input_ids"]) == len(text)
+    chat = [{"role": "user", "content": "1+2 mod 7"}]
+    assert render(tokenizer, "1+2 mod 7") == render_prompt(chat, tokenizer) == "1+2 mod 7\n"
+
+
+def test_rl_batch_advantages_follow_the_lines(tmp_path):
+    """The CPU loop's DataProto path: split_steps gives one step per line, pav_grpo adds alpha * A_h to the
+    tokens of line h only, and at alpha = 0 equals verl's grpo on the same batch."""
+    import verl  # noqa: F401  (registers pav_grpo)
+    from omegaconf import OmegaConf
+
+    from verl_prm.estimators import compute_advantage_with_steps
+    from verl_prm.recipes.arithmetic.model import build_tokenizer
+    from verl_prm.recipes.arithmetic.rl import build_data
+    from verl_prm.recipes.arithmetic.rollout import Rollouts
+    from verl_prm.steps import split_steps
+
+    tokenizer = build_tokenizer()
+    texts = ["1*3=3 -4\n3-4=12\n12*2=11\nanswer 11", "2*3=6 -4\n6-4=2\n2*2=4\nanswer 4", "6+6=12\nanswer 12",
+             "3+2=5\nanswer 5"]
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
+    width = max(map(len, ids))
+    responses = torch.full((4, width), tokenizer.pad_token_id)
+    mask = torch.zeros(4, width)
+    for row, r in enumerate(ids):
+        responses[row, : len(r)] = torch.tensor(r)
+        mask[row, : len(r)] = 1
+    rollouts = Rollouts(torch.zeros(4, 1, dtype=torch.long), responses, torch.cat([torch.ones(4, 1), mask], 1).long(),
+                        mask, texts, [True] * 4, [0, 0, 1, 1])
+    split = split_steps(responses, mask, tokenizer, "\n")
+    assert split.num_steps.tolist() == [4, 4, 2, 2]
+    assert split.step_texts(0) == ["1*3=3 -4\n", "3-4=12\n", "12*2=11\n", "answer 11"]
+    values = torch.tensor([[0.8, 0.1, 0.1, 0.0], [0.9, 0.9, 0.9, 1.0], [0.2, 0.0, 0, 0], [0.6, 1.0, 0, 0]])
+    steps = {"step_ids": split.step_ids, "num_steps": split.num_steps, "step_values": values,
+             "prompt_values": torch.tensor([0.5, 0.5, 0.4, 0.4])}
+    rewards = torch.tensor([0.0, 1.0, 0.0, 1.0])
+    uids = ["a", "a", "b", "b"]
+
+    def advantages(estimator, alpha):
+        config = OmegaConf.create({"adv_estimator": estimator, "norm_adv_by_std_in_grpo": True,
+                                   "pav": {"alpha": alpha, "best_of_k": 1}})
+        return compute_advantage_with_steps(build_data(rollouts, rewards, uids, steps), config).batch["advantages"]
+
+    grpo = advantages("grpo", 0.0)
+    assert torch.allclose(advantages("pav_grpo", 0.0), grpo)
+    pav = advantages("pav_grpo", 2.0)
+    progress = torch.diff(torch.cat([steps["prompt_values"][:, None], values], 1), dim=1)
+    for row in range(4):
+        for t in range(width):
+            h = int(split.step_ids[row, t])
+            expected = grpo[row, t] + (2.0 * progress[row, h] if h >= 0 else 0.0) * mask[row, t]
+            assert torch.isclose(pav[row, t], expected, atol=1e-6), (row, t)
+    assert (pav[mask == 0] == 0).all()
+
+
+# ------------------------------------------------------------------------------------------- micro run
+
+
+@pytest.fixture(scope="module")
+def micro_run(tmp_path_factory):
+    from verl_prm.recipes.arithmetic.pipeline import SCALES, run
+
+    work = tmp_path_factory.mktemp("arithmetic_micro")
+    torch_threads = torch.get_num_threads()
+    records = run(SCALES["micro"], work, progress=False, log=lambda *_: None)
+    torch.set_num_threads(torch_threads)
+    return work, records
+
+
+def test_micro_run_of_the_whole_recipe(micro_run):
+    from transformers import AutoModelForCausalLM
+
+    from verl_prm.labeling.format import read_labels
+
+    work, records = micro_run
+    assert set(records) == {"data", "sft", "label", "pav", "rl_grpo", "rl_pav", "evaluate"}
+    # (a) the policy in Hugging Face format with safetensors and its tokenizer
+    assert (work / "policy" / "model.safetensors").exists() and (work / "policy" / "tokenizer.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(work / "policy", trust_remote_code=False)
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    # (b) Monte-Carlo labels of `verl-prm label`: the prover is the policy, raw counts kept
+    labels = read_labels(work / "labels")
+    assert len(labels) == 3 and all(len(q) == len(n) for q, n in zip(labels["q"], labels["n_mc"]))
+    # (c) a value-head PAV of `verl-prm train`
+    checkpoint = Path(records["pav"]["outputs"]["checkpoint"])
+    assert (checkpoint / "model.safetensors").exists()
+    # (d) both RL runs with the same budget, their metrics one line per iteration plus evaluations
+    for name in ("rl_grpo", "rl_pav_grpo"):
+        lines = [json.loads(x) for x in (work / name / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in lines if "batch_accuracy" in r] == [1, 2]
+        assert [r["step"] for r in lines if "eval_accuracy" in r] == [0, 1, 2]
+        assert (work / name / "final" / "model.safetensors").exists()
+    pav_lines = [json.loads(x) for x in (work / "rl_pav_grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert all("mean_abs_progress" in r for r in pav_lines if "batch_accuracy" in r)
+    # (e) the table and the three plots
+    results = json.loads((work / "results" / "results.json").read_text())
+    assert {r["method"] for r in results["search"]} == {"best_of_n", "beam_pav"}
+    assert set(results["policies"]) == {"base", "grpo", "pav_grpo"}
+    assert "PAV-GRPO" in (work / "results" / "results.md").read_text()
+    for png in ("accuracy_vs_rl_steps.png", "accuracy_vs_rl_samples.png", "search_accuracy_vs_compute.png"):
+        assert (work / "results" / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_rerun_skips_complete_stages_and_refuses_other_settings(micro_run):
+    from dataclasses import replace
+
+    from verl_prm.recipes.arithmetic.pipeline import SCALES, run
+
+    work, _ = micro_run
+    before = {p: p.stat().st_mtime_ns for p in work.rglob("DONE.json")}
+    messages: list[str] = []
+    run(SCALES["micro"], work, progress=False, log=messages.append)
+    assert sum("complete, skipped" in m for m in messages) == 7
+    assert {p: p.stat().st_mtime_ns for p in work.rglob("DONE.json")} == before
+    other = replace(SCALES["micro"], sft=replace(SCALES["micro"].sft, steps=5))
+    with pytest.raises(ValueError, match="other settings"):
+        run(other, work, progress=False, log=lambda *_: None)
+
+
+def test_rl_resumes_from_its_state(micro_run, tmp_path):
+    """An interrupted RL run (state after iteration 1 of 2) resumes and ends with the uninterrupted run's curve."""
+    import shutil
+    from dataclasses import replace
+
+    from verl_prm.recipes.arithmetic.pipeline import SCALES, _problems
+    from verl_prm.recipes.arithmetic.rl import run_rl
+
+    work, records = micro_run
+    scale = SCALES["micro"]
+    _, rl, _, test = _problems(scale)
+    config = replace(scale.rl, estimator="pav_grpo", max_new_tokens=scale.max_new_tokens)
+    critic = records["pav"]["outputs"]["checkpoint"]
+    first = run_rl(work / "policy", critic, rl, test, replace(config, steps=1), tmp_path / "one", progress=False)
+    # the state of a 1-step run is the state a 2-step run saves after its first iteration
+    (tmp_path / "two").mkdir()
+    state = torch.load(tmp_path / "one" / "state.pt", weights_only=False)
+    state["config"] = json.loads(json.dumps({**state["config"], "steps": 2}))
+    torch.save(state, tmp_path / "two" / "state.pt")
+    resumed = run_rl(work / "policy", critic, rl, test, replace(config, steps=2), tmp_path / "two", progress=False)
+    reference = json.loads((work / "rl_pav_grpo" / "DONE.json").read_text())["outputs"]["curve"]
+    assert first["eval_curve"] == [list(x) for x in reference[:2]] or first["eval_curve"] == reference[:2]
+    assert [list(x) for x in resumed["eval_curve"]] == [list(x) for x in reference]
+    shutil.rmtree(tmp_path / "one")
+
+
+# ------------------------------------------------------------------------------------------- GPU launcher
+
+
+def _run_launcher(script: Path, tmp_path: Path, env_extra: dict[str, str]) -> list[list[str]]:
+    """Run a launcher with fake `python3` first on PATH; return each call's argv, in order."""
+    bin_dir, capture = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    capture.mkdir()
+    fake = bin_dir / "python3"
+    fake.write_text("#!/usr/bin/env bash\n"
+                    f'n=$(ls "{capture}" | wc -l); printf "%s\\0" python3 "$@" > "{capture}/$(printf %03d "$n")"\n')
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", **env_extra)
+    result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return [(capture / f).read_bytes().decode().split("\0")[:-1] for f in sorted(os.listdir(capture))]
+
+
+def test_gpu_launcher_overrides_compose_with_verls_config(micro_run, tmp_path):
+    import verl
+    from hydra import compose, initialize_config_dir
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    from verl_prm.config.hook import validate_run_config
+
+    work, records = micro_run
+    calls = _run_launcher(EXAMPLE / "run_gpu.sh", tmp_path, {"WORK_DIR": str(work), "RL_ONLY": "1"})
+    ppo_calls = [c for c in calls if c[1:3] == ["-m", "verl.trainer.main_ppo"]]
+    assert len(ppo_calls) == 2  # GRPO, then PAV-GRPO
+    config_dir = str(Path(verl.__file__).resolve().parent / "trainer" / "config")
+    composed = {}
+    for call in ppo_calls:
+        with initialize_config_dir(config_dir=config_dir, version_base=None):
+            config = compose("ppo_trainer", overrides=call[3:])
+        validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+        hook, pav = validate_run_config(config)
+        assert hook.steps.delimiter == "\n"
+        assert config.actor_rollout_ref.rollout.name == "vllm"
+        assert config.actor_rollout_ref.model.path == str(work / "policy")
+        assert config.reward.custom_reward_function.path == str(RECIPE / "score.py")
+        assert config.verl_prm.critic.path == records["pav"]["outputs"]["checkpoint"]
+        composed[config.algorithm.adv_estimator] = call[3:]
+    assert set(composed) == {"grpo", "pav_grpo"}
+    differing = sorted(set(composed["grpo"]) ^ set(composed["pav_grpo"]))
+    assert all(x.startswith(("algorithm.adv_estimator=", "trainer.experiment_name=", "trainer.default_local_dir="))
+               for x in differing), differing

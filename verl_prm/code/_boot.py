@@ -1,0 +1,218 @@
+"""Child side of the sandbox (run as ``python -I -S -B _boot.py CONFIG_JSON``); see ``sandbox.py``.
+
+Runs as the first process of a new session (the parent starts it with ``start_new_session=True``). In order:
+read the program (still privileged), enter new network and mount namespaces (root), mount a fresh size-capped
+tmpfs over every world-writable directory and use a directory inside it as the working directory, set the
+resource limits, drop to the sandbox uid, install the network audit hook, then compile and run the program in
+this interpreter. The outcome goes to the status pipe as one JSON line; stdout/stderr are the program's.
+
+Nothing here may import anything heavy: it runs once per program.
+"""
+
+import json
+import os
+import sys
+
+
+def _text(value, limit=2000):
+    try:
+        return str(value)[:limit]
+    except BaseException:  # a hostile __str__
+        return "<unprintable>"
+
+
+def _flush():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+
+
+def _status(fd, record):
+    try:
+        os.write(fd, (json.dumps(record) + "\n").encode())
+    except OSError:
+        pass
+
+
+def _libc():
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _unshare(flags):
+    import ctypes
+
+    if _libc().unshare(flags) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(0x%x) failed: %s" % (flags, os.strerror(ctypes.get_errno())))
+
+
+def _mount(source, target, fstype, flags, data):
+    import ctypes
+
+    libc = _libc()
+    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+    result = libc.mount(
+        source.encode() if source else None, target.encode(), fstype.encode() if fstype else None, flags,
+        data.encode() if data else None,
+    )
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, "mount %s on %s failed: %s" % (fstype or source, target, os.strerror(errno)))
+
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWNET = 0x40000000
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+MS_NOSUID = 2
+MS_NODEV = 4
+
+MS_BIND = 4096
+MS_RDONLY = 1
+MS_REMOUNT = 32
+MNT_DETACH = 2
+
+NETWORK_MARKER = "sandbox: network access is blocked"
+
+
+def _closed_ancestor(path):
+    """The topmost ancestor of ``path`` that other uids cannot traverse (no o+x bit), or None."""
+    import stat
+
+    parts = os.path.abspath(path).split(os.sep)[1:]
+    current = ""
+    for part in parts:
+        current = current + os.sep + part
+        try:
+            mode = os.stat(current).st_mode
+        except OSError:
+            return None
+        if stat.S_ISDIR(mode) and not mode & stat.S_IXOTH:
+            return current
+    return None
+
+
+def _expose(paths, scratch):
+    """Make each of ``paths`` (the interpreter's standard library) readable by the sandbox uid although an
+    ancestor (``/root`` of a pyenv install) is closed: bind the path to ``scratch``, mask the closed ancestor with
+    an empty tmpfs (which also hides whatever else it holds), recreate the path in it and bind the path back,
+    read-only."""
+    import ctypes
+
+    libc = _libc()
+    for index, path in enumerate(paths):
+        closed = _closed_ancestor(path)
+        if closed is None or not os.path.isdir(path):
+            continue
+        hold = os.path.join(scratch, "expose%d" % index)
+        os.mkdir(hold, 0o755)
+        _mount(path, hold, None, MS_BIND | MS_REC, None)
+        if not os.path.ismount(closed) or not os.path.exists(os.path.join(closed, ".verl_prm_sandbox_mask")):
+            _mount("tmpfs", closed, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755")
+            open(os.path.join(closed, ".verl_prm_sandbox_mask"), "w").close()
+        os.makedirs(path, 0o755, exist_ok=True)
+        _mount(hold, path, None, MS_BIND | MS_REC, None)
+        _mount("none", path, None, MS_BIND | MS_REMOUNT | MS_RDONLY, None)
+        libc.umount2(hold.encode(), MNT_DETACH)
+        os.rmdir(hold)
+
+
+def _network_hook(event, args):
+    # Defence in depth and a clear failure reason; the network namespace is the real barrier (ctypes or a child
+    # process bypasses an audit hook, not a namespace). Unix-domain sockets (AF_UNIX = 1) stay allowed:
+    # multiprocessing needs them, and the private tmpfs hides the host's socket files.
+    if event == "socket.__new__" and len(args) > 1 and args[1] not in (1, -1):
+        raise PermissionError(NETWORK_MARKER)
+    if event in ("socket.connect", "socket.bind", "socket.sendto") and len(args) > 1:
+        address = args[1]
+        if not isinstance(address, (str, bytes)):
+            raise PermissionError(NETWORK_MARKER)
+
+
+def main():
+    config = json.loads(sys.argv[1])
+    status_fd = config["status_fd"]
+    try:
+        with open(config["program_path"], "rb") as f:
+            source = f.read()
+        os.set_inheritable(status_fd, False)
+        if config["mount_namespace"] or config["network_namespace"]:
+            flags = (CLONE_NEWNS if config["mount_namespace"] else 0) | (
+                CLONE_NEWNET if config["network_namespace"] else 0
+            )
+            _unshare(flags)
+        if config["mount_namespace"]:
+            _mount("none", "/", None, MS_REC | MS_PRIVATE, None)
+            options = "size=%dk,mode=1777" % config["tmpfs_kb"]
+            for target in config["mask_dirs"]:
+                if os.path.isdir(target):
+                    _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, options)
+            if config["uid"] is not None:
+                _expose(config["expose_paths"], config["mask_dirs"][0])
+            workdir = os.path.join(config["mask_dirs"][0], "sandbox")
+            os.mkdir(workdir, 0o700)
+            if config["uid"] is not None:
+                os.chown(workdir, config["uid"], config["gid"])
+        else:
+            workdir = config["workdir"]
+        program_path = os.path.join(workdir, "program.py")
+        os.chdir(workdir)
+        import resource
+
+        limits = [
+            (resource.RLIMIT_CPU, config["cpu_s"], config["cpu_s"] + 1),
+            (resource.RLIMIT_AS, config["memory_bytes"], config["memory_bytes"]),
+            (resource.RLIMIT_FSIZE, config["file_bytes"], config["file_bytes"]),
+            (resource.RLIMIT_NOFILE, config["max_files"], config["max_files"]),
+            (resource.RLIMIT_CORE, 0, 0),
+        ]
+        if config["nproc"] is not None:
+            limits.append((resource.RLIMIT_NPROC, config["nproc"], config["nproc"]))
+        if config["uid"] is not None:
+            os.setgroups([])
+            os.setgid(config["gid"])
+            os.setuid(config["uid"])
+        for kind, soft, hard in limits:
+            resource.setrlimit(kind, (soft, hard))
+        with open(program_path, "wb") as f:
+            f.write(source)
+        os.environ.clear()
+        os.environ.update(config["env"])
+        sys.path[:] = [workdir] + [p for p in sys.path if p]
+        sys.argv = [program_path]
+        if config["audit_network"]:
+            sys.addaudithook(_network_hook)
+    except BaseException as error:  # the sandbox itself failed: never run the program then
+        _status(status_fd, {"event": "setup_error", "type": type(error).__name__, "message": _text(error)})
+        os._exit(70)
+    _status(status_fd, {"event": "started"})
+    try:
+        code = compile(source, program_path, "exec", dont_inherit=True)
+    except BaseException as error:
+        _status(status_fd, {"event": "error", "phase": "compile", "type": type(error).__name__,
+                            "message": _text(error)})
+        os._exit(1)
+    namespace = {"__name__": "__main__", "__file__": program_path, "__builtins__": __builtins__}
+    try:
+        exec(code, namespace)
+    except BaseException as error:
+        import traceback
+
+        try:
+            text = "".join(traceback.format_exception(type(error), error, error.__traceback__))[-4000:]
+        except BaseException:
+            text = ""
+        _status(status_fd, {"event": "error", "phase": "run", "type": type(error).__name__,
+                            "message": _text(error), "traceback": text})
+        _flush()
+        os._exit(1)
+    _flush()
+    _status(status_fd, {"event": "done"})
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -273,8 +273,18 @@ def test_rl_resumes_from_its_state(micro_run, tmp_path):
     torch.save(state, tmp_path / "two" / "state.pt")
     resumed = run_rl(work / "policy", critic, rl, test, replace(config, steps=2), tmp_path / "two", progress=False)
     reference = json.loads((work / "rl_pav_grpo" / "DONE.json").read_text())["outputs"]["curve"]
-    assert first["eval_curve"] == [list(x) for x in reference[:2]] or first["eval_curve"] == reference[:2]
-    assert [list(x) for x in resumed["eval_curve"]] == [list(x) for x in reference]
+    as_lists = lambda curve: [list(point) for point in curve]  # noqa: E731
+    assert as_lists(first["eval_curve"]) == as_lists(reference[:2])
+    assert as_lists(resumed["eval_curve"]) == as_lists(reference)
+    # the resumed run ends with the uninterrupted run's weights
+    from safetensors.torch import load_file
+
+    ours = load_file(tmp_path / "two" / "final" / "model.safetensors")
+    theirs = load_file(work / "rl_pav_grpo" / "final" / "model.safetensors")
+    base = load_file(work / "policy" / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert not all(torch.equal(ours[k], base[k]) for k in ours)  # RL changed the policy
     shutil.rmtree(tmp_path / "one")
 
 
@@ -303,9 +313,10 @@ def test_gpu_launcher_overrides_compose_with_verls_config(micro_run, tmp_path):
     from verl.utils.config import validate_config
 
     from verl_prm.config.hook import validate_run_config
+    from verl_prm.recipes.arithmetic.pipeline import SCALES
 
     work, records = micro_run
-    calls = _run_launcher(EXAMPLE / "run_gpu.sh", tmp_path, {"WORK_DIR": str(work), "RL_ONLY": "1"})
+    calls = _run_launcher(EXAMPLE / "run_gpu.sh", tmp_path, {"WORK_DIR": str(work)})
     ppo_calls = [c for c in calls if c[1:3] == ["-m", "verl.trainer.main_ppo"]]
     assert len(ppo_calls) == 2  # GRPO, then PAV-GRPO
     config_dir = str(Path(verl.__file__).resolve().parent / "trainer" / "config")
@@ -320,8 +331,31 @@ def test_gpu_launcher_overrides_compose_with_verls_config(micro_run, tmp_path):
         assert config.actor_rollout_ref.model.path == str(work / "policy")
         assert config.reward.custom_reward_function.path == str(RECIPE / "score.py")
         assert config.verl_prm.critic.path == records["pav"]["outputs"]["checkpoint"]
+        # the longest solution of the GPU scale fits verl's response budget
+        assert config.data.max_response_length >= SCALES["gpu"].max_new_tokens
         composed[config.algorithm.adv_estimator] = call[3:]
     assert set(composed) == {"grpo", "pav_grpo"}
     differing = sorted(set(composed["grpo"]) ^ set(composed["pav_grpo"]))
     assert all(x.startswith(("algorithm.adv_estimator=", "trainer.experiment_name=", "trainer.default_local_dir="))
                for x in differing), differing
+
+
+def test_import_verl_run_records_the_validation_curve(micro_run, tmp_path):
+    """GPU path glue: a verl main_ppo run (file-logger metrics + merged model) becomes the RL stage."""
+    import shutil
+
+    from verl_prm.recipes.arithmetic.pipeline import SCALES, import_verl_run, stages_of
+
+    work, _ = micro_run
+    run_dir = tmp_path / "verl_rl_pav_grpo"
+    shutil.copytree(work / "rl_pav_grpo" / "final", run_dir / "final")
+    lines = [{"step": 0, "data": {"val-core/arithmetic_mod/acc/mean@4": 0.5}},
+             {"step": 1, "data": {"actor/pg_loss": 0.1}},
+             {"step": 5, "data": {"val-core/arithmetic_mod/acc/mean@4": 0.75, "val-aux/arithmetic_mod/acc/std@4": 0.1}}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    outputs = import_verl_run(SCALES["micro"], tmp_path / "work", "pav_grpo", run_dir)
+    per_step = SCALES["micro"].rl.prompts_per_step * SCALES["micro"].rl.group_size
+    assert [list(x) for x in outputs["curve"]] == [[0, 0, 0.5], [5, 5 * per_step, 0.75]]
+    assert stages_of(SCALES["micro"], tmp_path / "work")["rl_pav"].done()
+    with pytest.raises(ValueError, match="grpo or pav_grpo"):
+        import_verl_run(SCALES["micro"], tmp_path / "work", "gae", run_dir)

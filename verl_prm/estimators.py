@@ -99,6 +99,46 @@ def _norm_by_std(config) -> bool:
     return bool(getter("norm_adv_by_std_in_grpo", True) if getter else getattr(config, "norm_adv_by_std_in_grpo", True))
 
 
+def _grpo_outcome(name, rewards, index, config, pav, scores, num_steps):
+    groups, num_groups = _groups(name, index, rewards.device)
+    return adv.group_normalized_outcome(rewards, groups, num_groups, epsilon=pav.epsilon,
+                                        norm_by_std=_norm_by_std(config))
+
+
+def _rloo_outcome(name, rewards, index, config, pav, scores, num_steps):
+    groups, num_groups = _groups(name, index, rewards.device)
+    return adv.leave_one_out_outcome(rewards, groups, num_groups)
+
+
+def _reinforce_outcome(name, rewards, index, config, pav, scores, num_steps):
+    return adv.batch_baseline_outcome(rewards)
+
+
+def _aggregate_outcome(name, rewards, index, config, pav, scores, num_steps):
+    reward = pav.aggregate_weight * adv.aggregate_step_scores(scores, num_steps, pav.aggregation)
+    if pav.aggregate_with_outcome:
+        reward = reward + rewards
+    return _grpo_outcome(name, reward, index, config, pav, scores, num_steps)
+
+
+def _step_estimator(name, outcome_fn, per_step: bool, token_level_rewards, response_mask, index, config,
+                    steps: dict, truncated, verl_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """What every step estimator shares: read the config, check the inputs, the process scores, the broadcast."""
+    pav = read_pav_config(config)
+    _inputs(name, steps, token_level_rewards, response_mask, pav, verl_kwargs)
+    with torch.no_grad():
+        scores = _process_scores(name, pav, steps, truncated)
+        outcome = outcome_fn(name, token_level_rewards.sum(dim=-1), index, config, pav, scores, steps["num_steps"])
+        if per_step:
+            advantages = adv.process_advantage(outcome, scores, steps["step_ids"], response_mask, pav.alpha)
+        else:
+            advantages = outcome[:, None] * response_mask
+    return advantages, advantages
+
+
+# The estimators keep explicit signatures: verl (and patch 0001) pass keyword arguments by name.
+
+
 def compute_pav_grpo_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -117,18 +157,9 @@ def compute_pav_grpo_advantage(
     advantage (``norm_adv_by_std_in_grpo`` read from ``config``). With alpha = 0 it equals verl's ``grpo``.
     Returns ``(advantages, returns)`` with ``returns = advantages``, as verl's grpo.
     """
-    name = "pav_grpo"
-    pav = read_pav_config(config)
     steps = dict(step_ids=step_ids, step_values=step_values, prompt_values=prompt_values, num_steps=num_steps)
-    _inputs(name, steps, token_level_rewards, response_mask, pav, verl_kwargs)
-    with torch.no_grad():
-        groups, num_groups = _groups(name, index, token_level_rewards.device)
-        outcome = adv.group_normalized_outcome(
-            token_level_rewards.sum(dim=-1), groups, num_groups, epsilon=pav.epsilon, norm_by_std=_norm_by_std(config)
-        )
-        scores = _process_scores(name, pav, steps, truncated)
-        advantages = adv.process_advantage(outcome, scores, step_ids, response_mask, pav.alpha)
-    return advantages, advantages
+    return _step_estimator("pav_grpo", _grpo_outcome, True, token_level_rewards, response_mask, index, config,
+                           steps, truncated, verl_kwargs)
 
 
 def compute_pav_rloo_advantage(
@@ -146,16 +177,9 @@ def compute_pav_rloo_advantage(
     """``pav_rloo``: RLOO's outcome advantage (``R_i`` minus the mean of the other responses of its prompt,
     as verl's ``rloo``) plus ``alpha *`` the progress of each token's step. With alpha = 0 it equals verl's rloo.
     """
-    name = "pav_rloo"
-    pav = read_pav_config(config)
     steps = dict(step_ids=step_ids, step_values=step_values, prompt_values=prompt_values, num_steps=num_steps)
-    _inputs(name, steps, token_level_rewards, response_mask, pav, verl_kwargs)
-    with torch.no_grad():
-        groups, num_groups = _groups(name, index, token_level_rewards.device)
-        outcome = adv.leave_one_out_outcome(token_level_rewards.sum(dim=-1), groups, num_groups)
-        scores = _process_scores(name, pav, steps, truncated)
-        advantages = adv.process_advantage(outcome, scores, step_ids, response_mask, pav.alpha)
-    return advantages, advantages
+    return _step_estimator("pav_rloo", _rloo_outcome, True, token_level_rewards, response_mask, index, config,
+                           steps, truncated, verl_kwargs)
 
 
 def compute_pav_reinforce_advantage(
@@ -173,15 +197,9 @@ def compute_pav_reinforce_advantage(
     """``pav_reinforce``: the PAV paper's online-RL form, ``out_i = R_i - mean_batch R`` plus
     ``alpha *`` the progress of each token's step. ``index`` is not needed.
     """
-    name = "pav_reinforce"
-    pav = read_pav_config(config)
     steps = dict(step_ids=step_ids, step_values=step_values, prompt_values=prompt_values, num_steps=num_steps)
-    _inputs(name, steps, token_level_rewards, response_mask, pav, verl_kwargs)
-    with torch.no_grad():
-        outcome = adv.batch_baseline_outcome(token_level_rewards.sum(dim=-1))
-        scores = _process_scores(name, pav, steps, truncated)
-        advantages = adv.process_advantage(outcome, scores, step_ids, response_mask, pav.alpha)
-    return advantages, advantages
+    return _step_estimator("pav_reinforce", _reinforce_outcome, True, token_level_rewards, response_mask, index,
+                           config, steps, truncated, verl_kwargs)
 
 
 def compute_prm_aggregate_advantage(
@@ -202,21 +220,9 @@ def compute_prm_aggregate_advantage(
     ``pav.process_term``, R_i included when ``pav.aggregate_with_outcome``), then GRPO's group normalisation,
     broadcast over the response tokens.
     """
-    name = "prm_aggregate"
-    pav = read_pav_config(config)
     steps = dict(step_ids=step_ids, step_values=step_values, prompt_values=prompt_values, num_steps=num_steps)
-    _inputs(name, steps, token_level_rewards, response_mask, pav, verl_kwargs)
-    with torch.no_grad():
-        groups, num_groups = _groups(name, index, token_level_rewards.device)
-        scores = _process_scores(name, pav, steps, truncated)
-        reward = pav.aggregate_weight * adv.aggregate_step_scores(scores, num_steps, pav.aggregation)
-        if pav.aggregate_with_outcome:
-            reward = reward + token_level_rewards.sum(dim=-1)
-        outcome = adv.group_normalized_outcome(
-            reward, groups, num_groups, epsilon=pav.epsilon, norm_by_std=_norm_by_std(config)
-        )
-        advantages = outcome[:, None] * response_mask
-    return advantages, advantages
+    return _step_estimator("prm_aggregate", _aggregate_outcome, False, token_level_rewards, response_mask, index,
+                           config, steps, truncated, verl_kwargs)
 
 
 PAV_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {

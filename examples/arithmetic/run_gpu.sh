@@ -54,7 +54,7 @@ for ADV_ESTIMATOR in grpo pav_grpo; do
             data.val_files="$WORK_DIR/data/test.parquet" \
             data.train_batch_size=128 \
             data.max_prompt_length=64 \
-            data.max_response_length=128 \
+            data.max_response_length=192 \
             data.filter_overlong_prompts=True \
             data.truncation=error \
             data.seed="$SEED" \

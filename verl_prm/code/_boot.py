@@ -100,8 +100,6 @@ def _expose(paths, scratch):
     ancestor (``/root`` of a pyenv install) is closed: bind the path to ``scratch``, mask the closed ancestor with
     an empty tmpfs (which also hides whatever else it holds), recreate the path in it and bind the path back,
     read-only."""
-    import ctypes
-
     libc = _libc()
     for index, path in enumerate(paths):
         closed = _closed_ancestor(path)
@@ -161,6 +159,7 @@ def main():
         program_path = os.path.join(workdir, "program.py")
         os.chdir(workdir)
         import resource
+        import traceback  # imported while the interpreter's files are surely readable (before the uid switch)
 
         limits = [
             (resource.RLIMIT_CPU, config["cpu_s"], config["cpu_s"] + 1),
@@ -199,8 +198,6 @@ def main():
     try:
         exec(code, namespace)
     except BaseException as error:
-        import traceback
-
         try:
             text = "".join(traceback.format_exception(type(error), error, error.__traceback__))[-4000:]
         except BaseException:

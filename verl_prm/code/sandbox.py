@@ -2,10 +2,11 @@
 
 ``run_program(source, config)`` writes ``source`` to a root-only staging directory and starts
 ``python -I -S -B verl_prm/code/_boot.py`` as the leader of a new session (``setsid``) with an environment
-of a few fixed variables (nothing of the caller's environment). The boot script (``_boot.py``) then, before any
-program code runs:
+of a few fixed variables (nothing of the caller's environment). The boot script (``_boot.py``) sets up the
+isolation before any program code runs. Three isolation levels; ``isolation()`` probes once which one this machine allows (``SandboxConfig.mode="auto"``
+takes the strongest):
 
-* **full isolation** (the process runs as root and may create namespaces; probed once, `isolation()`):
+* **full isolation** (the process runs as root and may create namespaces):
   enters a new **network namespace** (only a loopback device that is down: no route anywhere) and a new
   **mount namespace** in which a fresh, size-capped tmpfs is mounted over every world-writable directory
   (``/tmp``, ``/var/tmp``, ``/dev/shm``); the working directory is a new directory inside that tmpfs, so it and
@@ -14,17 +15,25 @@ program code runs:
   then it drops to an **unprivileged uid** of its own (a number with no passwd entry, unique per run slot of
   this process: ``uid_for_slot``), so every other path of the file system is read-only or unreadable by
   ordinary Unix permissions, and ``RLIMIT_NPROC`` counts exactly this run's processes;
-* **basic isolation** (not root, or namespaces refused): the working directory is a fresh directory (removed
+* **user isolation** (root, but namespaces refused, e.g. a container without CAP_SYS_ADMIN): the same
+  unprivileged uid (so the file system outside world-writable directories is protected by Unix permissions,
+  ``RLIMIT_NPROC`` counts the run's processes, and every process of the uid is killed at the end) and a fresh
+  working directory owned by it (removed afterwards); network access is refused by the audit hook only; ``/tmp``
+  and other world-writable directories stay writable and shared. The interpreter's installation must be
+  readable by other uids (the probe checks it with a lazy standard-library import);
+* **basic isolation** (not root, or the uid switch failed): the working directory is a fresh directory (removed
   afterwards); network access is refused by an audit hook (see below) only; writes elsewhere are limited by the
-  caller's own file permissions only; ``RLIMIT_NPROC`` is set to the caller's current process count + ``nproc``.
+  caller's own file permissions only; ``RLIMIT_NPROC`` is set to the caller's current process count + ``nproc``
+  (the kernel does not enforce it for root); processes that leave the process group (``setsid``) survive the
+  run.
 
-In both modes: resource limits ``RLIMIT_CPU`` (CPU seconds; SIGXCPU then SIGKILL), ``RLIMIT_AS`` (address
+At every level: resource limits ``RLIMIT_CPU`` (CPU seconds; SIGXCPU then SIGKILL), ``RLIMIT_AS`` (address
 space), ``RLIMIT_FSIZE`` (largest file written), ``RLIMIT_NOFILE``, ``RLIMIT_CORE = 0``; an audit hook that
 raises ``PermissionError("sandbox: network access is blocked")`` when the program creates an IPv4/IPv6 (any
 non-Unix) socket or connects/binds/sends to a network address (a clear failure reason; in full isolation the
 namespace is the barrier, the hook only names the cause); a wall-clock deadline after which the whole process
-group is killed (``killpg(SIGKILL)``), and in full isolation every process of the run's uid is killed as well
-(``/proc`` scan, repeated until none is left), which also gets processes that left the process group
+group is killed (``killpg(SIGKILL)``), and in full and user isolation every process of the run's uid is killed
+as well (``/proc`` scan, repeated until none is left), which also gets processes that left the process group
 (``setsid``, double fork). Stdout and stderr are read concurrently and at most ``max_output_bytes`` of each is
 kept (the rest is read and discarded, so a chatty program cannot block or fill memory).
 
@@ -67,9 +76,9 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Sequence
 
 __all__ = [
     "REASONS",
@@ -120,7 +129,7 @@ class SandboxConfig:
         file_mb: largest file the program may write (RLIMIT_FSIZE), and the size of the private tmpfs.
         max_files: open file descriptors (RLIMIT_NOFILE).
         nproc: processes the run may have at once (RLIMIT_NPROC on the run's own uid in full isolation).
-        mode: "auto" (full isolation when available, else basic), "full" (error if unavailable), "basic".
+        mode: "auto" (the strongest level available), or "full", "user", "basic" (error if unavailable).
         site_packages: let the program import installed third-party packages (numpy...); default off
             (``python -S``: the standard library only, which is what HumanEval and MBPP need).
         python: the interpreter that runs the program (default: this one).
@@ -138,8 +147,8 @@ class SandboxConfig:
     python: str = sys.executable
 
     def __post_init__(self) -> None:
-        if self.mode not in ("auto", "full", "basic"):
-            raise ValueError(f"SandboxConfig.mode must be 'auto', 'full' or 'basic', got {self.mode!r}")
+        if self.mode not in ("auto", "full", "user", "basic"):
+            raise ValueError(f"SandboxConfig.mode must be 'auto', 'full', 'user' or 'basic', got {self.mode!r}")
         if self.timeout_s <= 0 or self.cpu_s < 1 or self.memory_mb < 64 or self.nproc < 1:
             raise ValueError(
                 f"SandboxConfig: need timeout_s > 0, cpu_s >= 1, memory_mb >= 64, nproc >= 1; got {self.timeout_s}, "
@@ -169,7 +178,7 @@ class RunResult:
         stdout, stderr: the first ``max_output_bytes`` of each, decoded (invalid UTF-8 replaced).
         stdout_truncated, stderr_truncated: more was written than kept.
         wall_s: seconds from start to the end of the run (clean-up included).
-        isolation: the isolation mode of the run ("full" or "basic").
+        isolation: the isolation level of the run ("full", "user" or "basic").
     """
 
     reason: str
@@ -205,7 +214,7 @@ class _Slots:
     uid until init reaps them, which can take a moment."""
 
     def __init__(self, rest_s: float = 2.0) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._pid = os.getpid()
         self._free: list[tuple[int, float]] = [(slot, 0.0) for slot in range(_SLOTS_PER_PROCESS)]
         self.rest_s = rest_s
@@ -214,8 +223,8 @@ class _Slots:
         with self._lock:
             if self._pid != os.getpid():  # forked: a new process, new uids
                 self._pid, self._free = os.getpid(), [(slot, 0.0) for slot in range(_SLOTS_PER_PROCESS)]
-            if not self._free:
-                raise RuntimeError(f"more than {_SLOTS_PER_PROCESS} concurrent sandbox runs in one process")
+            while not self._free:  # more than 64 concurrent runs in this process: wait for one to end
+                self._lock.wait()
             now = time.monotonic()
             ready = [i for i, (_, not_before) in enumerate(self._free) if not_before <= now]
             index = ready[0] if ready else min(range(len(self._free)), key=lambda i: self._free[i][1])
@@ -224,6 +233,7 @@ class _Slots:
     def release(self, slot: int, killed: bool) -> None:
         with self._lock:
             self._free.append((slot, time.monotonic() + self.rest_s if killed else 0.0))
+            self._lock.notify()
 
 
 _SLOTS = _Slots()
@@ -231,39 +241,52 @@ _ISOLATION: dict[str, Isolation] = {}
 _ISOLATION_LOCK = threading.Lock()
 
 
-def _full_isolation_possible(python: str) -> tuple[bool, str]:
+LEVELS = ("full", "user", "basic")
+_PROBE = b"import heapq, json, textwrap\nassert json.loads('[1]') == [1]\n"  # lazily imported stdlib must be readable
+
+
+def _isolation_of(level: str, note: str = "") -> Isolation:
+    if level == "full":
+        return Isolation("full", "namespace+audit-hook",
+                         "private tmpfs over " + ", ".join(MASK_DIRS) + " (cwd inside it); unprivileged uid elsewhere",
+                         "setsid + killpg + kill-all-of-the-run's-uid; RLIMIT_NPROC on the run's uid", note)
+    if level == "user":
+        return Isolation("user", "audit-hook",
+                         "fresh temporary cwd (removed); unprivileged uid elsewhere (world-writable directories such "
+                         "as /tmp stay writable and shared)",
+                         "setsid + killpg + kill-all-of-the-run's-uid; RLIMIT_NPROC on the run's uid", note)
+    return Isolation("basic", "audit-hook", "fresh temporary cwd (removed); caller's permissions elsewhere",
+                     "setsid + killpg; RLIMIT_NPROC = caller's processes + nproc (not enforced for root)", note)
+
+
+def _probe_level(python: str) -> tuple[str, str]:
+    """The strongest level that runs a probe program here: full (namespaces + uid), user (uid only), basic."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return False, "not running as root: no namespaces, no uid switch"
-    probe = _run(b"pass\n", SandboxConfig(timeout_s=20.0, mode="basic", python=python), full=True)
-    if probe.reason != "passed":
-        return False, f"namespaces or uid switch refused: {probe.reason}: {probe.detail}"
-    return True, ""
+        return "basic", "not running as root: no namespaces, no uid switch"
+    config = SandboxConfig(timeout_s=20.0, mode="basic", python=python)
+    notes = []
+    for level in ("full", "user"):
+        probe = _run(_PROBE, config, level=level)
+        if probe.reason == "passed":
+            return level, "; ".join(notes)
+        notes.append(f"{level} isolation refused: {probe.reason}: {probe.detail[:200]}")
+    return "basic", "; ".join(notes)
 
 
 def isolation(config: SandboxConfig | None = None) -> Isolation:
-    """The isolation runs get with ``config.mode`` on this machine (probed once per interpreter path)."""
+    """The isolation runs get with ``config.mode`` on this machine (probed once per interpreter path): "auto"
+    takes the strongest available level; a level asked for explicitly must be available (or weaker)."""
     config = config or SandboxConfig()
     with _ISOLATION_LOCK:
         if config.python not in _ISOLATION:
-            ok, note = _full_isolation_possible(config.python)
-            if ok:
-                _ISOLATION[config.python] = Isolation(
-                    "full", "namespace+audit-hook",
-                    "private tmpfs over " + ", ".join(MASK_DIRS) + " (cwd inside it); unprivileged uid elsewhere",
-                    "setsid + killpg + kill-all-of-the-run's-uid; RLIMIT_NPROC on the run's uid",
-                )
-            else:
-                _ISOLATION[config.python] = Isolation(
-                    "basic", "audit-hook", "fresh temporary cwd (removed); caller's permissions elsewhere",
-                    "setsid + killpg; RLIMIT_NPROC = caller's processes + nproc", note,
-                )
+            _ISOLATION[config.python] = _isolation_of(*_probe_level(config.python))
         found = _ISOLATION[config.python]
-    if config.mode == "full" and found.mode != "full":
-        raise RuntimeError(f"SandboxConfig(mode='full'): full isolation is not available here ({found.note})")
-    if config.mode == "basic":
-        return Isolation("basic", "audit-hook", "fresh temporary cwd (removed); caller's permissions elsewhere",
-                         "setsid + killpg; RLIMIT_NPROC = caller's processes + nproc", "mode='basic' requested")
-    return found
+    if config.mode == "auto":
+        return found
+    if LEVELS.index(config.mode) < LEVELS.index(found.mode):
+        raise RuntimeError(f"SandboxConfig(mode={config.mode!r}): not available here, the strongest is "
+                           f"{found.mode!r} ({found.note})")
+    return found if config.mode == found.mode else _isolation_of(config.mode, f"mode={config.mode!r} requested")
 
 
 def _user_process_count(uid: int) -> int:
@@ -411,19 +434,24 @@ def _interpreter_paths(config: SandboxConfig) -> list[str]:
     return sorted(paths)
 
 
-def _run(source: bytes, config: SandboxConfig, *, full: bool) -> RunResult:
-    """One run in full or basic isolation (module docstring)."""
+def _run(source: bytes, config: SandboxConfig, *, level: str) -> RunResult:
+    """One run at isolation ``level`` (module docstring)."""
+    full = level == "full"
+    switch_uid = level in ("full", "user")
     started = time.perf_counter()
     staging = Path(tempfile.mkdtemp(prefix="verl_prm_sandbox_"))  # 0700, the caller's
-    slot = _SLOTS.acquire() if full else None
+    slot = _SLOTS.acquire() if switch_uid else None
     uid = uid_for_slot(slot) if slot is not None else None
     status_r, status_w = os.pipe()
     process = None
     killed = [0]
     try:
         (staging / "program.py").write_bytes(source)
+        if level == "user":  # the working directory is the staging directory: the run's uid owns it
+            os.chown(staging, uid, uid)
+            os.chown(staging / "program.py", uid, uid)
         env = _program_env(config.site_packages)
-        if full:
+        if switch_uid:
             nproc = config.nproc
         elif hasattr(os, "geteuid") and os.geteuid() != 0:
             nproc = _user_process_count(os.geteuid()) + config.nproc
@@ -479,7 +507,7 @@ def _run(source: bytes, config: SandboxConfig, *, full: bool) -> RunResult:
             stdout_truncated=out["stdout"][1],
             stderr_truncated=out["stderr"][1],
             wall_s=time.perf_counter() - started,
-            isolation="full" if full else "basic",
+            isolation=level,
         )
     finally:
         if process is not None and process.poll() is None:
@@ -555,9 +583,9 @@ def _collect(process: subprocess.Popen, status_fd: int, config: SandboxConfig, u
 def run_program(source: str | bytes, config: SandboxConfig | None = None) -> RunResult:
     """Run the Python program ``source`` in the sandbox (module docstring) and classify its outcome."""
     config = config or SandboxConfig()
-    mode = isolation(config).mode
+    level = isolation(config).mode
     data = source.encode("utf-8") if isinstance(source, str) else bytes(source)
-    return _run(data, config, full=mode == "full")
+    return _run(data, config, level=level)
 
 
 def run_many(

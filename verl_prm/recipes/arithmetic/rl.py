@@ -47,7 +47,7 @@ class RLConfig:
     steps: int = 40
     prompts_per_step: int = 16
     group_size: int = 8
-    lr: float = 1e-4
+    lr: float = 2e-4
     temperature: float = 1.0
     max_new_tokens: int = 48
     eval_every: int = 5

@@ -16,10 +16,12 @@ import torch
 
 from verl_prm.recipes.arithmetic.score import DATA_SOURCE, compute_score, extract_answer
 from verl_prm.recipes.arithmetic.task import (
+    STEP_REGEX,
     Problem,
     TaskConfig,
     generate_problems,
     prefix_correctness,
+    prefix_is_correct,
     problem_from_row,
     sft_example,
     solution_lines,
@@ -53,6 +55,10 @@ def test_every_solution_without_a_slip_verifies_and_every_slip_fails(config):
                 assert compute_score(DATA_SOURCE, slipped, str(problem.answer)) == 0.0, (problem, h, value)
                 truth = prefix_correctness(problem, slipped)
                 assert truth == [True] * h + [False] * (len(problem.ops) + 1 - h)
+                lines = slipped.split("\n")
+                prefixes = ["\n".join(lines[: k + 1]) for k in range(len(lines))]
+                assert [prefix_is_correct(problem, p, complete=k == len(lines) - 1)
+                        for k, p in enumerate(prefixes)] == truth
 
 
 def test_solution_format_one_line_per_operation_then_the_answer():
@@ -139,8 +145,8 @@ def test_tokenizer_is_per_character_and_renders_like_verl_prm_label():
 
 
 def test_rl_batch_advantages_follow_the_lines(tmp_path):
-    """The CPU loop's DataProto path: split_steps gives one step per line, pav_grpo adds alpha * A_h to the
-    tokens of line h only, and at alpha = 0 equals verl's grpo on the same batch."""
+    """The CPU loop's DataProto path: split_steps gives one step per operation (``STEP_REGEX``), pav_grpo adds
+    alpha * A_h to the tokens of step h only, and at alpha = 0 equals verl's grpo on the same batch."""
     import verl  # noqa: F401  (registers pav_grpo)
     from omegaconf import OmegaConf
 
@@ -162,9 +168,10 @@ def test_rl_batch_advantages_follow_the_lines(tmp_path):
         mask[row, : len(r)] = 1
     rollouts = Rollouts(torch.zeros(4, 1, dtype=torch.long), responses, torch.cat([torch.ones(4, 1), mask], 1).long(),
                         mask, texts, [True] * 4, [0, 0, 1, 1])
-    split = split_steps(responses, mask, tokenizer, "\n")
+    split = split_steps(responses, mask, tokenizer, regex=STEP_REGEX)
     assert split.num_steps.tolist() == [4, 4, 2, 2]
-    assert split.step_texts(0) == ["1*3=3 -4\n", "3-4=12\n", "12*2=11\n", "answer 11"]
+    # a step ends at its result; the carried operations and the newline open the next step
+    assert split.step_texts(0) == ["1*3=3", " -4\n3-4=12", "\n12*2=11", "\nanswer 11"]
     values = torch.tensor([[0.8, 0.1, 0.1, 0.0], [0.9, 0.9, 0.9, 1.0], [0.2, 0.0, 0, 0], [0.6, 1.0, 0, 0]])
     steps = {"step_ids": split.step_ids, "num_steps": split.num_steps, "step_values": values,
              "prompt_values": torch.tensor([0.5, 0.5, 0.4, 0.4])}
@@ -314,6 +321,7 @@ def test_gpu_launcher_overrides_compose_with_verls_config(micro_run, tmp_path):
 
     from verl_prm.config.hook import validate_run_config
     from verl_prm.recipes.arithmetic.pipeline import SCALES
+    from verl_prm.recipes.arithmetic.task import STEP_REGEX
 
     work, records = micro_run
     calls = _run_launcher(EXAMPLE / "run_gpu.sh", tmp_path, {"WORK_DIR": str(work)})
@@ -326,7 +334,7 @@ def test_gpu_launcher_overrides_compose_with_verls_config(micro_run, tmp_path):
             config = compose("ppo_trainer", overrides=call[3:])
         validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
         hook, pav = validate_run_config(config)
-        assert hook.steps.delimiter == "\n"
+        assert hook.steps.regex == STEP_REGEX  # the launcher's regex reaches the hook unchanged
         assert config.actor_rollout_ref.rollout.name == "vllm"
         assert config.actor_rollout_ref.model.path == str(work / "policy")
         assert config.reward.custom_reward_function.path == str(RECIPE / "score.py")

@@ -27,6 +27,8 @@ RL_STEPS=${RL_STEPS:-200}
 PAV_ALPHA=${PAV_ALPHA:-3.0}
 BEST_OF_K=${BEST_OF_K:-4}
 SEED=${SEED:-0}
+# a step ends right after the result of an operation (verl_prm/recipes/arithmetic/task.py: STEP_REGEX)
+STEP_REGEX='=\d+(?=\D)'
 
 python3 -m verl_prm.recipes.arithmetic --scale gpu --work-dir "$WORK_DIR" --stages data,sft,label,pav
 
@@ -42,7 +44,7 @@ for ADV_ESTIMATOR in grpo pav_grpo; do
             +verl_prm=pav \
             verl_prm.critic.path="$CRITIC_PATH" \
             verl_prm.critic.format=value_head \
-            verl_prm.steps.delimiter='\n' \
+            "verl_prm.steps.regex='$STEP_REGEX'" \
             verl_prm.placement.pool=colocated \
             algorithm.adv_estimator="$ADV_ESTIMATOR" \
             algorithm.pav.alpha="$PAV_ALPHA" \

@@ -2,8 +2,8 @@
 
 - **Policies** (base SFT, GRPO, PAV-GRPO): sampled accuracy (temperature 1, the policy RL trains) on held-out
   problems, ``samples`` samples each, with the same seeds for every policy.
-- **Critic**: AUROC of its raw value after each step for "every line so far is right" (the truth, from
-  ``task.prefix_correctness``) on base-policy samples of held-out problems. This is the step-level detection
+- **Critic**: AUROC of its raw value after each step for "every step so far is right" (the truth, from
+  ``task.prefix_is_correct``) on base-policy samples of held-out problems. This is the step-level detection
   of slips by a critic that was trained on Monte-Carlo labels only.
 - **Search** with the base policy (``verl_prm.search``): best-of-N re-ranked by the critic's final value (an
   outcome verifier), and the PAV paper's beam search on ``Q + alpha * A`` (Q: the critic; A: progress of its
@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from verl_prm.recipes.arithmetic.task import DATA_SOURCE, Problem, compute_score, prefix_correctness
+from verl_prm.recipes.arithmetic.task import DATA_SOURCE, STEP_REGEX, Problem, compute_score, prefix_is_correct
 
 __all__ = ["steps_to_reach", "sample_efficiency", "critic_step_auroc", "search_sweep", "write_table", "plot_all"]
 
@@ -59,18 +59,17 @@ def critic_step_auroc(critic, tokenizer, model, prompt_texts: Sequence[str], pro
     from verl_prm.training.metrics import auroc
 
     rollouts = sample(model, tokenizer, prompt_texts, samples, max_new_tokens=max_new_tokens, seed=seed)
-    tensors = step_tensors(critic, rollouts, tokenizer)
+    tensors, split = step_tensors(critic, rollouts, tokenizer, return_split=True)
     scores, labels = [], []
     first_wrong_drop = []
     for row, (text, index) in enumerate(zip(rollouts.texts, rollouts.prompt_index)):
-        truth = prefix_correctness(problems[index], text)
         H = int(tensors["num_steps"][row])
-        if H != len(truth):
-            raise ValueError(f"sample {row}: {H} critic steps but {len(truth)} lines in {text!r}")
+        ends = split.step_char_ends[row, :H].tolist()
+        truth = [prefix_is_correct(problems[index], text[:end], complete=h == H - 1) for h, end in enumerate(ends)]
         values = tensors["step_values"][row, :H].tolist()
         scores += values
         labels += truth
-        if False in truth:  # the value drop at the first wrong line
+        if False in truth:  # the value drop at the first wrong step
             h = truth.index(False)
             before = float(tensors["prompt_values"][row]) if h == 0 else values[h - 1]
             first_wrong_drop.append(before - values[h])
@@ -87,7 +86,7 @@ def search_sweep(model, tokenizer, critic, prompt_texts: Sequence[str], problems
     from verl_prm.search import BeamConfig, BestOfNConfig, CachedCritic, beam_search, best_of_n as run_best_of_n
     from verl_prm.search.generation import HFStepSampler, TextCritic
 
-    sampler = HFStepSampler(model, tokenizer, list(prompt_texts), delimiter="\n", max_step_tokens=16,
+    sampler = HFStepSampler(model, tokenizer, list(prompt_texts), delimiter=None, regex=STEP_REGEX, max_step_tokens=24,
                             max_response_tokens=max_new_tokens, temperature=1.0, batch_size=512)
     ids = list(range(len(problems)))
     rows = []
@@ -121,11 +120,12 @@ def write_table(results: dict, path_md: str | Path, path_json: str | Path) -> st
     ]
     for name, label in (("base", "SFT base"), ("grpo", "GRPO"), ("pav_grpo", "PAV-GRPO")):
         lines.append(f"| {label} | {p[name]['accuracy']:.3f} | {p[name]['steps']} | {p[name]['samples']} |")
-    speed = "not reached" if eff["speedup"] is None else f"{eff['speedup']:.2f}x"
+    speed = "PAV-GRPO never reached it" if eff["speedup"] is None else f"{eff['speedup']:.2f}x"
+    at = lambda step: "never" if step is None else f"at step {step}"  # noqa: E731
     lines += [
         "",
-        f"Sample efficiency: GRPO's final accuracy {eff['target_accuracy']:.3f} is reached by GRPO at step "
-        f"{eff['grpo_steps_to_target']} and by PAV-GRPO at step {eff['pav_grpo_steps_to_target']} "
+        f"Sample efficiency: GRPO's final accuracy {eff['target_accuracy']:.3f} (held-out evaluation during RL) is "
+        f"reached by GRPO {at(eff['grpo_steps_to_target'])} and by PAV-GRPO {at(eff['pav_grpo_steps_to_target'])} "
         f"(speed-up {speed}; paper: 5-6x). Final accuracy PAV-GRPO - GRPO: "
         f"{p['pav_grpo']['accuracy'] - p['grpo']['accuracy']:+.3f} (paper: about +6%).",
         "",

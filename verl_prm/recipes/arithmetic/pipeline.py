@@ -5,7 +5,7 @@
 Stages (``--stages``, default all, in this order), each writing under ``--work-dir``:
 
 ==========  ===========================================================================================
-data        ``data/``: verl parquet rows (``rl_train``, ``label``, ``test``) and the SFT solutions
+data        ``data/``: verl parquet rows (``rl_train``, ``test``; the label stage adds its prompts) and the SFT solutions
             (``sft.jsonl``, ``slip_rate`` of them with one slip)
 sft         ``policy/``: a tiny Qwen2 causal LM trained from scratch (HF format, safetensors, tokenizer)
 label       ``labels/``: ``verl-prm label`` (Monte-Carlo values of step prefixes; the prover is the policy,
@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
+
+import numpy as np
 import random
 import sys
 import time
@@ -34,7 +36,7 @@ from typing import Sequence
 
 from verl_prm.recipes.arithmetic.model import ModelConfig, SFTConfig
 from verl_prm.recipes.arithmetic.rl import RLConfig
-from verl_prm.recipes.arithmetic.task import TaskConfig
+from verl_prm.recipes.arithmetic.task import STEP_REGEX, TaskConfig
 
 __all__ = ["Scale", "SCALES", "STAGES", "run", "main"]
 
@@ -50,19 +52,19 @@ class Scale:
     task: TaskConfig = field(default_factory=TaskConfig)
     sft_problems: int = 20000
     rl_problems: int = 2000
-    label_problems: int = 96
+    label_problems: int = 768
     test_problems: int = 256
     model: ModelConfig = field(default_factory=ModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     # verl-prm label
-    n_cov: int = 2
-    n_mc: int = 8
+    n_cov: int = 4
+    n_mc: int = 4
     label_backend: str = "hf"
-    label_batch_size: int = 256
+    label_batch_size: int = 1024
     # verl-prm train
-    pav_steps: int = 150
+    pav_steps: int = 500
     pav_batch_size: int = 32
-    pav_lr: float = 1e-3
+    pav_lr: float = 2e-4
     pav_warmup: int = 10
     # RL (both runs)
     rl: RLConfig = field(default_factory=RLConfig)
@@ -178,7 +180,7 @@ def stage_data(stage: Stage, scale: Scale) -> dict:
     sft, rl, label, test = _problems(scale)
     stage.path.mkdir(parents=True, exist_ok=True)
     files = {}
-    for name, problems in (("rl_train", rl), ("label", label), ("test", test)):
+    for name, problems in (("rl_train", rl), ("test", test)):
         path = stage.path / f"{name}.parquet"
         pd.DataFrame([verl_row(p, name, i) for i, p in enumerate(problems)]).to_parquet(path)
         files[name] = str(path)
@@ -218,11 +220,18 @@ def stage_sft(stage: Stage, scale: Scale, data_dir: Path, progress: bool) -> dic
 
 
 def stage_label(stage: Stage, scale: Scale, data_dir: Path, policy: Path, progress: bool) -> dict:
-    from verl_prm.cli import main as cli
+    import pandas as pd
 
-    argv = ["label", "--input", str(data_dir / "label.parquet"), "--policy", str(policy), "--output-dir",
+    from verl_prm.cli import main as cli
+    from verl_prm.recipes.arithmetic.task import verl_row
+
+    _, _, label, _ = _problems(scale)
+    prompts = stage.path.parent / "data" / f"label_{scale.label_problems}.parquet"
+    if not prompts.exists():
+        pd.DataFrame([verl_row(p, "label", i) for i, p in enumerate(label)]).to_parquet(prompts)
+    argv = ["label", "--input", str(prompts), "--policy", str(policy), "--output-dir",
             str(stage.path), "--backend", scale.label_backend, "--n-cov", str(scale.n_cov), "--n-mc", str(scale.n_mc),
-            "--strategy", "every", "--delimiter", "\\n", "--max-new-tokens", str(scale.max_new_tokens),
+            "--strategy", "every", "--step-regex", STEP_REGEX, "--max-new-tokens", str(scale.max_new_tokens),
             "--temperature", "1.0", "--batch-size", str(scale.label_batch_size), "--reward-fn",
             f"{SCORE_FILE}:compute_score", "--seed", "0"]
     if scale.label_backend == "hf":
@@ -236,7 +245,8 @@ def stage_label(stage: Stage, scale: Scale, data_dir: Path, policy: Path, progre
     frame = read_labels(stage.path)
     q = [v for values in frame["q"] for v in values]
     return {"command": "verl-prm " + " ".join(argv), "rollouts": len(frame), "labelled_steps": len(q),
-            "seed_accuracy": float(frame["outcome"].mean()), "mean_q": sum(q) / max(len(q), 1)}
+            "seed_accuracy": float(frame["outcome"].mean()),
+            "labelled_share": float(np.mean([v == v for v in q])) if q else 0.0}
 
 
 def stage_pav(stage: Stage, scale: Scale, labels: Path, policy: Path, progress: bool) -> dict:
@@ -319,11 +329,11 @@ def stage_evaluate(stage: Stage, scale: Scale, root: Path, policy: Path, critic:
 
 def stages_of(scale: Scale, root: Path) -> dict[str, Stage]:
     """Every stage's directory and settings (a stage's settings include those of the stages it reads)."""
-    d = Stage(root, "data", {"task": scale.task, "n": [scale.sft_problems, scale.rl_problems, scale.label_problems,
-                                                        scale.test_problems], "seed": scale.sft.seed})
+    d = Stage(root, "data", {"task": scale.task, "n": [scale.sft_problems, scale.rl_problems, scale.test_problems],
+                             "seed": scale.sft.seed})
     s = Stage(root, "policy", {"data": d.settings, "model": scale.model, "sft": scale.sft})
-    lab = Stage(root, "labels", {"policy": s.settings, "n": [scale.n_cov, scale.n_mc], "backend": scale.label_backend,
-                                 "max_new_tokens": scale.max_new_tokens})
+    lab = Stage(root, "labels", {"policy": s.settings, "prompts": scale.label_problems, "n": [scale.n_cov, scale.n_mc],
+                                 "backend": scale.label_backend, "max_new_tokens": scale.max_new_tokens})
     pav = Stage(root, "pav", {"labels": lab.settings, "steps": scale.pav_steps, "batch": scale.pav_batch_size,
                               "lr": scale.pav_lr, "warmup": scale.pav_warmup})
     rl_settings = {"policy": s.settings, "critic": pav.settings, "rl": scale.rl, "max_new_tokens": scale.max_new_tokens}

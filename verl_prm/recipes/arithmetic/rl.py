@@ -5,7 +5,7 @@ One iteration (the advantage path of the verl trainer hook, on one process):
 1. ``prompts_per_step`` training problems (the same ones for every run with the same seed) x ``group_size``
    samples each from the current policy with transformers (temperature 1), in verl's batch layout;
 2. the outcome reward (``task.compute_score``) at each response's last valid token (``token_level_rewards``);
-3. for a PAV estimator: steps by ``verl_prm.steps.split_steps`` (delimiter "\\n": one step per line), the
+3. for a PAV estimator: steps by ``verl_prm.steps.split_steps`` (``task.STEP_REGEX``: one per operation), the
    prover critic's ``prompt_values``/``step_values`` by ``ProverCritic.score_policy_batch`` (same tokenizer: the
    policy's ids are read as they are);
 4. a verl ``DataProto`` with those tensors and ``uid`` (the prompt of each row: the GRPO group) through
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from verl_prm.recipes.arithmetic.rollout import Rollouts, response_log_probs, sample
-from verl_prm.recipes.arithmetic.task import DATA_SOURCE, STEP_DELIMITER, Problem, compute_score
+from verl_prm.recipes.arithmetic.task import DATA_SOURCE, STEP_REGEX, Problem, compute_score
 
 __all__ = ["RLConfig", "algorithm_config", "build_data", "evaluate_accuracy", "run_rl"]
 
@@ -44,10 +44,10 @@ class RLConfig:
     estimator: str = "pav_grpo"
     alpha: float = 3.0
     best_of_k: int = 4
-    steps: int = 40
+    steps: int = 60
     prompts_per_step: int = 16
     group_size: int = 8
-    lr: float = 2e-4
+    lr: float = 1e-4
     temperature: float = 1.0
     max_new_tokens: int = 48
     eval_every: int = 5
@@ -96,15 +96,17 @@ def build_data(rollouts: Rollouts, rewards: torch.Tensor, uids: Sequence[str], s
     return DataProto.from_dict(tensors=tensors, non_tensors={"uid": np.array(list(uids), dtype=object)})
 
 
-def step_tensors(critic, rollouts: Rollouts, tokenizer) -> dict[str, torch.Tensor]:
-    """``step_ids``/``num_steps`` (one step per line) and the critic's raw ``step_values``/``prompt_values``."""
+def step_tensors(critic, rollouts: Rollouts, tokenizer, *, return_split: bool = False):
+    """``step_ids``/``num_steps`` (one step per operation, ``task.STEP_REGEX``) and the critic's raw
+    ``step_values``/``prompt_values``."""
     from verl_prm.steps import split_steps
 
-    split = split_steps(rollouts.responses, rollouts.response_mask, tokenizer, STEP_DELIMITER)
+    split = split_steps(rollouts.responses, rollouts.response_mask, tokenizer, regex=STEP_REGEX)
     scores = critic.score_policy_batch(rollouts.prompts, rollouts.responses, rollouts.attention_mask, split,
                                        policy_tokenizer=tokenizer)
-    return {"step_ids": split.step_ids, "num_steps": split.num_steps, "step_values": scores.step_values.float(),
-            "prompt_values": scores.prompt_values.float()}
+    tensors = {"step_ids": split.step_ids, "num_steps": split.num_steps, "step_values": scores.step_values.float(),
+               "prompt_values": scores.prompt_values.float()}
+    return (tensors, split) if return_split else tensors
 
 
 def evaluate_accuracy(model, tokenizer, prompt_texts: Sequence[str], problems: Sequence[Problem], *, samples: int,

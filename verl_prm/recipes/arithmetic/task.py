@@ -9,8 +9,9 @@ problem ``((5+7)*3-4) mod 13`` is written ``5 +7 *3 -4 mod 13``) modulo a prime 
                10-4=6
                answer 6
 
-Every line is one step (the step delimiter is ``"\\n"``): it applies the next operation to the value so far
-(reduced mod p into [0, p)) and carries the remaining operations along; the last line gives the answer. Operands are in
+Every line applies the next operation to the value so far (reduced mod p into [0, p)) and carries the remaining
+operations along; the last line gives the answer. A step is one operation: it ends right after its result
+(``STEP_REGEX``), and the answer line is the last step. Operands are in
 [1, max_operand] with ``max_operand < p`` and p prime, so every operation (x + c, x - c, x * c mod p) is a bijection of Z_p: a wrong intermediate value can never turn
 back into the right one, and **a solution with a slip always ends in a wrong answer**.
 
@@ -36,6 +37,7 @@ from verl_prm.recipes.arithmetic.score import DATA_SOURCE, compute_score, extrac
 __all__ = [
     "DATA_SOURCE",
     "STEP_DELIMITER",
+    "STEP_REGEX",
     "TaskConfig",
     "Problem",
     "apply_op",
@@ -44,12 +46,18 @@ __all__ = [
     "generate_problems",
     "is_prime",
     "prefix_correctness",
+    "prefix_is_correct",
     "sft_example",
     "solution_lines",
     "verl_row",
 ]
 
 STEP_DELIMITER = "\n"
+# A step ends right after the result of an operation (the digits after "=", once a non-digit follows), and the
+# answer line is the last step. The critic then reads a step's value at the token that completes its result,
+# where the operation and its operands are a few tokens back (a local check); the carried operations that
+# follow the result are copies and belong to the next step.
+STEP_REGEX = r"=\d+(?=\D)"
 OPS = ("+", "-", "*")
 
 
@@ -206,6 +214,19 @@ def prefix_correctness(problem: Problem, response: str) -> list[bool]:
                 ok = h == len(problem.ops) and h == len(lines) - 1 and extract_answer(line) == problem.answer
         out.append(ok)
     return out
+
+
+def prefix_is_correct(problem: Problem, prefix: str, complete: bool) -> bool:
+    """Whether a response prefix is still on the correct path: a prefix of the reference solution (``complete``:
+    the whole response, which must equal the reference up to surrounding whitespace)."""
+    reference = "\n".join(solution_lines(problem))
+    if complete:
+        return prefix.strip() == reference
+    if not reference.startswith(prefix):
+        return False
+    # "...=1" is no correct prefix of "...=12": a number must not continue in the reference
+    cut_number = prefix[-1:].isdigit() and len(reference) > len(prefix) and reference[len(prefix)].isdigit()
+    return not cut_number
 
 
 def verl_row(problem: Problem, split: str, index: int) -> dict:

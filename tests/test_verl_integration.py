@@ -233,12 +233,12 @@ def test_baseline_differs_from_pav_grpo_only_in_the_estimator(launcher_calls):
 
 
 def test_label_train_launcher_uses_the_label_and_train_commands(launcher_calls):
-    from verl_prm.labeling.cli import _label_parser
-    from verl_prm.training.cli import _parser as train_parser
+    from verl_prm.labeling.cli import label_parser
+    from verl_prm.training.cli import train_parser
 
     calls = launcher_calls["run_qwen2_5_0_5b_gsm8k_label_train_pav_grpo.sh"]
     assert [call[:2] for call in calls] == [["verl-prm", "label"], ["verl-prm", "train"], ["python3", "-m"]]
-    label_args = _label_parser().parse_args(calls[0][2:])
+    label_args = label_parser().parse_args(calls[0][2:])
     train_args = train_parser().parse_args(calls[1][2:])
     assert Path(train_args.labels[0]) == Path(label_args.output_dir)
     assert train_args.best_of_k == 4 and label_args.strategy == "first_pit"

@@ -186,9 +186,9 @@ def _records(path: Path) -> list[dict]:
     if path.suffix == ".parquet":
         import pandas as pd
 
-        from verl_prm.labeling.inputs import _plain
+        from verl_prm.labeling.inputs import plain_python
 
-        return [_plain(r) for r in pd.read_parquet(path).to_dict(orient="records")]
+        return [plain_python(r) for r in pd.read_parquet(path).to_dict(orient="records")]
     with open(path) as f:
         if path.suffix == ".json":
             data = json.load(f)

@@ -53,7 +53,7 @@ def _make_engine(args, path: str, memory_share: float):
     return build_generator(args.backend, path, **settings)
 
 
-def _label_parser() -> argparse.ArgumentParser:
+def label_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="verl-prm label", description="Monte-Carlo step labels from a prover "
                                 "(see verl_prm.labeling.format for the output columns).")
     p.add_argument("--input", required=True, help="prompts: verl parquet rows or jsonl")
@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "convert":
         return convert_main(argv[1:])
-    args = _label_parser().parse_args(argv)
+    args = label_parser().parse_args(argv)
 
     from transformers import AutoTokenizer
 

@@ -25,14 +25,14 @@ class PromptItem:
     extra_info: dict = field(default_factory=dict)
 
 
-def _plain(value: Any) -> Any:
+def plain_python(value: Any) -> Any:
     """numpy arrays/records from parquet -> plain lists/dicts."""
     if isinstance(value, np.ndarray):
-        return [_plain(v) for v in value.tolist()]
+        return [plain_python(v) for v in value.tolist()]
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain_python(v) for v in value]
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: plain_python(v) for k, v in value.items()}
     return value
 
 
@@ -53,7 +53,7 @@ def read_prompts(
     """
     path = Path(path)
     if path.suffix == ".parquet":
-        records = [_plain(r) for r in pd.read_parquet(path).to_dict(orient="records")]
+        records = [plain_python(r) for r in pd.read_parquet(path).to_dict(orient="records")]
     elif path.suffix in (".jsonl", ".json"):
         with open(path) as f:
             records = [json.loads(line) for line in f if line.strip()]

@@ -14,7 +14,7 @@ from typing import Sequence
 __all__ = ["main"]
 
 
-def _parser() -> argparse.ArgumentParser:
+def train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="verl-prm train", description="train a process advantage verifier (PAV): "
                                 "soft-label cross-entropy at each step's last token")
     p.add_argument("--labels", nargs="+", required=True, help="label shards or directories of shards")
@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = train_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     from verl_prm.training.trainer import TrainConfig, train
 
     config = TrainConfig(

@@ -52,13 +52,13 @@ class Scale:
     task: TaskConfig = field(default_factory=TaskConfig)
     sft_problems: int = 20000
     rl_problems: int = 2000
-    label_problems: int = 768
+    label_problems: int = 384
     test_problems: int = 256
     model: ModelConfig = field(default_factory=ModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     # verl-prm label
     n_cov: int = 4
-    n_mc: int = 4
+    n_mc: int = 2
     label_backend: str = "hf"
     label_batch_size: int = 1024
     # verl-prm train

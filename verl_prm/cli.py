@@ -15,6 +15,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("train",): ("verl_prm.training.cli:main", "train a PAV on step labels"),
     ("search",): ("verl_prm.search.cli:main", "best-of-N, beam search on Q + alpha*A, greedy step search"),
     ("eval", "processbench"): ("verl_prm.evaluation.processbench:main", "first-error F1 of a PRM (ProcessBench)"),
+    ("recipe", "arithmetic"): ("verl_prm.recipes.arithmetic.pipeline:main", "the arithmetic recipe end to end"),
     ("patches",): ("verl_prm.patching:main", "check or apply the upstreamable verl patches"),
 }
 

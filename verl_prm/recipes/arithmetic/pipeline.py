@@ -16,6 +16,9 @@ rl_pav      ``rl_pav_grpo/``: PAV-GRPO, the same seeds, prompts and budget
 evaluate    ``results/``: ``results.md``, ``results.json`` and three PNG plots
 ==========  ===========================================================================================
 
+At ``--scale gpu`` the RL stages run in verl (``examples/arithmetic/run_gpu.sh``); ``--import-verl-run
+ESTIMATOR=RUN_DIR`` records such a run (verl's file-logger curve and the merged model) as the stage.
+
 A stage is skipped when its ``DONE.json`` marker exists and records the same settings; a marker with other
 settings is an error (use another work directory). ``verl-prm label``, ``verl-prm train`` and the RL loop also
 resume inside a stage that was interrupted.

@@ -4,6 +4,7 @@ Monte-Carlo labels and search with the verifier, and the code launcher's Hydra c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -106,7 +107,6 @@ def test_hostile_programs_are_contained_and_scored_with_their_reason(tmp_path, m
         "indentation": ("def f():\nreturn 1\n", "syntax_error", "syntax_error"),
         "assertion": ("assert 1 + 1 == 3, 'wrong'\n", "assertion_failed", "assertion_failed"),
         "runtime": ("[][1]\n", "runtime_error", "runtime_error"),
-        "cpu_loop": ("while True:\n    pass\n", "timeout", "timeout"),
         "sleep": ("import time\ntime.sleep(60)\n", "timeout", "timeout"),
         "fork_bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
                       "timeout", "timeout"),
@@ -139,7 +139,10 @@ def test_hostile_programs_are_contained_and_scored_with_their_reason(tmp_path, m
         result = results[name]
         assert result.reason in REASONS
         assert result.reason == programs[name][column], (name, result)
-    assert "wall-clock" in results["sleep"].detail and "CPU" in results["cpu_loop"].detail
+    assert "wall-clock" in results["sleep"].detail
+    # the CPU limit: alone, with a wall-clock limit it cannot reach first even on a loaded machine
+    (cpu_loop,) = run_many(["while True:\n    pass\n"], dataclasses.replace(HOSTILE, timeout_s=60.0), max_workers=1)
+    assert cpu_loop.reason == "timeout" and "CPU" in cpu_loop.detail, cpu_loop
     assert "sandbox: network access is blocked" in results["socket"].detail
     if full_isolation:
         assert results["subprocess_network"].stdout.startswith("1 OSError: [Errno 101] Network is unreachable")

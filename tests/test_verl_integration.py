@@ -80,6 +80,23 @@ def critic_dir(tmp_path_factory, bpe_small) -> Path:
 
 
 @pytest.fixture(scope="module")
+def critic_dir_other_vocab(tmp_path_factory, bpe_large) -> Path:
+    """The same kind of critic with another tokenizer than the policy's (byte-level BPE, vocab 2000)."""
+    from transformers import Qwen2Config, Qwen2ForTokenClassification
+
+    path = tmp_path_factory.mktemp("critic_other_vocab")
+    config = Qwen2Config(
+        vocab_size=len(bpe_large), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, num_labels=1,
+        pad_token_id=bpe_large.pad_token_id,
+    )
+    torch.manual_seed(1)
+    Qwen2ForTokenClassification(config).save_pretrained(path)
+    bpe_large.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
 def gsm8k_rows(shared_data):
     """Real GSM8K test rows, made by the example's data preparation (verl's row layout)."""
     gsm8k = load_example("gsm8k")
@@ -478,8 +495,7 @@ def put_trajectories(tq, tokenizer, samples, partition="train") -> tuple[list[st
     return keys, tags, prompts
 
 
-@pytest.fixture(scope="module")
-def hook_trainer(transfer_queue, policy_dir, critic_dir, bpe_small):
+def make_hook_trainer(policy_dir, critic_dir, policy_tokenizer, pool_prefix):
     """The registered trainer, built by verl's constructor, with its critic worker group on a CPU resource pool
     (verl's ResourcePoolManager only makes GPU pools, so the pool is the one verl's _setup would hand over)."""
     from verl.single_controller.ray import RayResourcePool, ResourcePoolManager
@@ -491,13 +507,18 @@ def hook_trainer(transfer_queue, policy_dir, critic_dir, bpe_small):
         "actor_rollout_ref.rollout.n=3", "data.train_batch_size=2",
     ])
     trainer = get_trainer_cls(config.trainer.v1.trainer_mode)(config)
-    trainer.tokenizer = bpe_small
+    trainer.tokenizer = policy_tokenizer
     trainer.resource_pool_manager = ResourcePoolManager(resource_pool_spec={"global_pool": [2]}, mapping={})
     trainer.resource_pool_manager.resource_pool_dict["global_pool"] = RayResourcePool(
-        process_on_nodes=[2], use_gpu=False, max_colocate_count=1, name_prefix="pav_test_pool"
+        process_on_nodes=[2], use_gpu=False, max_colocate_count=1, name_prefix=pool_prefix
     )
     trainer.prover_wg = trainer._init_prover_critic()
     return trainer
+
+
+@pytest.fixture(scope="module")
+def hook_trainer(transfer_queue, policy_dir, critic_dir, bpe_small):
+    return make_hook_trainer(policy_dir, critic_dir, bpe_small, "pav_test_pool")
 
 
 @pytest.mark.ray
@@ -515,6 +536,19 @@ def test_hook_trainer_is_sync_everywhere_verl_checks(hook_trainer):
 def test_hook_advantage_phase_equals_the_pieces(hook_trainer, transfer_queue, gsm8k_rows, critic_dir, bpe_small):
     """trainer._compute_advantage (TransferQueue in and out, critic worker group) == split_steps + ProverCritic +
     compute_advantage_with_steps called directly; metrics from the same values."""
+    check_advantage_phase(hook_trainer, transfer_queue, gsm8k_rows, critic_dir, bpe_small, critic_reads_policy_ids=True)
+
+
+@pytest.mark.ray
+def test_hook_with_a_critic_of_another_vocabulary(transfer_queue, policy_dir, critic_dir_other_vocab, gsm8k_rows,
+                                                  bpe_small):
+    """The critic re-reads the split's text in its own vocabulary: the hook sends where the steps end in the text."""
+    trainer = make_hook_trainer(policy_dir, critic_dir_other_vocab, bpe_small, "pav_test_pool_other_vocab")
+    check_advantage_phase(trainer, transfer_queue, gsm8k_rows, critic_dir_other_vocab, bpe_small,
+                          critic_reads_policy_ids=False)
+
+
+def check_advantage_phase(hook_trainer, transfer_queue, gsm8k_rows, critic_dir, bpe_small, critic_reads_policy_ids):
     from transfer_queue import KVBatchMeta
     from verl import DataProto
 
@@ -550,7 +584,9 @@ def test_hook_advantage_phase_equals_the_pieces(hook_trainer, transfer_queue, gs
     attention[:, width_p:] = response_mask
     split = split_steps(responses, response_mask, tokenizer, "\n")
     critic = ProverCritic.from_pretrained(str(critic_dir), format="value_head", device="cpu")
-    scores = critic.score_policy_batch(prompt_tensor, responses, attention, split)
+    # same vocabulary: the critic reads the policy ids as they are; another: it re-reads the split's text
+    scores = critic.score_policy_batch(prompt_tensor, responses, attention, split,
+                                       None if critic_reads_policy_ids else bpe_small)
     truncated = truncated_responses(responses, torch.tensor(lengths), tokenizer.eos_token_id)
     rm_scores = torch.zeros(len(samples), width)
     rm_scores[torch.arange(len(samples)), torch.tensor(lengths) - 1] = torch.tensor(

@@ -256,6 +256,10 @@ class PavSyncTrainer(PPOTrainerSync):
                 "num_steps": split.num_steps,
                 "step_ids": split.step_ids,
                 "merged_steps": split.merged_steps,
+                # for a critic with another tokenizer: where the steps end in the text, and the mask the text
+                # was decoded with (the split's), so the critic re-reads exactly the split's text
+                "step_char_ends": split.step_char_ends,
+                "step_text_mask": response_mask.long(),
             }
         )
         start = time.perf_counter()

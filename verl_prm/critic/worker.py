@@ -37,7 +37,8 @@ __all__ = ["ProverCriticWorker", "compute_step_values", "INPUT_KEYS", "OUTPUT_KE
 #   prompts [B, P] left-padded, responses [B, T], attention_mask [B, P + T],
 #   step_ends [B, S] (response position of each step's last token, -1 padded), num_steps [B];
 #   optional: step_ids [B, T], merged_steps [B] (carried into the StepSplit);
-#   with a critic tokenizer other than the policy's: step_char_ends [B, S] (StepSplit.step_char_ends) and,
+#   with a critic tokenizer other than the policy's: step_char_ends [B, S] (StepSplit.step_char_ends), the mask
+#   the split decoded the responses with (step_text_mask [B, T], default: the response attention) and,
 #   optionally, non_tensor_batch["critic_prompts"] (B prompt texts exactly as the critic reads them; default:
 #   the policy prompts decoded with special tokens kept as text).
 INPUT_KEYS = ("prompts", "responses", "attention_mask", "step_ends", "num_steps")
@@ -111,7 +112,11 @@ class ProverCriticWorker(Worker):
                     "compute_step_values: the critic's tokenizer differs from the policy's, so the batch needs "
                     "'step_char_ends' (StepSplit.step_char_ends of split_steps) to find the steps in the text"
                 )
-            response_mask = attention_mask[:, prompts.shape[1]:]
+            # decode with the mask the split used (the trainer sends it), else the response attention
+            if "step_text_mask" in batch.keys():
+                response_mask = batch["step_text_mask"]
+            else:
+                response_mask = attention_mask[:, prompts.shape[1]:]
             split.texts = decode_with_char_ends(self.policy_tokenizer, responses, response_mask).texts
             split.step_char_ends = batch["step_char_ends"].cpu()
             if "critic_prompts" in data.non_tensor_batch:

@@ -62,38 +62,31 @@ def policy_dir(tmp_path_factory, bpe_small) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def critic_dir(tmp_path_factory, bpe_small) -> Path:
-    """A tiny random native-format critic (Qwen2 token classification, num_labels=1) with the policy tokenizer."""
+def save_tiny_critic(path: Path, tokenizer, seed: int) -> Path:
+    """A tiny random native-format critic (Qwen2 token classification, num_labels=1) with its tokenizer."""
     from transformers import Qwen2Config, Qwen2ForTokenClassification
 
-    path = tmp_path_factory.mktemp("critic")
     config = Qwen2Config(
-        vocab_size=len(bpe_small), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, num_labels=1,
-        pad_token_id=bpe_small.pad_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     Qwen2ForTokenClassification(config).save_pretrained(path)
-    bpe_small.save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def critic_dir(tmp_path_factory, bpe_small) -> Path:
+    """A critic with the policy's tokenizer."""
+    return save_tiny_critic(tmp_path_factory.mktemp("critic"), bpe_small, seed=0)
 
 
 @pytest.fixture(scope="module")
 def critic_dir_other_vocab(tmp_path_factory, bpe_large) -> Path:
-    """The same kind of critic with another tokenizer than the policy's (byte-level BPE, vocab 2000)."""
-    from transformers import Qwen2Config, Qwen2ForTokenClassification
-
-    path = tmp_path_factory.mktemp("critic_other_vocab")
-    config = Qwen2Config(
-        vocab_size=len(bpe_large), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, num_labels=1,
-        pad_token_id=bpe_large.pad_token_id,
-    )
-    torch.manual_seed(1)
-    Qwen2ForTokenClassification(config).save_pretrained(path)
-    bpe_large.save_pretrained(path)
-    return path
+    """A critic with another tokenizer than the policy's (byte-level BPE, vocab 2000)."""
+    return save_tiny_critic(tmp_path_factory.mktemp("critic_other_vocab"), bpe_large, seed=1)
 
 
 @pytest.fixture(scope="module")

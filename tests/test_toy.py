@@ -258,10 +258,10 @@ def test_critic_learns_prover_values_from_monte_carlo_labels():
         CriticConfig,
         balanced_weights,
         label_prefixes,
-        soft_label_cross_entropy,
         train_toy_critic,
     )
     from verl_prm.toy.rl import make_base_policy
+    from verl_prm.training.losses import soft_label_bce
 
     task = PlantedTask()
     generator = torch.Generator().manual_seed(0)
@@ -279,7 +279,7 @@ def test_critic_learns_prover_values_from_monte_carlo_labels():
     w = balanced_weights(q)
     assert torch.allclose(w, torch.tensor([0.75, 0.75, 1.5]))
     manual = -(w * (q * torch.log(torch.sigmoid(z)) + (1 - q) * torch.log(1 - torch.sigmoid(z)))).sum() / w.sum()
-    assert torch.allclose(soft_label_cross_entropy(z, q, w), manual)
+    assert torch.allclose(soft_label_bce(z, q, w), manual)  # the PAV trainer's loss, with weights
     # a small critic gets the values to within a few hundredths (mean |A| is ~0.05 here)
     config = CriticConfig(policy_sequences=512, prover_sequences=512, steps=600)
     _, quality = train_toy_critic(task, make_base_policy(task, 0), 10.0, config, seed=0)

@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from verl_prm.toy.env import PlantedTask
+from verl_prm.training.losses import soft_label_bce
 from verl_prm.toy.policy import MadePolicy
 
 __all__ = [
@@ -28,7 +29,6 @@ __all__ = [
     "balanced_weights",
     "critic_values",
     "label_prefixes",
-    "soft_label_cross_entropy",
     "train_critic",
     "train_toy_critic",
 ]
@@ -70,12 +70,6 @@ class ToyCritic(nn.Module):
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Logits [N]."""
         return self.net(self.features(tokens, lengths)).squeeze(-1)
-
-
-def soft_label_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``sum_i w_i * CE(q_i, sigmoid(z_i)) / sum_i w_i`` with soft labels q in [0, 1]."""
-    losses = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
-    return (losses * weights).sum() / weights.sum()
 
 
 def balanced_weights(labels: torch.Tensor) -> torch.Tensor:
@@ -125,7 +119,7 @@ def train_critic(
     losses = []
     for _ in range(cfg.steps):
         index = torch.randint(0, labels.shape[0], (cfg.batch_size,), generator=generator)
-        loss = soft_label_cross_entropy(critic.net(features[index]).squeeze(-1), labels[index], weights[index])
+        loss = soft_label_bce(critic.net(features[index]).squeeze(-1), labels[index], weights[index])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

@@ -35,13 +35,14 @@ def soft_label_bce(step_logits: torch.Tensor, targets: torch.Tensor, mask: torch
     Minimised at sigmoid(z) = q (the Monte-Carlo value), so the critic regresses Q in the calibrated sense.
 
     Args:
-        step_logits, targets: [B, S]; mask: [B, S] booleans (True = a labelled step).
+        step_logits, targets: any shape (e.g. [B, S]); mask: the same shape, booleans (True = a labelled step)
+            or non-negative weights (e.g. class-balancing weights).
     Returns:
         scalar loss (0 when nothing is labelled, still attached to the graph).
     """
-    mask = mask.to(step_logits.dtype)
+    mask = mask.to(torch.float32)
     per_step = F.binary_cross_entropy_with_logits(step_logits.float(), targets.float(), reduction="none")
-    return (per_step * mask).sum() / mask.sum().clamp_min(1.0)
+    return (per_step * mask).sum() / mask.sum().clamp_min(torch.finfo(torch.float32).tiny)
 
 
 def warmup_cosine_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float = 0.0) -> float:

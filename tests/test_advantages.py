@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import os
 import subprocess
 import sys
@@ -369,6 +370,118 @@ def test_right_padding_changes_nothing_and_masked_tokens_get_zero(name, batch, e
 
 
 # ----------------------------------------------------------------------------------------------------------
+# The fused (torch.compile) per-token lookup
+# ----------------------------------------------------------------------------------------------------------
+
+
+def random_lookup_inputs(batch, length, steps, seed=0, ids_dtype=torch.int64, mask_dtype=torch.float32,
+                         device="cpu"):
+    generator = torch.Generator().manual_seed(seed)
+    num_steps = torch.randint(0, steps + 1, (batch,), generator=generator)
+    step_ids = torch.randint(-1, steps, (batch, length), generator=generator)
+    step_ids = torch.where(step_ids < num_steps[:, None], step_ids, torch.full_like(step_ids, -1))
+    mask = torch.rand(batch, length, generator=generator) > 0.3
+    return dict(
+        outcome_advantage=torch.randn(batch, generator=generator).to(device),
+        step_scores=torch.randn(batch, steps, generator=generator).to(device),
+        step_ids=step_ids.to(ids_dtype).to(device),
+        response_mask=mask.to(mask_dtype).to(device),
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "shape, ids_dtype, mask_dtype",
+    [((3, 5, 2), torch.int64, torch.float32), ((37, 129, 9), torch.int32, torch.bool),
+     ((64, 1000, 33), torch.int64, torch.int64)],
+)
+def test_fused_lookup_equals_eager_and_the_loop(device, shape, ids_dtype, mask_dtype):
+    inputs = random_lookup_inputs(*shape, ids_dtype=ids_dtype, mask_dtype=mask_dtype, device=device)
+    originals = {k: v.clone() for k, v in inputs.items()}
+    fused = adv.process_advantage(**inputs, alpha=0.7, compile="always")
+    eager = adv.process_advantage(**inputs, alpha=0.7, compile="never")
+    for key, value in originals.items():  # the inputs are left as they were (int32 ids once were not)
+        assert torch.equal(inputs[key], value), key
+    assert fused.dtype == eager.dtype == torch.float32
+    assert torch.equal(fused, eager)
+    out, scores, ids, mask = (inputs[k].cpu() for k in ("outcome_advantage", "step_scores", "step_ids",
+                                                        "response_mask"))
+    for i in (0, shape[0] - 1):
+        for t in range(shape[1]):
+            step = int(ids[i, t])
+            expected = (out[i] + (0.7 * scores[i, step] if step >= 0 else 0.0)) * float(mask[i, t])
+            assert abs(float(fused[i, t]) - float(expected)) < 1e-6
+
+
+def test_auto_fuses_only_large_batches(monkeypatch):
+    calls = []
+    real = adv._fused_masked_lookup
+
+    def spy(table, step_ids, response_mask, *, fall_back):
+        calls.append((step_ids.numel(), fall_back))
+        return real(table, step_ids, response_mask, fall_back=fall_back)
+
+    monkeypatch.setattr(adv, "_fused_masked_lookup", spy)
+    small = random_lookup_inputs(16, 64, 4)
+    adv.process_advantage(**small, alpha=1.0)
+    assert calls == []
+    large = random_lookup_inputs(1024, adv.FUSED_MIN_TOKENS // 1024, 8, seed=1)
+    fused = adv.process_advantage(**large, alpha=1.0)
+    assert calls == [(adv.FUSED_MIN_TOKENS, True)]
+    assert torch.equal(fused, adv.process_advantage(**large, alpha=1.0, compile="never"))
+    with pytest.raises(ValueError, match="compile must be one of"):
+        adv.process_advantage(**small, alpha=1.0, compile="yes")
+
+
+def test_failed_compilation_warns_once_then_stays_eager(monkeypatch, caplog):
+    def broken_compile(fn, **options):
+        def call(*args):  # what inductor raises (an InductorError) when it finds no C++ compiler
+            raise torch._dynamo.exc.TorchDynamoException("InvalidCxxCompiler: No working C++ compiler found")
+        return call
+
+    monkeypatch.setattr(adv, "_compiled_lookup", None)
+    monkeypatch.setattr(adv, "_compile_failed", None)
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    large = random_lookup_inputs(1024, adv.FUSED_MIN_TOKENS // 1024, 8, seed=2)
+    eager = adv.process_advantage(**large, alpha=1.0, compile="never")
+    # an input error is the input's own error, and does not switch compilation off
+    bad = dict(large, step_ids=large["step_ids"].clone())
+    bad["step_ids"][-1, -1] = 8  # past the end of the table
+    with pytest.raises(IndexError):
+        adv.process_advantage(**bad, alpha=1.0)
+    assert adv._compile_failed is None
+    with caplog.at_level("WARNING", logger="verl_prm.advantages"):
+        assert torch.equal(adv.process_advantage(**large, alpha=1.0), eager)
+        assert torch.equal(adv.process_advantage(**large, alpha=1.0), eager)
+    warnings = [r.getMessage() for r in caplog.records if "torch.compile" in r.getMessage()]
+    assert len(warnings) == 1 and "InvalidCxxCompiler" in warnings[0] and "compile=never" in warnings[0]
+    # asked for explicitly, the fused kernel's failure is an error
+    monkeypatch.setattr(adv, "_compiled_lookup", None)
+    with pytest.raises(RuntimeError, match="InvalidCxxCompiler"):
+        adv.process_advantage(**large, alpha=1.0, compile="always")
+
+
+def test_fused_lookup_rejects_step_ids_out_of_range():
+    inputs = random_lookup_inputs(6, 40, 4, seed=3)
+    inputs["step_ids"][2, 11] = 4  # one past the last step column of row 2 (not of the flat table)
+    with pytest.raises(ValueError, match=r"step_ids outside \[-1, S - 1\].*check_inputs"):
+        adv.process_advantage(**inputs, alpha=1.0, compile="always")
+
+
+def test_estimators_read_the_compile_knob(monkeypatch):
+    modes = []
+    real = adv.process_advantage
+    monkeypatch.setattr(adv, "process_advantage", lambda *a, compile, **k: modes.append(compile) or real(
+        *a, compile=compile, **k))
+    t = small_batch()
+    fused, _ = PAV_ESTIMATORS["pav_grpo"](**t, config=algo_config(compile="always"))
+    eager, _ = PAV_ESTIMATORS["pav_grpo"](**t, config=algo_config(compile="never"))
+    PAV_ESTIMATORS["pav_rloo"](**t, config=algo_config())
+    assert modes == ["always", "never", "auto"]
+    assert torch.equal(fused, eager)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Errors and configuration
 # ----------------------------------------------------------------------------------------------------------
 
@@ -424,6 +537,7 @@ def test_compute_advantage_with_steps_equals_direct_call():
     [
         (dict(step_ids=torch.tensor([[0, 0, 2], [0, -1, -1]])), "sample 0: token 2 has step_id 2 but the response "
                                                                "has num_steps=2"),
+        (dict(step_ids=torch.tensor([[0, 0, 1], [0, -2, -1]])), "sample 1: token 1 has step_id -2"),
         (dict(num_steps=torch.tensor([2, 3])), "sample 1: num_steps=3 is outside"),
         (dict(step_values=torch.tensor([[0.5, 0.9], [1.7, 0.0]])), r"sample 1: step_values\[1, 0\] = 1.7"),
         (dict(step_values=torch.tensor([[0.5, float("nan")], [0.2, 0.0]])), r"sample 0: step_values\[0, 1\]"),
@@ -462,6 +576,7 @@ def test_grpo_family_needs_index():
         ({"process_term": "q"}, "process_term must be one of"),
         ({"clip": 0.0}, "clip must be > 0"),
         ({"aggregation": "median"}, "aggregation must be one of"),
+        ({"compile": "yes"}, "compile must be one of"),
     ],
 )
 def test_config_validation(pav, message):
@@ -540,3 +655,16 @@ def test_no_host_device_sync_on_cuda(name):
         PAV_ESTIMATORS[name](**t, config=algo_config(name, check_inputs=False))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_bench_advantages_runs_and_reports(capsys):
+    from verl_prm.bench.advantages import main
+
+    # --default-allocator: the bench's mallopt would otherwise stay in force for the rest of this test process
+    assert main(["--batch", "64", "--length", "96", "--steps", "4", "--repeats", "2", "--threads", "1",
+                 "--default-allocator"]) == 0
+    report = capsys.readouterr().out
+    assert "allocator: default" in report
+    for label in ("grpo_vectorized (verl)", "pav_grpo", "pav_rloo", "pav_grpo, compile=never"):
+        assert re.search(rf"^{re.escape(label)} +[\d.]+ +[\d.]+ +[\d.]+ +\d+$", report, re.M), (label, report)
+    assert re.search(r"pav_grpo / grpo_vectorized = [\d.]+ \(target <= 2\).*(meets|MISSES) the target", report)

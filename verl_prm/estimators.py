@@ -130,7 +130,8 @@ def _step_estimator(name, outcome_fn, per_step: bool, token_level_rewards, respo
         scores = _process_scores(name, pav, steps, truncated)
         outcome = outcome_fn(name, token_level_rewards.sum(dim=-1), index, config, pav, scores, steps["num_steps"])
         if per_step:
-            advantages = adv.process_advantage(outcome, scores, steps["step_ids"], response_mask, pav.alpha)
+            advantages = adv.process_advantage(outcome, scores, steps["step_ids"], response_mask, pav.alpha,
+                                               compile=pav.compile)
         else:
             advantages = outcome[:, None] * response_mask
     return advantages, advantages

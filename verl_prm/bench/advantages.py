@@ -7,6 +7,9 @@ Prints the median time of each and its ratio to verl's ``grpo_vectorized`` and `
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
+import resource
 import statistics
 import time
 
@@ -39,21 +42,43 @@ def make_batch(batch: int, length: int, steps: int, group: int, device: str, see
     return tensors
 
 
-def interleaved_medians(cases: dict, repeats: int, device: str) -> dict[str, float]:
-    """Median seconds of each case, timed round-robin so that load changes on the machine hit all cases alike."""
+def keep_freed_memory() -> bool:
+    """Stop glibc from returning freed heap memory to the OS (``mallopt``); False where that is not glibc.
+
+    With glibc's default (dynamic) thresholds, freeing one case's [B, T] buffers can shrink the heap, and the
+    next case, whichever it is, pays ~4000 page faults (~10 ms) to map a 16 MB output again: in a round-robin
+    that noise lands on one fixed case. Fixed thresholds make every case reuse memory as in a steady loop.
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_trim_threshold, 1 << 30)) and bool(mallopt(m_mmap_threshold, 32 << 20))
+
+
+def interleaved_medians(cases: dict, repeats: int, device: str) -> tuple[dict[str, float], dict[str, float]]:
+    """Median seconds and page faults of each case, timed round-robin so that load changes on the machine hit all
+    cases alike."""
     times: dict[str, list[float]] = {label: [] for label in cases}
+    faults: dict[str, list[int]] = {label: [] for label in cases}
     for fn in cases.values():  # warm-up
         fn()
     for _ in range(repeats):
         for label, fn in cases.items():
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
+            faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = time.perf_counter()
             fn()
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
             times[label].append(time.perf_counter() - start)
-    return {label: statistics.median(values) for label, values in times.items()}
+            faults[label].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
+    return ({label: statistics.median(values) for label, values in times.items()},
+            {label: statistics.median(values) for label, values in faults.items()})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,9 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--default-allocator", action="store_true",
+                        help="keep glibc's dynamic malloc thresholds (page faults then land on arbitrary cases)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    steady = not args.default_allocator and keep_freed_memory()
 
     import verl  # noqa: F401  (registers the plugin)
     from omegaconf import OmegaConf
@@ -100,16 +128,24 @@ def main(argv: list[str] | None = None) -> int:
         ("prm_aggregate (min)", ours("prm_aggregate")),
         ("pav_grpo + clip + normalize", ours("pav_grpo", clip=0.5, normalize=True)),
         ("pav_grpo, check_inputs on", ours("pav_grpo", check=True)),
+        ("pav_grpo, compile=never", ours("pav_grpo", compile="never")),
     ]
     print(f"B={args.batch} T={args.length} steps={args.steps} group={args.group} device={args.device} "
           f"threads={torch.get_num_threads()} repeats={args.repeats} (median, cases interleaved)")
+    print("allocator: " + ("glibc with fixed thresholds (freed memory kept; --default-allocator to see the noise)"
+                           if steady else "default (page faults land on arbitrary cases)"))
     with torch.no_grad():
-        timings = interleaved_medians(dict(cases), args.repeats, args.device)
+        start = time.perf_counter()
+        cases[3][1]()
+        print(f"first pav_grpo call, which compiles the fused lookup (once per process): "
+              f"{time.perf_counter() - start:.1f} s")
+        timings, faults = interleaved_medians(dict(cases), args.repeats, args.device)
     reference = timings["grpo_vectorized (verl)"]
     loop = timings["grpo (verl, loop)"]
-    print(f"{'estimator':<30} {'ms':>9} {'x grpo_vectorized':>18} {'x grpo (loop)':>14}")
+    print(f"{'estimator':<30} {'ms':>9} {'x grpo_vectorized':>18} {'x grpo (loop)':>14} {'page faults':>12}")
     for label, seconds in timings.items():
-        print(f"{label:<30} {seconds * 1e3:>9.2f} {seconds / reference:>18.2f} {seconds / loop:>14.3f}")
+        print(f"{label:<30} {seconds * 1e3:>9.2f} {seconds / reference:>18.2f} {seconds / loop:>14.3f} "
+              f"{faults[label]:>12.0f}")
     ratio = timings["pav_grpo"] / reference
     verdict = "meets" if ratio <= 2.0 and timings["pav_grpo"] < loop else "MISSES"
     print(f"pav_grpo / grpo_vectorized = {ratio:.2f} (target <= 2), pav_grpo / grpo = "

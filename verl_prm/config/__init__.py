@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from verl_prm.advantages import AGGREGATIONS
+from verl_prm.advantages import AGGREGATIONS, COMPILE_MODES
 
 __all__ = ["PavConfig", "read_pav_config"]
 
@@ -41,6 +41,9 @@ class PavConfig:
     drop_truncated: bool = False
     # Validate the step tensors against the contract (one host read per batch). Errors name the sample.
     check_inputs: bool = True
+    # How the per-token lookup runs: "auto" (one kernel made by torch.compile for batches of >= 1M tokens,
+    # compiled once per process; eager below or if compilation fails, with a warning), "always", "never".
+    compile: str = "auto"
     # prm_aggregate only: how the step scores of a response become one score (Pan et al. 2023) ...
     aggregation: str = "min"
     # ... its weight w in reward = R + w * aggregate ...
@@ -68,6 +71,8 @@ class PavConfig:
             raise ValueError(f"algorithm.pav.process_term must be one of {PROCESS_TERMS}, got {self.process_term!r}")
         if self.clip is not None and self.clip <= 0:
             raise ValueError(f"algorithm.pav.clip must be > 0 or null, got {self.clip}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"algorithm.pav.compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"algorithm.pav.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
         if self.epsilon <= 0:

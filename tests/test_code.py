@@ -558,7 +558,8 @@ def test_code_launcher_composes_with_verl_and_passes_validation(tmp_path, bpe_sm
         composed = compose("ppo_trainer", overrides=argv[2:])
     validate_config(composed, use_reference_policy=need_reference_policy(composed), use_critic=need_critic(composed))
     hook, pav = validate_run_config(composed)
-    assert hook.steps.regex == block_regex(0, depth=1) and hook.steps.delimiter is None
+    assert hook.steps.code_rule == "block" and hook.steps.code_depth == 1 and hook.steps.delimiter is None
+    assert hook.steps.regex is None and hook.steps.max_tokens is None
     assert composed.reward.custom_reward_function.path == "pkg://verl_prm.code.verl_score"
     assert composed.reward.reward_manager.name == "pav" and composed.algorithm.adv_estimator == "pav_grpo"
     # the reward function verl loads from that path scores with the sandbox
@@ -633,3 +634,22 @@ def test_search_cli_runs_on_code_with_the_unit_test_outcome(tiny_code_models, tm
     tasks = [humaneval_task(p) for p in humaneval[:3]]
     for record in records:  # the search's outcome is the sandboxed unit tests' verdict on the chosen response
         assert record["reward"] == float(verify(tasks[record["problem"]], record["response"]).passed)
+
+
+def test_label_settings_split_by_a_code_rule():
+    from verl_prm.labeling.cli import label_parser
+    from verl_prm.labeling.monte_carlo import LabelSettings
+
+    text = "def f(x):\n    y = [\n        1,\n    ]\n    return y\n"
+    spans = LabelSettings(code_rule="block", code_depth=1).step_spans(text)
+    assert spans == [tuple(span) for span in code_step_char_spans(text, "block", depth=1)]
+    assert [text[s:e] for s, e in spans] == ["def f(x):\n", "    y = [\n        1,\n    ]\n", "    return y\n"]
+    assert LabelSettings().step_spans("A.\n\nB.") == [(0, 4), (4, 6)]
+    for options, message in (({"code_rule": "ast"}, "code_rule must be"),
+                             ({"code_rule": "line", "step_regex": "x"}, "not both"),
+                             ({"code_depth": -1}, "code_depth must be >= 0")):
+        with pytest.raises(ValueError, match=message):
+            LabelSettings(**options)
+    args = label_parser().parse_args(["--input", "x", "--output-dir", "o", "--policy", "p", "--reward-fn", "f",
+                                      "--code-rule", "block", "--code-depth", "1"])
+    assert (args.code_rule, args.code_depth) == ("block", 1)

@@ -350,8 +350,12 @@ def test_render_prompt_and_read_prompts_errors(tmp_path):
         read_prompts(path)
     from verl_prm.labeling.scoring import load_reward_function
 
-    with pytest.raises(ValueError, match="path/to/file.py:function_name"):
+    with pytest.raises(ValueError, match="path/to/file.py:function_name' or 'pkg://"):
         load_reward_function("no_function_named")
+    with pytest.raises(ImportError, match="cannot import module 'verl_prm.no_such_module'"):
+        load_reward_function("pkg://verl_prm.no_such_module:score")
+    with pytest.raises(AttributeError, match="verl_prm.labeling.scripted has no function named 'nope'"):
+        load_reward_function("pkg://verl_prm.labeling.scripted:nope")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_reward_function(str(tmp_path / "missing.py") + ":score")
     with pytest.raises(TypeError, match="must return a number"):
@@ -403,3 +407,35 @@ def test_convert_cli_writes_label_shards(tmp_path, shared_data):
     assert main(["convert", "math_shepherd", "--input", str(shared_data / "math_shepherd_samples.jsonl"),
                  "--output-dir", str(tmp_path / "ms")]) == 0
     assert len(read_labels(tmp_path / "ms")) == 7
+
+
+def test_batch_reward_function_scores_each_round_in_one_call():
+    """verl's batch signature (solution_strs=...) is recognised, loaded by pkg://, and gives the same labels as the
+    per-response function with one call per labelling round."""
+    from verl_prm.labeling.scoring import is_batch_function, load_reward_function
+
+    assert load_reward_function("pkg://verl_prm.labeling.scripted:scripted_step_score") is scripted_step_score
+    calls = []
+
+    def batch_score(data_sources, solution_strs, ground_truths, extra_infos):
+        calls.append(len(solution_strs))
+        return [{"score": scripted_step_score(*args)} for args in zip(data_sources, solution_strs, ground_truths,
+                                                                      extra_infos)]
+
+    assert is_batch_function(batch_score) and not is_batch_function(scripted_step_score)
+    task = ScriptedStepTask(num_steps=4)
+    items = scripted_items(task, 6)
+    prompts = [item.prompt for item in items]
+    for strategy in ("every", "first_pit"):
+        settings = LabelSettings(n_cov=3, n_mc=4, strategy=strategy, seed=5)
+        expected = scripted_labeler(settings, 0.6, 0.7).label(items, prompts)
+        calls.clear()
+        batched = MonteCarloLabeler(ScriptedStepGenerator(0.6), ScriptedStepGenerator(0.7),
+                                    OutcomeScorer(batch_score), settings).label(items, prompts)
+        assert batched == expected
+        # one call for the seed rollouts, one per round of continuations (first_pit: the binary-search rounds)
+        assert calls[0] == 6 * 3 and len(calls) <= 1 + math.ceil(math.log2(4)) + 1, calls
+        assert sum(calls) > 5 * len(calls)
+    with pytest.raises(ValueError, match="returned 1 scores for 2 responses"):
+        OutcomeScorer(lambda data_sources, solution_strs, ground_truths, extra_infos: [1.0]).score_many(
+            ["a", "b"], ["x", "y"], ["1", "1"], [None, None])

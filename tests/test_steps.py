@@ -29,6 +29,7 @@ from verl_prm.steps import (
     same_tokenizer,
     split_steps,
     step_char_spans,
+    steps_at_char_ends,
 )
 
 BYTE_LEVEL = ["bpe_small", "bpe_large", "bpe_merged"]
@@ -387,6 +388,53 @@ def test_steps_sharing_their_last_token_are_merged(bpe_merged, bpe_small):
     assert split.step_texts(0) == ["So 3 + 4 = 7.\n\nTh", "e total is 7."]
     encoded = align_to_critic(ids, mask, bpe_merged, bpe_small, split, prompts=["Q"])
     assert_critic_holds_step_ends(bpe_small, encoded[0], split, 0)
+
+
+def split_fields(split: StepSplit) -> dict:
+    return {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in vars(split).items()}
+
+
+def test_steps_at_char_ends_is_split_steps_for_the_delimiter_spans(any_tokenizer):
+    ids, mask = batch(any_tokenizer, CASES)
+    decoded = decode_with_char_ends(any_tokenizer, ids, mask)
+    for max_steps in (None, 2):
+        ends = [[e for _, e in step_char_spans(text)] for text in decoded.texts]
+        ours = steps_at_char_ends(decoded, ends, max_steps=max_steps)
+        assert split_fields(ours) == split_fields(split_steps(ids, mask, any_tokenizer, max_steps=max_steps))
+
+
+def test_steps_at_char_ends_takes_any_rule(bpe_small):
+    """A rule of one's own (here: a step per sentence) reaches the step tensors through character ends."""
+    texts = ["One. Two. Three.", "Only one sentence.", ""]
+    ids, mask = batch(bpe_small, texts)
+    decoded = decode_with_char_ends(bpe_small, ids, mask)
+    ends = [[m.end() for m in re.finditer(r"\.", text)] for text in decoded.texts]
+    split = steps_at_char_ends(decoded, ends)
+    assert split.num_steps.tolist() == [3, 1, 0]
+    assert split.step_texts(0) == ["One.", " Two.", " Three."]
+    assert split.step_texts(1) == ["Only one sentence."]
+    for b in range(len(texts)):  # step h's last token holds its last character; EOS and padding are in no step
+        for h, end_token in enumerate(split.step_ends[b, : int(split.num_steps[b])].tolist()):
+            assert int(decoded.char_ends[b, end_token]) >= ends[b][h]
+            assert end_token == 0 or int(decoded.char_ends[b, end_token - 1]) < ends[b][h]
+            assert split.step_ids[b, end_token] == h
+        assert (split.step_ids[b][~decoded.valid[b]] == -1).all()
+
+
+@pytest.mark.parametrize(
+    "ends, message",
+    [
+        ([[3, 3]], r"sample 0: step character ends \[3, 3\] must increase strictly inside 1..16"),
+        ([[0]], "sample 0: .*must increase strictly"),
+        ([[17]], "sample 0: .*inside 1..16"),
+        ([[4], [2]], "2 rows for 1 responses"),
+    ],
+)
+def test_steps_at_char_ends_rejects_bad_ends(bpe_small, ends, message):
+    ids, mask = batch(bpe_small, ["One. Two. Three."])
+    decoded = decode_with_char_ends(bpe_small, ids, mask)
+    with pytest.raises(ValueError, match=message):
+        steps_at_char_ends(decoded, ends)
 
 
 def test_multibyte_characters_split_over_tokens(bpe_small):

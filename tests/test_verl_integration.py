@@ -129,6 +129,39 @@ def test_critic_formats_match_the_critic_module():
     assert set(CRITIC_FORMATS) == set(FORMATS)
 
 
+def test_code_step_rules_match_the_code_module():
+    from verl_prm.code.steps import CODE_STEP_RULES as CODE_MODULE_RULES
+    from verl_prm.config.hook import CODE_STEP_RULES
+
+    assert set(CODE_STEP_RULES) == set(CODE_MODULE_RULES) - {"delimiter"}
+
+
+def test_steps_section_splits_with_its_rule(bpe_small):
+    """The hook and the reward manager split through StepsSection.split: the text rules go to split_steps, a
+    code rule to code_split_steps."""
+    from verl_prm.code.steps import code_split_steps
+    from verl_prm.config.hook import StepsSection
+    from verl_prm.steps import split_steps
+
+    texts = ["def f(x):\n    y = x + 1\n\n    return y\n", "First.\n\nSecond.\n\nThird."]
+    rows = [bpe_small.encode(t, add_special_tokens=False) + [bpe_small.eos_token_id] for t in texts]
+    ids = torch.full((2, max(map(len, rows)) + 1), bpe_small.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for b, row in enumerate(rows):
+        ids[b, : len(row)], mask[b, : len(row)] = torch.tensor(row), 1
+
+    def fields(split):
+        return {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in vars(split).items()}
+
+    text_section = read_hook_config({"steps": {"max_steps": 2}}).steps
+    assert fields(text_section.split(ids, mask, bpe_small)) == fields(split_steps(ids, mask, bpe_small, max_steps=2))
+    code_section = read_hook_config({"steps": {"delimiter": None, "code_rule": "block", "code_depth": 1}}).steps
+    assert isinstance(code_section, StepsSection)
+    split = code_section.split(ids, mask, bpe_small)
+    assert fields(split) == fields(code_split_steps(ids, mask, bpe_small, "block", depth=1))
+    assert split.step_texts(0) == ["def f(x):\n", "    y = x + 1\n\n", "    return y\n"]
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -146,6 +179,12 @@ def test_critic_formats_match_the_critic_module():
         (["verl_prm.steps.max_tokens=0"], "verl_prm.steps.max_tokens must be >= 1"),
         (["verl_prm.steps.regex=Step", "verl_prm.steps.max_tokens=8"], "not both"),
         (["verl_prm.critic.max_tokens_per_batch=0"], "max_tokens_per_batch must be >= 1"),
+        (["verl_prm.steps.code_rule=ast"], "verl_prm.steps.code_rule must be one of"),
+        (["verl_prm.steps.code_rule=block", "verl_prm.steps.regex=x", "verl_prm.steps.delimiter=null"],
+         "code_rule replaces the text rules: set verl_prm.steps.regex=null"),
+        (["verl_prm.steps.code_rule=line", "verl_prm.steps.delimiter=';'"],
+         "set verl_prm.steps.delimiter=null"),
+        (["verl_prm.steps.code_depth=-1"], "verl_prm.steps.code_depth must be >= 0"),
     ],
 )
 def test_startup_validation_errors(overrides, message, critic_dir):

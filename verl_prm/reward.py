@@ -13,8 +13,9 @@ it returns what verl's streaming reward path accepts (one float, ``reward_score`
   non-text values in validation, which ragged lists would break), ``pav_response_tokens`` (int),
   ``pav_truncated`` (1.0 when the response does not end with the tokenizer's EOS token, else 0.0).
 
-Steps are split by ``verl_prm.steps.split_steps`` with the rule of ``verl_prm.steps``: the same call the
-trainer hook makes, so ``pav_num_steps`` is what the critic scores.
+Steps are split by ``StepsSection.split`` with the rule of ``verl_prm.steps`` (``verl_prm.steps.split_steps``, or
+``verl_prm.code.steps.code_split_steps`` for a code rule): the same call the trainer hook makes, so
+``pav_num_steps`` is what the critic scores.
 """
 
 from __future__ import annotations
@@ -104,18 +105,13 @@ class PavRewardManager(RewardManagerBase):
     def step_info(self, valid_ids) -> dict[str, Any]:
         """The ``pav_*`` entries of ``reward_extra_info`` for one response's valid token ids [L].
 
-        Steps come from ``verl_prm.steps.split_steps`` with the rule of ``verl_prm.steps``, exactly as the
+        Steps come from ``StepsSection.split`` with the rule of ``verl_prm.steps``, exactly as the
         trainer hook splits them, so ``pav_num_steps`` is the H the critic will score.
         """
         import torch
 
-        from verl_prm.steps import split_steps
-
         ids = torch.as_tensor(valid_ids, dtype=torch.long).reshape(1, -1)
-        split = split_steps(
-            ids, torch.ones_like(ids), self.tokenizer, self.steps.delimiter,
-            regex=self.steps.regex, max_tokens=self.steps.max_tokens, max_steps=self.steps.max_steps,
-        )
+        split = self.steps.split(ids, torch.ones_like(ids), self.tokenizer)
         num_steps = int(split.num_steps[0])
         ends = split.step_char_ends[0, :num_steps].tolist()
         spans = [[start, end] for start, end in zip([0] + ends[:-1], ends)]

@@ -82,6 +82,7 @@ __all__ = [
     "same_tokenizer",
     "split_steps",
     "step_char_spans",
+    "steps_at_char_ends",
 ]
 
 DEFAULT_DELIMITER = "\n\n"
@@ -648,43 +649,91 @@ def split_steps(
     else:
         pattern = _delimiter_pattern(delimiter, regex)
 
-    device = response_ids.device
     decoded = decode_with_char_ends(tokenizer, response_ids, response_mask)
-    texts, char_ends, valid = decoded.texts, decoded.char_ends, decoded.valid
-    batch, length = valid.shape
-
     if pattern is not None:
-        span_ends = _pad_rows([_kept_segment_ends(*_segments(text, pattern)) for text in texts], _FAR)
-        text_steps = (span_ends != _FAR).sum(dim=1)
-        if span_ends.shape[1] and length:
-            end_token = torch.searchsorted(char_ends.contiguous(), span_ends.contiguous(), side="left")
-        else:
-            end_token = torch.zeros_like(span_ends)
-        # steps whose last characters fall in one token merge into the earliest: keep the last of each run
-        columns = torch.arange(span_ends.shape[1])[None, :]
-        in_row = columns < text_steps[:, None]
-        next_differs = torch.ones_like(in_row)
-        if span_ends.shape[1] > 1:
-            next_differs[:, :-1] = end_token[:, :-1] != end_token[:, 1:]
-        keep = in_row & (next_differs | (columns == text_steps[:, None] - 1))
-        num_steps, step_ends, step_char_ends = _compact(keep, end_token, span_ends)
-        collapsed = text_steps - num_steps
-    else:
-        assert max_tokens is not None
-        num_steps, step_ends, step_char_ends = _fixed_size_steps(texts, char_ends, valid, max_tokens)
-        collapsed = torch.zeros(batch, dtype=torch.int64)
+        span_ends = [_kept_segment_ends(*_segments(text, pattern)) for text in decoded.texts]
+        return steps_at_char_ends(decoded, span_ends, max_steps=max_steps, device=response_ids.device)
+    num_steps, step_ends, step_char_ends = _fixed_size_steps(decoded.texts, decoded.char_ends, decoded.valid,
+                                                             max_tokens)
+    collapsed = torch.zeros_like(num_steps)
+    return _step_split(decoded, num_steps, step_ends, step_char_ends, collapsed, max_steps, response_ids.device)
 
+
+def steps_at_char_ends(
+    decoded: DecodedResponses,
+    step_char_ends: Sequence[Sequence[int]],
+    *,
+    max_steps: int | None = None,
+    device: torch.device | str = "cpu",
+) -> StepSplit:
+    """Step tensors of responses whose steps are given as character ends in their decoded texts.
+
+    The token-level half of ``split_steps``, for any step rule that works on text (``split_steps``'s delimiters,
+    ``verl_prm.code.steps``'s ast blocks, your own): step h of response b spans
+    ``decoded.texts[b][step_char_ends[b][h-1]:step_char_ends[b][h]]``, and
+
+        end_token[b, h] = min {t : char_ends[b, t] >= step_char_ends[b][h]}   (the token holding its last character)
+        step_ids[b, t]  = #{h : end_token[b, h] < t}  for valid t up to the last step end, else -1
+
+    Steps whose last characters fall in one token merge into the earlier one (``collapsed_steps``; the later
+    character end is kept); ``max_steps`` then merges trailing steps (``merged_steps``). Characters after the
+    last step end are in no step.
+
+    Args:
+        decoded: ``decode_with_char_ends`` of the responses.
+        step_char_ends: per response, the increasing character ends (exclusive) of its steps, each in
+            ``1..len(texts[b])``; an empty list for a response without steps.
+        max_steps: at most this many steps (>= 1).
+        device: device of the returned tensors.
+
+    Raises:
+        ValueError: a row count that does not match the batch, or ends that are not increasing inside the text
+            (naming the sample).
+    """
+    _check_max_steps(max_steps)
+    texts, char_ends = decoded.texts, decoded.char_ends
+    if len(step_char_ends) != len(texts):
+        raise ValueError(f"step_char_ends has {len(step_char_ends)} rows for {len(texts)} responses")
+    rows = []
+    for b, (text, ends) in enumerate(zip(texts, step_char_ends)):
+        ends = [int(end) for end in ends]
+        if any(not 0 < end <= len(text) for end in ends) or any(a >= c for a, c in zip(ends, ends[1:])):
+            raise ValueError(
+                f"sample {b}: step character ends {ends} must increase strictly inside 1..{len(text)} (the length "
+                "of the decoded response text)"
+            )
+        rows.append(ends)
+    span_ends = _pad_rows(rows, _FAR)
+    text_steps = (span_ends != _FAR).sum(dim=1)
+    if span_ends.shape[1] and char_ends.shape[1]:
+        end_token = torch.searchsorted(char_ends.contiguous(), span_ends.contiguous(), side="left")
+    else:
+        end_token = torch.zeros_like(span_ends)
+    # steps whose last characters fall in one token merge into the earliest: keep the last of each run
+    columns = torch.arange(span_ends.shape[1])[None, :]
+    in_row = columns < text_steps[:, None]
+    next_differs = torch.ones_like(in_row)
+    if span_ends.shape[1] > 1:
+        next_differs[:, :-1] = end_token[:, :-1] != end_token[:, 1:]
+    keep = in_row & (next_differs | (columns == text_steps[:, None] - 1))
+    num_steps, step_ends, kept_char_ends = _compact(keep, end_token, span_ends)
+    return _step_split(decoded, num_steps, step_ends, kept_char_ends, text_steps - num_steps, max_steps, device)
+
+
+def _step_split(decoded: DecodedResponses, num_steps, step_ends, step_char_ends, collapsed, max_steps,
+                device) -> StepSplit:
+    """Merge past ``max_steps``, derive ``step_ids`` and move everything to ``device``."""
     num_steps, merged, (step_ends, step_char_ends) = _merge_past_max_steps(
         num_steps, max_steps, step_ends, step_char_ends
     )
-    step_ids = _step_ids_from_ends(step_ends, num_steps, valid)
+    step_ids = _step_ids_from_ends(step_ends, num_steps, decoded.valid)
     return StepSplit(
         step_ids=step_ids.to(device),
         num_steps=num_steps.to(device),
         step_ends=step_ends.to(device),
         merged_steps=merged.to(device),
         collapsed_steps=collapsed.to(device),
-        texts=texts,
+        texts=decoded.texts,
         step_char_ends=step_char_ends,
     )
 

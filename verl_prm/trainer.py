@@ -8,7 +8,7 @@ verl's ``PPOTrainerSync`` it changes two things:
    rollout GPUs) or a pool of its own (``pool=own``, added to verl's ``ResourcePoolManager`` before verl
    creates its pools, so verl's GPU-availability check counts it);
 2. the advantage phase (``_compute_advantage``): the responses and prompts are read from TransferQueue, split
-   into steps (``verl_prm.steps.split_steps``), scored by the critic group (``compute_step_values``), and the
+   into steps (``StepsSection.split``: ``verl_prm.steps.split_steps`` or a code rule), scored by the critic group (``compute_step_values``), and the
    advantages of a step estimator (pav_*, prm_aggregate) are computed by
    ``verl_prm.estimators.compute_advantage_with_steps`` on a DataProto carrying the step tensors; other
    estimators (e.g. the grpo baseline) go through verl's own function unchanged. The KL-in-reward and
@@ -231,9 +231,6 @@ class PavSyncTrainer(PPOTrainerSync):
         ``data.batch`` holds ``prompts`` (jagged), ``responses`` (jagged) and ``response_mask`` [B, T].
         Returns the step tensors of the contract plus ``truncated``, and the critic's wall time.
         """
-        from verl_prm.steps import split_steps
-
-        steps = self.hook_config.steps
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         prompts, prompt_mask = _left_padded(data["prompts"], pad_id)
         response_lengths = data["responses"].offsets().diff()
@@ -243,10 +240,7 @@ class PavSyncTrainer(PPOTrainerSync):
         response_mask = data["response_mask"]
         if response_mask.is_nested:
             response_mask = response_mask.to_padded_tensor(padding=0)
-        split = split_steps(
-            responses, response_mask, self.tokenizer, steps.delimiter,
-            regex=steps.regex, max_tokens=steps.max_tokens, max_steps=steps.max_steps,
-        )
+        split = self.hook_config.steps.split(responses, response_mask, self.tokenizer)
         critic_input = DataProto.from_dict(
             tensors={
                 "prompts": prompts,

@@ -8,9 +8,9 @@
 # The same verl overrides as examples/pav_grpo/run_qwen2_5_0_5b_gsm8k_pav_grpo.sh, plus the code parts:
 # - the outcome reward is verl_prm.code.verl_score.compute_score (the task's unit tests in the sandbox; the
 #   ground truth of the rows of verl_prm.code.data is the task as JSON);
-# - steps are code blocks: the regex of verl_prm.code.steps.block_regex(0, depth=1), i.e. a chat answer's
-#   function signature and each statement of its body (with the body of a loop or if) is a step;
-#   STEP_REGEX overrides it (e.g. '\n' per line: verl_prm.code.steps.block_regex documents the rule).
+# - steps are code blocks: the `ast` rule of verl_prm.code.steps at depth 1, i.e. a chat answer's function
+#   signature and each statement of its body (with the body of a loop or if) is a step; CODE_STEP_RULE=line
+#   makes each line a step, CODE_STEP_RULE=indent uses the indentation regex (verl_prm.code.steps.block_regex).
 # ADV_ESTIMATOR=grpo runs the GRPO baseline with nothing else changed.
 set -xeuo pipefail
 
@@ -20,9 +20,7 @@ DATA_DIR=${DATA_DIR:-$HOME/data/humaneval}
 ADV_ESTIMATOR=${ADV_ESTIMATOR:-pav_grpo}
 PAV_ALPHA=${PAV_ALPHA:-3.0}
 PROJECT=${PROJECT:-verl_prm_code}
-# block_regex(0, depth=1); single quotes keep the backslashes for the regex
-DEFAULT_STEP_REGEX='\n(?=[ \t]{0,4}(?![ \t#)\]}]|(?:elif|else|except|finally)\b)\S)'
-STEP_REGEX=${STEP_REGEX:-$DEFAULT_STEP_REGEX}
+CODE_STEP_RULE=${CODE_STEP_RULE:-block}
 SANDBOX_TIMEOUT_S=${SANDBOX_TIMEOUT_S:-10}
 
 python3 -m verl.trainer.main_ppo \
@@ -32,7 +30,8 @@ python3 -m verl.trainer.main_ppo \
     verl_prm.critic.format=value_head \
     verl_prm.critic.max_tokens_per_batch=32768 \
     verl_prm.steps.delimiter=null \
-    "verl_prm.steps.regex='${STEP_REGEX}'" \
+    verl_prm.steps.code_rule="$CODE_STEP_RULE" \
+    verl_prm.steps.code_depth=1 \
     verl_prm.steps.max_steps=48 \
     verl_prm.placement.pool=colocated \
     reward.custom_reward_function.path=pkg://verl_prm.code.verl_score \

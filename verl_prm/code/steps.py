@@ -40,7 +40,7 @@ from typing import Any, Sequence
 
 import torch
 
-from verl_prm.steps import StepSplit, decode_with_char_ends, step_char_spans
+from verl_prm.steps import StepSplit, decode_with_char_ends, step_char_spans, steps_at_char_ends
 
 __all__ = ["CODE_STEP_RULES", "ast_block_starts", "block_regex", "code_split_steps", "code_step_char_spans"]
 
@@ -187,8 +187,9 @@ def code_split_steps(
     """``verl_prm.steps.split_steps`` for code step rules: ``step_ids`` [B, T], ``num_steps`` [B],
     ``step_ends`` [B, S] (and the rest of `StepSplit`) from the spans of `code_step_char_spans`.
 
-    The responses are decoded once by ``verl_prm.steps.decode_with_char_ends`` and each step end is mapped to
-    the first token whose character end reaches it (the token holding the step's last character):
+    The responses are decoded once by ``verl_prm.steps.decode_with_char_ends``, and
+    ``verl_prm.steps.steps_at_char_ends`` maps each step end to the first token whose character end reaches it
+    (the token holding the step's last character):
 
         end_token[b, h] = min {t : char_ends[b, t] >= step_char_end[b, h]}
         step_ids[b, t]  = #{h : end_token[b, h] < t}   for valid t <= end_token[b, H-1], else -1
@@ -197,54 +198,5 @@ def code_split_steps(
     trailing steps after that (``merged_steps``), as ``split_steps`` does.
     """
     decoded = decode_with_char_ends(tokenizer, response_ids, response_mask)
-    texts, char_ends, valid = decoded.texts, decoded.char_ends, decoded.valid
-    batch, length = valid.shape
-    step_ends_rows, char_end_rows, collapsed, merged = [], [], [], []
-    for b, text in enumerate(texts):
-        span_ends = [end for _, end in code_step_char_spans(text, rule, **rule_options)]
-        if span_ends and length:
-            tokens = torch.searchsorted(char_ends[b].contiguous(), torch.tensor(span_ends, dtype=torch.int64),
-                                        side="left").tolist()
-        else:
-            tokens = []
-        kept_tokens, kept_chars = [], []
-        for token, char in zip(tokens, span_ends):
-            if kept_tokens and kept_tokens[-1] == token:
-                kept_chars[-1] = char  # ends in the same token: one step (the last character end wins)
-            else:
-                kept_tokens.append(token)
-                kept_chars.append(char)
-        collapsed.append(len(tokens) - len(kept_tokens))
-        extra = 0
-        if max_steps is not None and len(kept_tokens) > max_steps:
-            extra = len(kept_tokens) - max_steps
-            kept_tokens = kept_tokens[: max_steps - 1] + [kept_tokens[-1]]
-            kept_chars = kept_chars[: max_steps - 1] + [kept_chars[-1]]
-        merged.append(extra)
-        step_ends_rows.append(kept_tokens)
-        char_end_rows.append(kept_chars)
-    width = max((len(r) for r in step_ends_rows), default=0)
-    step_ends = torch.full((batch, width), -1, dtype=torch.int64)
-    step_char_ends = torch.full((batch, width), -1, dtype=torch.int64)
-    for b, (tokens, chars) in enumerate(zip(step_ends_rows, char_end_rows)):
-        step_ends[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
-        step_char_ends[b, : len(chars)] = torch.tensor(chars, dtype=torch.int64)
-    num_steps = torch.tensor([len(r) for r in step_ends_rows], dtype=torch.int64)
-    # step_ids[b, t] = number of step ends before t, for valid tokens up to the last step end
-    positions = torch.arange(length)[None, :]
-    ends_or_far = torch.where(step_ends >= 0, step_ends, torch.full_like(step_ends, 2**62))
-    before = (ends_or_far[:, None, :] < positions[:, :, None]).sum(dim=2) if width else torch.zeros(batch, length, dtype=torch.int64)
-    last_end = torch.where(num_steps > 0, step_ends.gather(1, (num_steps - 1).clamp(min=0)[:, None]).squeeze(1)
-                           if width else torch.full((batch,), -1), torch.full((batch,), -1))
-    inside = valid & (positions <= last_end[:, None])
-    step_ids = torch.where(inside, before, torch.full_like(before, -1))
-    device = response_ids.device
-    return StepSplit(
-        step_ids=step_ids.to(device),
-        num_steps=num_steps.to(device),
-        step_ends=step_ends.to(device),
-        merged_steps=torch.tensor(merged, dtype=torch.int64).to(device),
-        collapsed_steps=torch.tensor(collapsed, dtype=torch.int64).to(device),
-        texts=texts,
-        step_char_ends=step_char_ends,
-    )
+    ends = [[end for _, end in code_step_char_spans(text, rule, **rule_options)] for text in decoded.texts]
+    return steps_at_char_ends(decoded, ends, max_steps=max_steps, device=response_ids.device)

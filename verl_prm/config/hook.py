@@ -7,7 +7,7 @@ how responses are split into steps, and where the critic's worker group is place
 
     verl_prm:
       critic:    {path, format, max_tokens_per_batch, dtype}
-      steps:     {delimiter, regex, max_tokens, max_steps}
+      steps:     {delimiter, regex, max_tokens, max_steps, code_rule, code_depth}
       placement: {pool, n_gpus_per_node, nnodes}
       score_outcome_estimators: true
 
@@ -51,6 +51,8 @@ STEP_ESTIMATORS = ("pav_grpo", "pav_rloo", "pav_reinforce", "prm_aggregate")
 # which a test holds equal to this tuple: the config check must not import torch models).
 CRITIC_FORMATS = ("value_head", "qwen_prm", "math_shepherd", "value_head_lm")
 TRUNCATIONS = ("error", "left_prompt")
+# verl_prm.code.steps.CODE_STEP_RULES without "delimiter" (the text rules cover it); a test holds them equal.
+CODE_STEP_RULES = ("line", "block", "indent")
 # "colocated": the critic's workers share verl's global pool (the actor/rollout GPUs);
 # "own": a resource pool of its own (``n_gpus_per_node`` x ``nnodes``).
 PLACEMENT_POOLS = ("colocated", "own")
@@ -94,6 +96,25 @@ class StepsSection:
     max_tokens: Optional[int] = None
     # Merge trailing steps so that a response has at most this many (the merge count is a metric).
     max_steps: Optional[int] = None
+    # Code responses: a step rule of verl_prm.code.steps instead of a delimiter: "block" (Python statements
+    # found by `ast`, the indentation rule when the text does not parse), "line" or "indent".
+    code_rule: Optional[str] = None
+    # ... and the statement nesting depth that still starts a step (1: a function's signature, then each
+    # statement of its body).
+    code_depth: int = 0
+
+    def split(self, response_ids, response_mask, tokenizer):
+        """``verl_prm.steps.StepSplit`` of a batch of responses under this rule (the hook and the reward
+        manager both split through here, so the steps the critic scores are the steps the metrics count)."""
+        if self.code_rule is not None:
+            from verl_prm.code.steps import code_split_steps
+
+            return code_split_steps(response_ids, response_mask, tokenizer, self.code_rule, depth=self.code_depth,
+                                    max_steps=self.max_steps)
+        from verl_prm.steps import split_steps
+
+        return split_steps(response_ids, response_mask, tokenizer, self.delimiter, regex=self.regex,
+                           max_tokens=self.max_tokens, max_steps=self.max_steps)
 
 
 @dataclass
@@ -196,7 +217,21 @@ def _check_ranges(config: HookConfig) -> None:
             "verl_prm.steps.max_tokens replaces the delimiter: set verl_prm.steps.delimiter=null "
             f"(got {steps.delimiter!r})"
         )
-    if steps.max_tokens is None and steps.regex is None and not steps.delimiter:
+    if steps.code_rule is not None:
+        if steps.code_rule not in CODE_STEP_RULES:
+            raise ConfigError(
+                f"verl_prm.steps.code_rule must be one of {CODE_STEP_RULES} or null, got {steps.code_rule!r}"
+            )
+        others = {"delimiter": steps.delimiter if steps.delimiter != DEFAULT_DELIMITER else None,
+                  "regex": steps.regex, "max_tokens": steps.max_tokens}
+        if any(value is not None for value in others.values()):
+            raise ConfigError(
+                "verl_prm.steps.code_rule replaces the text rules: set "
+                + " ".join(f"verl_prm.steps.{key}=null" for key, value in others.items() if value is not None)
+            )
+    if steps.code_depth < 0:
+        raise ConfigError(f"verl_prm.steps.code_depth must be >= 0, got {steps.code_depth}")
+    if steps.code_rule is None and steps.max_tokens is None and steps.regex is None and not steps.delimiter:
         raise ConfigError(
             "verl_prm.steps needs a step rule: a non-empty delimiter, a regex, or max_tokens (fixed-size steps)"
         )

@@ -69,6 +69,12 @@ def label_parser() -> argparse.ArgumentParser:
                    help="first_pit: label successful rollouts at every prefix, or only by their outcome")
     p.add_argument("--delimiter", default="\\n\\n", help="step delimiter (escapes like \\n are decoded)")
     p.add_argument("--step-regex", default=None, help="steps end at matches of this regex instead")
+    p.add_argument("--code-rule", choices=("block", "line", "indent"), default=None,
+                   help="code responses: steps by a rule of verl_prm.code.steps instead (block: Python statements "
+                   "by ast), as verl_prm.steps.code_rule in the trainer hook")
+    p.add_argument("--code-depth", type=int, default=None,
+                   help="--code-rule: statement depth that still starts a step (default 0; 1: each statement of a "
+                   "function)")
     p.add_argument("--max-steps", type=int, default=None, help="merge steps beyond this count into the last")
     p.add_argument("--no-prompt-value", action="store_true", help="skip the V(prompt) label")
     p.add_argument("--max-new-tokens", type=int, default=1024)
@@ -83,8 +89,10 @@ def label_parser() -> argparse.ArgumentParser:
                    help="vllm: GPU memory share (split between policy and prover when they differ)")
     p.add_argument("--max-model-len", type=int, default=None, help="vllm: context length cap")
     p.add_argument("--shard-size", type=int, default=64, help="prompts per output shard")
-    p.add_argument("--reward-fn", default=None, help="path.py:function with verl's compute_score signature "
-                   "(default: verl.utils.reward_score.default_compute_score by data_source)")
+    p.add_argument("--reward-fn", default=None, help="path.py:function or pkg://module:function with verl's "
+                   "compute_score signature, or its batch signature (data_sources=, solution_strs=, ...: one call "
+                   "per round, e.g. pkg://verl_prm.code.verl_score:compute_score_batch runs sandboxes in parallel); "
+                   "default: verl.utils.reward_score.default_compute_score by data_source")
     p.add_argument("--success-threshold", type=float, default=0.5, help="success iff score > this")
     p.add_argument("--prompt-field", default="prompt")
     p.add_argument("--answer-field", default="reward_model.ground_truth")
@@ -150,8 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prover_path = args.prover or args.policy
     settings = LabelSettings(
         n_cov=args.n_cov, n_mc=args.n_mc, strategy=args.strategy, success_labels=args.success_labels,
-        delimiter=delimiter, step_regex=args.step_regex, max_steps=args.max_steps,
-        prompt_value=not args.no_prompt_value, seed=args.seed, source=prover_path,
+        delimiter=delimiter, step_regex=args.step_regex, max_steps=args.max_steps, code_rule=args.code_rule,
+        code_depth=args.code_depth or 0, prompt_value=not args.no_prompt_value, seed=args.seed, source=prover_path,
     )
     store = ShardStore(args.output_dir)
     record = vars(args).copy()

@@ -49,6 +49,9 @@ class LabelSettings:
     delimiter: str = "\n\n"
     step_regex: str | None = None
     max_steps: int | None = None
+    # code responses: a rule of verl_prm.code.steps ("block", "line", "indent") instead of delimiter/step_regex
+    code_rule: str | None = None
+    code_depth: int = 0
     prompt_value: bool = True
     seed: int = 0
     source: str = ""
@@ -60,6 +63,25 @@ class LabelSettings:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.success_labels not in ("every", "outcome"):
             raise ValueError(f"success_labels must be 'every' or 'outcome', got {self.success_labels!r}")
+        if self.code_rule is not None:
+            if self.code_rule not in ("line", "block", "indent"):
+                raise ValueError(f"code_rule must be 'block', 'line' or 'indent', got {self.code_rule!r}")
+            if self.step_regex is not None:
+                raise ValueError("pass either a code rule or a step regex, not both")
+        if self.code_depth < 0:
+            raise ValueError(f"code_depth must be >= 0, got {self.code_depth}")
+
+    def step_spans(self, text: str) -> list[tuple[int, int]]:
+        """Character spans of the steps of ``text`` under these settings."""
+        if self.code_rule is not None:
+            from verl_prm.code.steps import code_step_char_spans
+
+            spans = code_step_char_spans(text, self.code_rule, depth=self.code_depth, max_steps=self.max_steps)
+        else:
+            from verl_prm.steps import step_char_spans
+
+            spans = step_char_spans(text, self.delimiter, regex=self.step_regex, max_steps=self.max_steps)
+        return [tuple(span) for span in spans]
 
 
 def first_pit_search_step(lo: int, hi: int, mid_is_zero: bool) -> tuple[int, int]:
@@ -126,19 +148,20 @@ class MonteCarloLabeler:
             self.on_generated(len(texts) * n)
         return completions
 
-    def _outcome(self, item: PromptItem, response: str) -> tuple[float, float]:
-        score = self.scorer.score(item.data_source, response, item.ground_truth, item.extra_info)
-        return score, 1.0 if self.scorer.success(score) else 0.0
+    def _outcomes(self, pairs: Sequence[tuple[PromptItem, str]]) -> list[tuple[float, float]]:
+        """(score, 0/1 outcome) of each (item, full response), scored in one ``score_many`` call."""
+        scores = self.scorer.score_many([item.data_source for item, _ in pairs], [response for _, response in pairs],
+                                        [item.ground_truth for item, _ in pairs], [item.extra_info for item, _ in pairs])
+        return [(score, 1.0 if self.scorer.success(score) else 0.0) for score in scores]
 
     def _count_successes(self, requests: list[tuple[PromptItem, str, str, int]]) -> list[int]:
         """requests: (item, prompt_text, response_prefix, seed) -> successes among n_mc prover continuations."""
         texts = [prompt + prefix for _, prompt, prefix, _ in requests]
         seeds = [seed for *_, seed in requests]
         completions = self._generate(self.prover, texts, self.settings.n_mc, seeds)
-        counts = []
-        for (item, _, prefix, _), samples in zip(requests, completions):
-            counts.append(sum(int(self._outcome(item, prefix + sample.text)[1]) for sample in samples))
-        return counts
+        outcomes = iter(self._outcomes([(item, prefix + sample.text) for (item, _, prefix, _), samples
+                                        in zip(requests, completions) for sample in samples]))
+        return [sum(int(next(outcomes)[1]) for _ in samples) for samples in completions]
 
     def _step_seed(self, rollout: _Rollout, h: int) -> int:
         return derive_seed(self.settings.seed, "mc", rollout.item.index, rollout.rollout_index, h)
@@ -146,17 +169,16 @@ class MonteCarloLabeler:
     def label(self, items: Sequence[PromptItem], prompt_texts: Sequence[str]) -> list[dict]:
         """Label ``items`` (rendered as ``prompt_texts``); returns label rows (see :mod:`.format`), ordered by
         prompt then rollout."""
-        from verl_prm.steps import step_char_spans
-
         s = self.settings
         seeds = [derive_seed(s.seed, "seed", item.index) for item in items]
         seed_completions = self._generate(self.policy, list(prompt_texts), s.n_cov, seeds)
         rollouts: list[_Rollout] = []
+        outcomes = iter(self._outcomes([(item, sample.text) for item, samples in zip(items, seed_completions)
+                                        for sample in samples]))
         for item, prompt_text, samples in zip(items, prompt_texts, seed_completions):
             for r, sample in enumerate(samples):
-                spans = [tuple(span) for span in step_char_spans(sample.text, s.delimiter, regex=s.step_regex,
-                                                                  max_steps=s.max_steps)]
-                score, outcome = self._outcome(item, sample.text)
+                spans = s.step_spans(sample.text)
+                score, outcome = next(outcomes)
                 H = len(spans)
                 rollouts.append(
                     _Rollout(item, prompt_text, r, sample.text, sample.finished, spans, score, outcome,

@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     text.add_argument("--answer-regex", default=None, help="extract the ground truth by this regex's first group")
     text.add_argument("--data-source-field", default="data_source")
     text.add_argument("--data-source", default=None, help="override the data source of every row")
-    text.add_argument("--reward-fn", default=None, help="path.py:function (default: verl's default_compute_score)")
+    text.add_argument("--reward-fn", default=None, help="path.py:function or pkg://module:function (default: verl's default_compute_score)")
     text.add_argument("--policy", help="base policy: local HF model directory (or a vLLM model path)")
     text.add_argument("--q-critic", help="value critic of the base policy (HF directory)")
     text.add_argument("--q-critic-format", default="value_head")

@@ -367,3 +367,14 @@ def test_import_verl_run_records_the_validation_curve(micro_run, tmp_path):
     assert stages_of(SCALES["micro"], tmp_path / "work")["rl_pav"].done()
     with pytest.raises(ValueError, match="grpo or pav_grpo"):
         import_verl_run(SCALES["micro"], tmp_path / "work", "gae", run_dir)
+
+
+def test_command_line_overrides_reach_the_scale():
+    from verl_prm.recipes.arithmetic.pipeline import SCALES, recipe_parser, scale_from_args
+
+    default = scale_from_args(recipe_parser().parse_args(["--work-dir", "w"]))
+    assert default == SCALES["cpu"]
+    scale = scale_from_args(recipe_parser().parse_args(
+        ["--work-dir", "w", "--label-problems", "1536", "--n-mc", "4", "--pav-steps", "1500", "--rl-steps", "7"]))
+    assert (scale.label_problems, scale.n_mc, scale.pav_steps, scale.rl.steps) == (1536, 4, 1500, 7)
+    assert scale.sft == SCALES["cpu"].sft and scale.task == SCALES["cpu"].task

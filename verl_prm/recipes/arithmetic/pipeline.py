@@ -443,19 +443,33 @@ def run(scale: Scale, work_dir: str | Path, stages: Sequence[str] = STAGES, *, p
     return records
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def scale_from_args(args: argparse.Namespace) -> Scale:
+    """The scale named by ``--scale`` with the command line's overrides."""
+    scale = SCALES[args.scale]
+    if args.rl_steps is not None:
+        scale = replace(scale, rl=replace(scale.rl, steps=args.rl_steps))
+    overrides = {"label_problems": args.label_problems, "n_mc": args.n_mc, "pav_steps": args.pav_steps}
+    return replace(scale, **{key: value for key, value in overrides.items() if value is not None})
+
+
+def recipe_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m verl_prm.recipes.arithmetic", description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", choices=sorted(SCALES), default="cpu")
     parser.add_argument("--work-dir", required=True, help="outputs of every stage; rerun to resume")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     parser.add_argument("--rl-steps", type=int, default=None, help="override the RL iterations of the scale")
+    parser.add_argument("--label-problems", type=int, default=None, help="override the problems labelled")
+    parser.add_argument("--n-mc", type=int, default=None, help="override the prover continuations per prefix")
+    parser.add_argument("--pav-steps", type=int, default=None, help="override the PAV training steps")
     parser.add_argument("--import-verl-run", default=None, metavar="ESTIMATOR=RUN_DIR",
                         help="record a finished verl main_ppo run (run_gpu.sh) as the grpo or pav_grpo RL stage")
     parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    scale = SCALES[args.scale]
-    if args.rl_steps is not None:
-        scale = replace(scale, rl=replace(scale.rl, steps=args.rl_steps))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = recipe_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    scale = scale_from_args(args)
     if args.import_verl_run:
         estimator, _, run_dir = args.import_verl_run.partition("=")
         print(json.dumps(import_verl_run(scale, args.work_dir, estimator, run_dir)))

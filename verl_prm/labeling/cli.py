@@ -13,6 +13,8 @@ import json
 import sys
 from typing import Sequence
 
+from verl_prm.config.hook import CODE_STEP_RULES
+
 __all__ = ["main", "build_generator"]
 
 
@@ -69,7 +71,7 @@ def label_parser() -> argparse.ArgumentParser:
                    help="first_pit: label successful rollouts at every prefix, or only by their outcome")
     p.add_argument("--delimiter", default="\\n\\n", help="step delimiter (escapes like \\n are decoded)")
     p.add_argument("--step-regex", default=None, help="steps end at matches of this regex instead")
-    p.add_argument("--code-rule", choices=("block", "line", "indent"), default=None,
+    p.add_argument("--code-rule", choices=CODE_STEP_RULES, default=None,
                    help="code responses: steps by a rule of verl_prm.code.steps instead (block: Python statements "
                    "by ast), as verl_prm.steps.code_rule in the trainer hook")
     p.add_argument("--code-depth", type=int, default=None,

@@ -64,8 +64,10 @@ class LabelSettings:
         if self.success_labels not in ("every", "outcome"):
             raise ValueError(f"success_labels must be 'every' or 'outcome', got {self.success_labels!r}")
         if self.code_rule is not None:
-            if self.code_rule not in ("line", "block", "indent"):
-                raise ValueError(f"code_rule must be 'block', 'line' or 'indent', got {self.code_rule!r}")
+            from verl_prm.config.hook import CODE_STEP_RULES
+
+            if self.code_rule not in CODE_STEP_RULES:
+                raise ValueError(f"code_rule must be one of {CODE_STEP_RULES}, got {self.code_rule!r}")
             if self.step_regex is not None:
                 raise ValueError("pass either a code rule or a step regex, not both")
         if self.code_depth < 0:

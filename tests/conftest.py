@@ -9,23 +9,27 @@ from pathlib import Path
 
 import pytest
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# The small real data set that ships with the repository (provenance and licences: data/README.md).
+REPO_DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 @pytest.fixture(scope="session")
-def shared_data() -> Path:
-    if not SHARED_DATA.is_dir():
-        pytest.fail(f"../shared/data not found at {SHARED_DATA}: tests read the small real data set there")
-    return SHARED_DATA
+def repo_data() -> Path:
+    """The repository's data/ folder (GSM8K test, MATH500, Math-Shepherd and PRM800K sample rows)."""
+    missing = [name for name in ("gsm8k_test.jsonl", "math500_test.jsonl", "math_shepherd_samples.jsonl",
+                                 "prm800k_samples.jsonl") if not (REPO_DATA / name).is_file()]
+    if missing:
+        pytest.fail(f"data files missing from {REPO_DATA}: {missing}; they are part of the repository (git checkout data/)")
+    return REPO_DATA
 
 
-def _training_texts(shared: Path, limit: int = 400) -> list[str]:
+def _training_texts(data_dir: Path, limit: int = 400) -> list[str]:
     texts = []
-    with open(shared / "gsm8k_test.jsonl") as f:
+    with open(data_dir / "gsm8k_test.jsonl") as f:
         for line, _ in zip(f, range(limit)):
             row = json.loads(line)
             texts.append(row["question"] + "\n\n" + row["answer"])
-    with open(shared / "math500_test.jsonl") as f:
+    with open(data_dir / "math500_test.jsonl") as f:
         for line, _ in zip(f, range(limit // 2)):
             row = json.loads(line)
             texts.append(row["problem"] + "\n\n" + row["solution"])
@@ -33,19 +37,19 @@ def _training_texts(shared: Path, limit: int = 400) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def bpe_small(shared_data):
+def bpe_small(repo_data):
     """Byte-level BPE with few merges (vocab 300): most tokens are bytes or short merges."""
     from verl_prm.bpe import train_byte_level_bpe
 
-    return train_byte_level_bpe(_training_texts(shared_data), vocab_size=300)
+    return train_byte_level_bpe(_training_texts(repo_data), vocab_size=300)
 
 
 @pytest.fixture(scope="session")
-def bpe_large(shared_data):
+def bpe_large(repo_data):
     """Byte-level BPE with many merges (vocab 2000): merges differ from bpe_small's."""
     from verl_prm.bpe import train_byte_level_bpe
 
-    return train_byte_level_bpe(_training_texts(shared_data), vocab_size=2000)
+    return train_byte_level_bpe(_training_texts(repo_data), vocab_size=2000)
 
 
 @pytest.fixture(scope="session")

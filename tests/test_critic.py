@@ -198,9 +198,9 @@ def checkpoints(tmp_path_factory, bpe_small) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def samples(shared_data) -> list[tuple[str, str]]:
+def samples(repo_data) -> list[tuple[str, str]]:
     """GSM8K question/answer pairs; answers are split into steps at "\\n"."""
-    rows = [json.loads(line) for line in (shared_data / "gsm8k_test.jsonl").read_text().splitlines()[:40]]
+    rows = [json.loads(line) for line in (repo_data / "gsm8k_test.jsonl").read_text().splitlines()[:40]]
     rng = random.Random(0)
     picked = rng.sample(rows, 6)
     return [(r["question"], r["answer"]) for r in picked]

@@ -96,8 +96,8 @@ def test_progress_scores_use_the_prompt_value():
     assert float(bok[0, 0]) == pytest.approx(0.84 - 0.75)
 
 
-def test_prm800k_first_error_labels(shared_data):
-    samples = read_first_error_samples(shared_data / "prm800k_samples.jsonl")
+def test_prm800k_first_error_labels(repo_data):
+    samples = read_first_error_samples(repo_data / "prm800k_samples.jsonl")
     assert [s.label for s in samples] == [1, 6, -1, -1, 7, -1]
     assert [len(s.steps) for s in samples] == [2, 7, 5, 7, 8, 12]
     # row 0: all five completions of step 1 were rated -1 (a human rewrote it): the first is the error
@@ -121,7 +121,7 @@ def test_cli_with_stored_scores_at_a_fixed_threshold(tmp_path, capsys):
     assert [json.loads(line)["predicted"] for line in out.read_text().splitlines()] == [1, -1, 0, 2, 2]
 
 
-def test_cli_with_a_tiny_critic_on_prm800k_rows(tmp_path, bpe_small, shared_data, capsys):
+def test_cli_with_a_tiny_critic_on_prm800k_rows(tmp_path, bpe_small, repo_data, capsys):
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=len(bpe_small), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
@@ -130,7 +130,7 @@ def test_cli_with_a_tiny_critic_on_prm800k_rows(tmp_path, bpe_small, shared_data
     bpe_small.save_pretrained(tmp_path / "critic")
     out = tmp_path / "pred.jsonl"
     for score in ("values", "progress"):
-        assert main(["--input", str(shared_data / "prm800k_samples.jsonl"), "--critic", str(tmp_path / "critic"),
+        assert main(["--input", str(repo_data / "prm800k_samples.jsonl"), "--critic", str(tmp_path / "critic"),
                      "--device", "cpu", "--score", score, "--tune-fraction", "0.5", "--output", str(out)]) == 0
         report = json.loads(capsys.readouterr().out)
         assert report["tuned"] and report["tune_samples"] + report["eval_samples"] == 6 and report["eval_samples"] >= 2

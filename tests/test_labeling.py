@@ -287,8 +287,8 @@ def test_ray_pool_returns_what_one_engine_returns(ray_local):
 # ------------------------------------------------------------------------------------------------ converters
 
 
-def test_math_shepherd_converter_on_shared_samples(shared_data):
-    raw = list(read_jsonl(shared_data / "math_shepherd_samples.jsonl"))
+def test_math_shepherd_converter_on_repo_samples(repo_data):
+    raw = list(read_jsonl(repo_data / "math_shepherd_samples.jsonl"))
     rows = convert_math_shepherd(raw)
     assert len(rows) == len(raw) == 7
     first = rows[0]
@@ -313,8 +313,8 @@ def test_math_shepherd_converter_on_shared_samples(shared_data):
         convert_math_shepherd([dict(raw[0], label=raw[0]["label"].replace("hours", "days", 1))])
 
 
-def test_prm800k_converter_on_shared_samples(shared_data):
-    raw = list(read_jsonl(shared_data / "prm800k_samples.jsonl"))
+def test_prm800k_converter_on_repo_samples(repo_data):
+    raw = list(read_jsonl(repo_data / "prm800k_samples.jsonl"))
     rows = convert_prm800k(raw)
     by_index = {row["prompt_index"]: row for row in rows}
     assert sorted(by_index) == list(range(6))
@@ -362,7 +362,7 @@ def test_render_prompt_and_read_prompts_errors(tmp_path):
         OutcomeScorer(lambda *args: None).score("toy", "response", "1", None)
 
 
-def test_label_cli_with_tiny_transformers_model_and_resume(tmp_path, tiny_lm_dir, shared_data):
+def test_label_cli_with_tiny_transformers_model_and_resume(tmp_path, tiny_lm_dir, repo_data):
     from verl_prm.labeling.cli import main
 
     rows = [{"prompt": [{"role": "user", "content": f"Question {i}: add {i} and {i}."}], "data_source": "toy",
@@ -388,7 +388,7 @@ def test_label_cli_with_tiny_transformers_model_and_resume(tmp_path, tiny_lm_dir
         main([a if a != "3" else "4" for a in args])
 
     # jsonl input scored by verl's default scorer (GSM8K rule)
-    jsonl_args = ["--input", str(shared_data / "gsm8k_test.jsonl"), "--limit", "2", "--prompt-field", "question",
+    jsonl_args = ["--input", str(repo_data / "gsm8k_test.jsonl"), "--limit", "2", "--prompt-field", "question",
                   "--answer-field", "answer", "--answer-regex", "#### (.*)", "--data-source", "openai/gsm8k",
                   "--output-dir", str(tmp_path / "gsm"), "--policy", str(tiny_lm_dir), "--n-cov", "1", "--n-mc", "1",
                   "--max-new-tokens", "6", "--strategy", "first_pit", "--device", "cpu", "--no-progress"]
@@ -397,14 +397,14 @@ def test_label_cli_with_tiny_transformers_model_and_resume(tmp_path, tiny_lm_dir
     assert list(gsm["ground_truth"]) == ["18", "3"] and (gsm["outcome"] == 0.0).all()
 
 
-def test_convert_cli_writes_label_shards(tmp_path, shared_data):
+def test_convert_cli_writes_label_shards(tmp_path, repo_data):
     from verl_prm.labeling.cli import main
 
-    assert main(["convert", "prm800k", "--input", str(shared_data / "prm800k_samples.jsonl"), "--output-dir",
+    assert main(["convert", "prm800k", "--input", str(repo_data / "prm800k_samples.jsonl"), "--output-dir",
                  str(tmp_path / "prm"), "--alternatives"]) == 0
     frame = read_labels(tmp_path / "prm")
     assert (frame["strategy"] == "prm800k").all() and frame["prompt_index"].nunique() == 6
-    assert main(["convert", "math_shepherd", "--input", str(shared_data / "math_shepherd_samples.jsonl"),
+    assert main(["convert", "math_shepherd", "--input", str(repo_data / "math_shepherd_samples.jsonl"),
                  "--output-dir", str(tmp_path / "ms")]) == 0
     assert len(read_labels(tmp_path / "ms")) == 7
 

@@ -406,14 +406,14 @@ def text_models(tmp_path_factory, bpe_large):
     return root
 
 
-def test_search_cli_text_runs_every_method_with_tiny_models(tmp_path, text_models, shared_data):
+def test_search_cli_text_runs_every_method_with_tiny_models(tmp_path, text_models, repo_data):
     from verl_prm.search.cli import main
 
     reward = tmp_path / "reward.py"
     reward.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    return float(solution_str.count('x') % 2 == 0)\n")
     data = tmp_path / "problems.jsonl"
-    with open(shared_data / "gsm8k_test.jsonl") as f, open(data, "w") as g:
+    with open(repo_data / "gsm8k_test.jsonl") as f, open(data, "w") as g:
         for line, _ in zip(f, range(3)):
             g.write(line)
     out = tmp_path / "text"

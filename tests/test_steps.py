@@ -42,9 +42,9 @@ TAG = "ки"
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _texts(shared_data, limit=300):
+def _texts(repo_data, limit=300):
     texts = []
-    with open(shared_data / "gsm8k_test.jsonl") as f:
+    with open(repo_data / "gsm8k_test.jsonl") as f:
         for line, _ in zip(f, range(limit)):
             row = json.loads(line)
             # GSM8K answers use single newlines: make paragraph breaks frequent, as in model outputs
@@ -53,7 +53,7 @@ def _texts(shared_data, limit=300):
 
 
 @pytest.fixture(scope="session")
-def bpe_merged(shared_data):
+def bpe_merged(repo_data):
     """Byte-level BPE without pre-tokenisation: merges cross whitespace, giving ".\\n\\n" and "\\n\\nThe"."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -67,7 +67,7 @@ def bpe_merged(shared_data):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_texts(shared_data), trainer=trainer)
+    tokenizer.train_from_iterator(_texts(repo_data), trainer=trainer)
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|pad|>")
     vocab = {wrapped.convert_tokens_to_string([t]) for t in wrapped.get_vocab()}
     assert any(re.search(r"\S\n\n\S", t) for t in vocab) and any(t.startswith("\n\nThe") for t in vocab), (
@@ -77,7 +77,7 @@ def bpe_merged(shared_data):
 
 
 @pytest.fixture(scope="session")
-def metaspace(shared_data):
+def metaspace(repo_data):
     """SentencePiece-style BPE ("▁" for spaces, byte fallback for rare characters, Llama-2 decoder)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -87,7 +87,7 @@ def metaspace(shared_data):
     trainer = trainers.BpeTrainer(
         vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"], limit_alphabet=60, show_progress=False
     )
-    trainer_tokenizer.train_from_iterator(_texts(shared_data, 200), trainer=trainer)
+    trainer_tokenizer.train_from_iterator(_texts(repo_data, 200), trainer=trainer)
     state = json.loads(trainer_tokenizer.to_str())["model"]
     vocab = dict(state["vocab"])
     for byte in range(256):  # byte-fallback pieces, as in Llama-2's vocabulary
@@ -105,7 +105,7 @@ def metaspace(shared_data):
 
 
 @pytest.fixture(scope="session")
-def bpe_lowercase(shared_data):
+def bpe_lowercase(repo_data):
     """Byte-level BPE behind a Lowercase normaliser: its decode does not give back the text it encoded, so
     the critic side maps steps through offset mappings instead."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -122,7 +122,7 @@ def bpe_lowercase(shared_data):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_texts(shared_data, 100), trainer=trainer)
+    tokenizer.train_from_iterator(_texts(repo_data, 100), trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
 
 
@@ -589,9 +589,9 @@ def test_random_texts_align_to_another_vocabulary(request, bpe_small, critic_nam
 # ----------------------------------------------------------------------------------------------------------
 
 
-def math_shepherd_rows(shared_data):
+def math_shepherd_rows(repo_data):
     rows = []
-    with open(shared_data / "math_shepherd_samples.jsonl") as f:
+    with open(repo_data / "math_shepherd_samples.jsonl") as f:
         for line in f:
             text = json.loads(line)["input"]
             start = text.index("Step 1:")
@@ -602,8 +602,8 @@ def math_shepherd_rows(shared_data):
     return rows
 
 
-def test_math_shepherd_tagged_steps(any_tokenizer, shared_data):
-    rows = math_shepherd_rows(shared_data)
+def test_math_shepherd_tagged_steps(any_tokenizer, repo_data):
+    rows = math_shepherd_rows(repo_data)
     # 1. the tag as the delimiter, on the tagged text: step h is tagged step h, ending with its tag
     ids, mask = batch(any_tokenizer, [r[1] for r in rows])
     split = split_steps(ids, mask, any_tokenizer, delimiter=TAG)
@@ -642,9 +642,9 @@ def assert_critic_holds_step_ends(critic, enc, split: StepSplit, b: int) -> None
     [("bpe_small", "bpe_large"), ("bpe_large", "bpe_small"), ("bpe_merged", "bpe_small"),
      ("bpe_large", "bpe_merged"), ("bpe_large", "metaspace")],
 )
-def test_alignment_reads_the_same_steps(request, shared_data, policy_name, critic_name):
+def test_alignment_reads_the_same_steps(request, repo_data, policy_name, critic_name):
     policy, critic = request.getfixturevalue(policy_name), request.getfixturevalue(critic_name)
-    rows = math_shepherd_rows(shared_data)
+    rows = math_shepherd_rows(repo_data)
     texts = [c for c in CASES] + [r[1].replace(" " + TAG, "") for r in rows]
     prompts = [f"Question {b}: solve it." for b in range(len(texts))]
     ids, mask = batch(policy, texts)

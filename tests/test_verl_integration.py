@@ -90,10 +90,10 @@ def critic_dir_other_vocab(tmp_path_factory, bpe_large) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gsm8k_rows(shared_data):
+def gsm8k_rows(repo_data):
     """Real GSM8K test rows, made by the example's data preparation (verl's row layout)."""
     gsm8k = load_example("gsm8k")
-    return gsm8k.make_rows(gsm8k.read_jsonl(shared_data / "gsm8k_test.jsonl")[:4], "test")
+    return gsm8k.make_rows(gsm8k.read_jsonl(repo_data / "gsm8k_test.jsonl")[:4], "test")
 
 
 def responses_for(rows, tokenizer) -> list[tuple[dict, str, list[int]]]:

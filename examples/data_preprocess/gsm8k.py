@@ -2,7 +2,7 @@
 
     python examples/data_preprocess/gsm8k.py --local_save_dir ~/data/gsm8k                 # from the HF hub
     python examples/data_preprocess/gsm8k.py --local_save_dir ~/data/gsm8k \
-        --test_jsonl ../shared/data/gsm8k_test.jsonl --train_jsonl my_train.jsonl          # offline, jsonl
+        --test_jsonl data/gsm8k_test.jsonl --train_jsonl my_train.jsonl          # offline, jsonl
 
 Each row: data_source "openai/gsm8k" (verl's default_compute_score scores it), a chat prompt that asks for
 steps separated by blank lines (the default step delimiter of verl-prm is "\\n\\n") and the final answer after

@@ -2,7 +2,7 @@
 
     python examples/data_preprocess/math_dataset.py --local_save_dir ~/data/math             # from the HF hub
     python examples/data_preprocess/math_dataset.py --local_save_dir ~/data/math \
-        --test_jsonl ../shared/data/math500_test.jsonl --split_test 100                      # offline, jsonl
+        --test_jsonl data/math500_test.jsonl --split_test 100                      # offline, jsonl
 
 Each row: data_source "DigitalLearningGmbH/MATH-lighteval" (verl's default_compute_score compares the last
 \\boxed{} of the response with the ground truth), a chat prompt asking for blank-line separated steps and the

@@ -445,9 +445,8 @@ def test_failed_compilation_warns_once_then_stays_eager(monkeypatch, caplog):
     large = random_lookup_inputs(1024, adv.FUSED_MIN_TOKENS // 1024, 8, seed=2)
     eager = adv.process_advantage(**large, alpha=1.0, compile="never")
     # an input error is the input's own error, and does not switch compilation off
-    bad = dict(large, step_ids=large["step_ids"].clone())
-    bad["step_ids"][-1, -1] = 8  # past the end of the table
-    with pytest.raises(IndexError):
+    bad = dict(large, response_mask=large["response_mask"][:, :-1])
+    with pytest.raises(RuntimeError, match="size of tensor"):
         adv.process_advantage(**bad, alpha=1.0)
     assert adv._compile_failed is None
     with caplog.at_level("WARNING", logger="verl_prm.advantages"):
@@ -461,11 +460,39 @@ def test_failed_compilation_warns_once_then_stays_eager(monkeypatch, caplog):
         adv.process_advantage(**large, alpha=1.0, compile="always")
 
 
-def test_fused_lookup_rejects_step_ids_out_of_range():
+@pytest.mark.parametrize("compile", ["never", "always"])
+def test_out_of_range_step_ids_are_clamped_within_their_own_row(compile):
+    """With check_inputs off nothing validates step ids: an id past the last column (or below -1) must read its
+    own row (the last step, or "no step"), never the neighbouring response's entry at the same flat offset."""
     inputs = random_lookup_inputs(6, 40, 4, seed=3)
-    inputs["step_ids"][2, 11] = 4  # one past the last step column of row 2 (not of the flat table)
-    with pytest.raises(ValueError, match=r"step_ids outside \[-1, S - 1\].*check_inputs"):
-        adv.process_advantage(**inputs, alpha=1.0, compile="always")
+    bad = inputs["step_ids"].clone()
+    bad[2, 11], bad[2, 12], bad[3, 0], bad[5, 39] = 4, 9, -7, 100  # row 5 is the last: past the flat table
+    clamped = bad.clamp(-1, 3)
+    expected = adv.process_advantage(**dict(inputs, step_ids=clamped), alpha=1.0, compile="never")
+    actual = adv.process_advantage(**dict(inputs, step_ids=bad), alpha=1.0, compile=compile)
+    assert torch.equal(actual, expected)
+    # the value read at [2, 11] is row 2's last step, not row 3's "no step" entry
+    table = inputs["outcome_advantage"][:, None] + torch.nn.functional.pad(inputs["step_scores"], (1, 0))
+    assert actual[2, 11] == table[2, 4] * inputs["response_mask"][2, 11]
+    assert torch.equal(adv.step_scores_per_token(inputs["step_scores"], bad),
+                       adv.step_scores_per_token(inputs["step_scores"], clamped))
+
+
+@pytest.mark.parametrize("name", ["pav_grpo", "pav_rloo", "prm_aggregate"])
+def test_index_of_the_wrong_length_names_the_argument(name):
+    t = small_batch()
+    for labels in (["a", "a", "b"], ["a"]):
+        with pytest.raises(ValueError, match=r"index \(verl's uid.*one entry per response, shape \(2,\), got "
+                                             rf"shape \({len(labels)},\)"):
+            PAV_ESTIMATORS[name](**dict(t, index=np.array(labels, dtype=object)), config=algo_config(name))
+
+
+def test_truncated_of_the_wrong_length_names_the_argument():
+    t = small_batch()
+    for name in PAV_ESTIMATORS:
+        with pytest.raises(ValueError, match=r"truncated \(keep.*shape \(2,\), got shape \(3,\)"):
+            PAV_ESTIMATORS[name](**t, truncated=torch.tensor([False, True, False]),
+                                 config=algo_config(name, drop_truncated=True))
 
 
 def test_estimators_read_the_compile_knob(monkeypatch):
@@ -577,6 +604,18 @@ def test_grpo_family_needs_index():
         ({"clip": 0.0}, "clip must be > 0"),
         ({"aggregation": "median"}, "aggregation must be one of"),
         ({"compile": "yes"}, "compile must be one of"),
+        # every float knob is finite, and the error names the key
+        ({"alpha": float("nan")}, r"algorithm.pav.alpha must be >= 0 \(a finite number\), got nan"),
+        ({"alpha": float("inf")}, r"algorithm.pav.alpha must be >= 0 \(a finite number\), got inf"),
+        ({"clip": float("nan")}, r"algorithm.pav.clip must be > 0 \(a finite number\), got nan"),
+        ({"clip": float("inf")}, r"algorithm.pav.clip must be > 0 \(a finite number\), got inf"),
+        ({"epsilon": float("nan")}, r"algorithm.pav.epsilon must be > 0 \(a finite number\), got nan"),
+        ({"epsilon": 0.0}, r"algorithm.pav.epsilon must be > 0"),
+        ({"aggregate_weight": float("nan")}, r"algorithm.pav.aggregate_weight must be a finite number, got nan"),
+        ({"aggregate_weight": float("-inf")}, r"algorithm.pav.aggregate_weight must be a finite number, got -inf"),
+        ({"best_of_k": float("nan")}, r"algorithm.pav.best_of_k must be an integer >= 1, got nan"),
+        ({"best_of_k": float("inf")}, r"algorithm.pav.best_of_k must be an integer >= 1, got inf"),
+        ({"min_form_temperature": float("nan")}, r"algorithm.pav.min_form_temperature must be a finite number"),
     ],
 )
 def test_config_validation(pav, message):

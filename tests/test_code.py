@@ -7,11 +7,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -62,6 +67,66 @@ def full_isolation() -> bool:
     return isolation().mode == "full"
 
 
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # another file system
+        shutil.copy2(source, target)
+
+
+@pytest.fixture(scope="module")
+def tmp_pythons():
+    """Interpreters under /tmp (where CI may put its clone and its venv), which full isolation masks:
+
+    * ``readable``: a copy of this Python's installation (binary + standard library, hard links where possible)
+      that other uids can read;
+    * ``closed``: the same reached through a directory other uids cannot traverse (0700), as a pyenv Python under
+      ``/root`` is: an unprivileged uid cannot import its standard library;
+    * ``venv``: a ``venv --system-site-packages`` with a module in its own site-packages and a ``.pth`` that adds
+      another directory under /tmp (an editable install);
+    * ``tmp_on_path``: a venv whose ``.pth`` puts ``/tmp`` itself on ``sys.path``."""
+    root = Path(tempfile.mkdtemp(prefix="verl_prm_sandbox_pythons_", dir="/tmp"))
+    root.chmod(0o755)
+    try:
+        base = os.path.realpath(sys.executable)  # the installation's binary (a venv's python links to it)
+        version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+        tree = root / "readable"
+        (tree / "bin").mkdir(parents=True)
+        _link_or_copy(base, str(tree / "bin" / version))
+        skip = shutil.ignore_patterns("site-packages", "dist-packages", "test", "tests", "idlelib", "tkinter",
+                                      "turtledemo", "ensurepip", "lib2to3", "config-*")
+        shutil.copytree(sysconfig.get_path("stdlib"), tree / "lib" / version, symlinks=True,
+                        copy_function=_link_or_copy, ignore=skip)
+        (root / "closed").mkdir(mode=0o700)
+        (root / "closed" / "py").symlink_to(tree)
+        venvs, purelibs = {}, {}
+        for name in ("venv", "tmp_on_path"):
+            subprocess.run([base, "-m", "venv", "--without-pip", "--system-site-packages", str(root / name)], check=True)
+            venvs[name] = root / name / "bin" / "python"
+            query = "import sysconfig; print(sysconfig.get_path('purelib'))"
+            purelib = subprocess.run([str(venvs[name]), "-I", "-c", query], capture_output=True, text=True,
+                                     check=True).stdout.strip()
+            purelibs[name] = purelib
+            if name == "venv":
+                Path(purelib, "sandbox_probe_pkg.py").write_text("VALUE = 42\n")
+                (root / "editable").mkdir()
+                (root / "editable" / "sandbox_probe_editable.py").write_text("VALUE = 7\n")
+                Path(purelib, "sandbox_probe_editable.pth").write_text(f"{root / 'editable'}\n")
+            else:
+                Path(purelib, "sandbox_probe_tmp.pth").write_text("/tmp\n")
+        yield SimpleNamespace(root=root, readable=str(tree / "bin" / version),
+                              closed=str(root / "closed" / "py" / "bin" / version), venv=str(venvs["venv"]),
+                              venv_purelib=purelibs["venv"],
+                              tmp_on_path=str(venvs["tmp_on_path"]))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def readable_by_other_uids(path: str) -> bool:
+    """``path`` lists as uid 65534 (nobody): an independent check of what the sandbox's user isolation needs."""
+    return subprocess.run(["ls", path], user=65534, group=65534, extra_groups=[], capture_output=True).returncode == 0
+
+
 def sandbox_processes() -> list[int]:
     """Pids of live processes whose real uid is in the sandbox's uid range (none may outlive a run)."""
     pids = []
@@ -83,15 +148,19 @@ def sandbox_processes() -> list[int]:
 
 def test_isolation_mode_matches_the_machine():
     iso = isolation()
-    import shutil
-
     can_unshare = os.geteuid() == 0 and shutil.which("unshare") is not None and subprocess.run(
         ["unshare", "--net", "--mount", "true"], capture_output=True).returncode == 0
     assert iso.mode == ("full" if can_unshare else "basic")
     assert iso.network == ("namespace+audit-hook" if can_unshare else "audit-hook")
     assert isolation(SandboxConfig(mode="basic")).mode == "basic"
-    if can_unshare:
+    if os.geteuid() == 0 and readable_by_other_uids(sysconfig.get_path("stdlib")):
         assert isolation(SandboxConfig(mode="user")).mode == "user"
+    elif os.geteuid() == 0:  # a pyenv Python under /root: user isolation cannot import its standard library
+        with pytest.raises(RuntimeError, match="mode='user'.* cannot run Python here: user isolation: the probe program"):
+            isolation(SandboxConfig(mode="user"))
+    for bad in (float("nan"), float("inf"), 0.0):
+        with pytest.raises(ValueError, match="finite timeout_s > 0"):
+            SandboxConfig(timeout_s=bad)
 
 
 def test_hostile_programs_are_contained_and_scored_with_their_reason(tmp_path, monkeypatch, full_isolation):
@@ -99,6 +168,8 @@ def test_hostile_programs_are_contained_and_scored_with_their_reason(tmp_path, m
     monkeypatch.setenv("VERL_PRM_TEST_SECRET", secret)
     host_probe = f"/tmp/verl_prm_sandbox_probe_{uuid.uuid4().hex}"
     closed_dir = Path(verl_prm.__file__).parent  # root-owned, 0755: not writable by the sandbox uid
+    if any(str(closed_dir).startswith(d + "/") for d in ("/tmp", "/var/tmp", "/dev/shm")):
+        closed_dir = Path("/")  # a clone under /tmp is masked in full isolation (the write would find no directory)
     outside = closed_dir / f"sandbox_probe_{uuid.uuid4().hex}"
     programs = {
         # name: (source, expected reason in full isolation, expected reason in basic isolation)
@@ -198,9 +269,10 @@ def test_basic_mode_also_contains_a_timeout_and_reports_reasons():
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="user isolation switches uid: root only")
-def test_user_mode_switches_uid_and_kills_escaped_processes():
-    user = SandboxConfig(timeout_s=2.0, cpu_s=1, memory_mb=256, nproc=8, mode="user")
-    if isolation().mode == "basic":
+def test_user_mode_switches_uid_and_kills_escaped_processes(tmp_pythons):
+    # an interpreter other uids can read (this one may live under /root)
+    user = SandboxConfig(timeout_s=2.0, cpu_s=1, memory_mb=256, nproc=8, mode="user", python=tmp_pythons.readable)
+    if isolation(dataclasses.replace(user, mode="auto")).mode == "basic":
         pytest.skip("this machine cannot switch uids")
     outside = Path(verl_prm.__file__).parent / f"sandbox_probe_{uuid.uuid4().hex}"
     daemon = "import os, time\npid = os.fork()\nif pid == 0:\n    os.setsid()\n    time.sleep(60)\n    os._exit(0)\nprint(pid)\n"
@@ -211,6 +283,110 @@ def test_user_mode_switches_uid_and_kills_escaped_processes():
     assert int(uid) >= 200_000 and home_is_cwd == "True"
     assert write.reason == "permission_denied" and not outside.exists()
     assert escaped.reason == "passed" and sandbox_processes() == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="user isolation switches uid: root only")
+def test_an_explicit_mode_is_probed_and_one_that_cannot_run_python_is_an_error(tmp_pythons, humaneval):
+    # HumanEval prompts import typing etc. lazily: with an unreadable installation each correct solution scored 0
+    pairs = [(humaneval_task(humaneval[i]), humaneval[i]["canonical_solution"]) for i in SUBSET[:4]]
+    assert not readable_by_other_uids(os.path.dirname(tmp_pythons.closed))  # the reproduction holds
+    if isolation(SandboxConfig(python=tmp_pythons.readable)).mode == "basic":
+        pytest.skip("this machine cannot switch uids")
+    closed_user = SandboxConfig(timeout_s=10, mode="user", python=tmp_pythons.closed)
+    expected = (rf"SandboxConfig\(mode='user', python='{re.escape(tmp_pythons.closed)}', site_packages=False\) cannot "
+                rf"run Python here: user isolation: the probe program ended with .*not readable by other uids: "
+                rf"{re.escape(str(tmp_pythons.root / 'closed'))} has no o\+x bit.*use mode='full' or 'auto'")
+    with pytest.raises(RuntimeError, match=expected):
+        isolation(closed_user)
+    with pytest.raises(RuntimeError, match=expected):  # an error, never a reward of 0
+        verify_many(pairs, closed_user, max_workers=2)
+    # "auto" probes too and takes the strongest level that runs Python; full isolation shows the closed tree
+    auto = SandboxConfig(timeout_s=10, python=tmp_pythons.closed)
+    verdicts = verify_many(pairs, auto, max_workers=2)
+    assert [v.reason for v in verdicts] == ["passed"] * len(pairs), [(v.task_id, v.detail) for v in verdicts]
+    assert verdicts[0].run.isolation == ("full" if isolation().mode == "full" else "basic")
+    # a readable installation runs in user isolation, as the unprivileged uid
+    readable_user = dataclasses.replace(closed_user, python=tmp_pythons.readable)
+    assert isolation(readable_user).mode == "user"
+    verdicts = verify_many(pairs, readable_user, max_workers=2)
+    assert [v.reason for v in verdicts] == ["passed"] * len(pairs), [(v.task_id, v.detail) for v in verdicts]
+    whoami = run_program("import heapq, os\nprint(os.getuid())\n", readable_user)
+    assert whoami.isolation == "user" and int(whoami.stdout) >= 200_000
+
+
+def test_an_interpreter_and_its_site_packages_under_tmp_stay_visible_read_only(tmp_pythons, full_isolation):
+    if not full_isolation:
+        pytest.skip("only full isolation masks /tmp")
+    root = tmp_pythons.root
+    program = f"""import errno, os, subprocess, sys
+import sandbox_probe_pkg, sandbox_probe_editable
+print(sandbox_probe_pkg.VALUE, sandbox_probe_editable.VALUE, sys.executable)
+child = subprocess.run([sys.executable, '-c', 'import sandbox_probe_pkg; print(sandbox_probe_pkg.VALUE)'],
+                       capture_output=True, text=True)
+print(child.returncode, child.stdout.strip())
+net = subprocess.run([sys.executable, '-S', '-c', 'import socket; socket.create_connection(("10.255.255.1", 80), timeout=1)'],
+                     capture_output=True, text=True)
+print(net.returncode, net.stderr.strip().splitlines()[-1])
+print(sorted(os.listdir({str(root)!r})))
+options = {{line.split()[4]: line.split()[5].split(',') for line in open('/proc/self/mountinfo')}}
+print(options[{str(root / 'venv')!r}][0], options[{str(root / 'editable')!r}][0])
+try:
+    open(os.path.join(os.path.dirname(sandbox_probe_pkg.__file__), 'planted.py'), 'w')
+except OSError as error:
+    print(errno.errorcode[error.errno])
+"""
+    venv = SandboxConfig(timeout_s=10, cpu_s=5, memory_mb=512, nproc=8, python=tmp_pythons.venv, site_packages=True)
+    result = run_program(program, venv)
+    assert result.reason == "passed", result
+    assert result.stdout.splitlines() == [
+        f"42 7 {tmp_pythons.venv}",
+        "0 42",  # a child sys.executable finds the venv's site-packages too
+        "1 OSError: [Errno 101] Network is unreachable",
+        "['editable', 'venv']",  # only the interpreter's paths: the rest of the host's /tmp stays hidden
+        "ro ro",
+        "EROFS",
+    ]
+    assert not Path(tmp_pythons.venv_purelib, "planted.py").exists()
+    # without site_packages: the standard library only, and the venv's site-packages are not shown
+    listing = run_program(f"import os\nprint(sorted(os.listdir({str(root / 'venv')!r})))\nimport sandbox_probe_pkg\n",
+                          dataclasses.replace(venv, site_packages=False))
+    assert (listing.reason, listing.stdout) == ("runtime_error", "['bin']\n")
+    assert listing.detail == "ModuleNotFoundError: No module named 'sandbox_probe_pkg'"
+    # a path that cannot be shown without undoing the private /tmp is refused at setup
+    with pytest.raises(ValueError, match=r"the interpreter needs /tmp, which the sandbox cannot show read-only without "
+                                         r"undoing its private /tmp"):
+        isolation(dataclasses.replace(venv, python=tmp_pythons.tmp_on_path))
+
+
+def test_no_new_privs_stops_setuid_binaries():
+    status = ("import subprocess\nown = open('/proc/self/status').read().split('NoNewPrivs:')[1].split()[0]\n"
+              "child = subprocess.run(['grep', 'NoNewPrivs', '/proc/self/status'], capture_output=True, text=True)\n"
+              "print(own, child.stdout.split()[1])\n")
+    for mode in ("auto", "basic"):
+        result = run_program(status, dataclasses.replace(HOSTILE, mode=mode))
+        assert (result.reason, result.stdout) == ("passed", "1 1\n"), (mode, result)
+    if os.geteuid() != 0 or isolation().mode != "full":
+        pytest.skip("a setuid binary raises privileges only for another uid: needs full isolation as root")
+    # a setuid-root copy of `id` where the sandbox can see it: outside the masked directories (a clone may be under
+    # /tmp: then in a directory of its own under /, removed afterwards), on a file system without nosuid
+    masked = ("/tmp/", "/var/tmp/", "/dev/shm/")
+    home = Path(tempfile.mkdtemp(prefix=".sandbox_setuid_probe_", dir="/" if str(REPO).startswith(masked) else REPO))
+    try:
+        home.chmod(0o755)
+        if os.statvfs(home).f_flag & os.ST_NOSUID or not readable_by_other_uids(str(home)):
+            pytest.skip(f"{home} is mounted nosuid or closed to other uids")
+        setuid_id = home / "id"
+        shutil.copy2(shutil.which("id"), setuid_id)
+        setuid_id.chmod(0o4755)
+        control = subprocess.run([str(setuid_id), "-u"], user=65534, group=65534, extra_groups=[], capture_output=True,
+                                 text=True)
+        assert control.stdout == "0\n"  # without no_new_privs the binary runs as root
+        result = run_program(f"import os, subprocess\nprint(os.getuid(), subprocess.run([{str(setuid_id)!r}, '-u'], "
+                             f"capture_output=True, text=True).stdout.strip())\n", HOSTILE)
+        uid, euid = result.stdout.split()
+        assert result.reason == "passed" and int(uid) >= 200_000 and euid == uid, result
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def test_parallel_runs_keep_input_order_and_match_sequential_runs():

@@ -440,3 +440,146 @@ def test_micro_batch_plan_respects_budget_and_padding_bound():
         assert padding_share(plan, mode) <= 0.1
     alone = plan_micro_batches([5000, 10, 10], 4096, "varlen")
     assert [b.indices for b in alone] == [[0], [1, 2]]  # longer than the budget: runs alone
+
+
+# ---------------------------------------------------------------------------------------------- loading safely
+
+
+def _variant(checkpoints, tmp_path, kind: str = "value_head") -> Path:
+    """A private copy of a checkpoint of the module fixture, to damage."""
+    import shutil
+
+    target = tmp_path / f"{kind}_copy"
+    shutil.copytree(checkpoints[kind], target)
+    return target
+
+
+def _drop_tensors(directory: Path, prefixes: tuple[str, ...]) -> None:
+    tensors = load_file(directory / "model.safetensors")
+    kept = {k: v for k, v in tensors.items() if not k.startswith(prefixes)}
+    assert len(kept) < len(tensors)
+    save_file(kept, directory / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("kind", ["value_head", "qwen_prm"])
+def test_checkpoint_without_its_head_weights_is_an_error(kind, checkpoints, tmp_path):
+    from verl_prm.checkpoints import CheckpointError
+
+    path = _variant(checkpoints, tmp_path, kind)
+    _drop_tensors(path, ("score.",))
+    with pytest.raises(CheckpointError) as error:
+        ProverCritic.from_pretrained(str(path), format=kind, device="cpu")
+    message = str(error.value)
+    assert f"critic checkpoint {str(path)!r} lacks weights the model needs: score.bias, score.weight" in message
+    assert "random values that change on every load" in message
+
+
+@pytest.mark.parametrize("kind", ["value_head", "qwen_prm"])
+def test_head_check_reads_the_safetensors_not_the_load_report(kind, checkpoints, tmp_path, monkeypatch):
+    """Even if transformers reported nothing missing, the head's keys are checked against the file's headers."""
+    from verl_prm.checkpoints import CheckpointError, safetensors_keys
+    from verl_prm.critic import formats
+
+    def silent_load(auto_class, path, dtype, attn_implementation, allow_pickle, quiet=False):
+        return auto_class.from_pretrained(path, **formats._common_kwargs(dtype, attn_implementation, allow_pickle))
+
+    monkeypatch.setattr(formats, "_load_complete", silent_load)
+    path = _variant(checkpoints, tmp_path, kind)
+    assert {"score.weight", "score.bias"} <= safetensors_keys(path)
+    ProverCritic.from_pretrained(str(path), format=kind, device="cpu")
+    _drop_tensors(path, ("score.bias",))
+    assert "score.bias" not in safetensors_keys(path) and "score.weight" in safetensors_keys(path)
+    with pytest.raises(CheckpointError, match=r"lacks weights the model needs: score\.bias\. Loading it"):
+        ProverCritic.from_pretrained(str(path), format=kind, device="cpu")
+
+
+def test_checkpoint_missing_a_backbone_weight_is_an_error(checkpoints, tmp_path):
+    from verl_prm.checkpoints import CheckpointError
+
+    path = _variant(checkpoints, tmp_path)
+    _drop_tensors(path, ("model.norm.",))
+    with pytest.raises(CheckpointError, match=r"lacks weights the model needs: model\.norm\.weight"):
+        ProverCritic.from_pretrained(str(path), device="cpu")
+
+
+def test_pickle_only_checkpoint_needs_the_opt_in(checkpoints, samples, tmp_path, monkeypatch):
+    from verl_prm.checkpoints import CheckpointError
+
+    path = _variant(checkpoints, tmp_path)
+    torch.save(load_file(path / "model.safetensors"), path / "pytorch_model.bin")
+    (path / "model.safetensors").unlink()
+    monkeypatch.delenv("VERL_PRM_ALLOW_PICKLE", raising=False)
+    with pytest.raises(CheckpointError) as error:
+        ProverCritic.from_pretrained(str(path), device="cpu")
+    assert f"critic checkpoint {str(path)!r} has only pickle weights (pytorch_model.bin)" in str(error.value)
+    assert "allow_pickle=True" in str(error.value) and "VERL_PRM_ALLOW_PICKLE=1" in str(error.value)
+    prompts, responses = [p for p, _ in samples[:3]], [r for _, r in samples[:3]]
+    reference = ProverCritic.from_pretrained(str(checkpoints["value_head"]), device="cpu").score_texts(prompts, responses)
+    opted_in = ProverCritic.from_pretrained(str(path), device="cpu", allow_pickle=True).score_texts(prompts, responses)
+    assert torch.equal(opted_in.step_values, reference.step_values)
+    monkeypatch.setenv("VERL_PRM_ALLOW_PICKLE", "1")
+    by_env = ProverCritic.from_pretrained(str(path), device="cpu").score_texts(prompts, responses)
+    assert torch.equal(by_env.prompt_values, reference.prompt_values)
+
+
+def _no_transformers_call(monkeypatch):
+    """Any transformers load from here on fails the test: the checks must answer before transformers is asked."""
+    import transformers
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("transformers was asked to load the checkpoint")
+
+    for name in ("AutoTokenizer", "AutoModelForTokenClassification", "AutoConfig"):
+        monkeypatch.setattr(getattr(transformers, name), "from_pretrained", forbidden)
+
+
+def test_bad_paths_are_named_before_transformers_is_asked(checkpoints, tmp_path, monkeypatch):
+    from verl_prm.checkpoints import CheckpointError
+
+    _no_transformers_call(monkeypatch)
+    for missing in (str(tmp_path / "no_such_critic"), "relative/critic/dir", "critic_dir"):
+        with pytest.raises(FileNotFoundError, match=rf"^critic checkpoint {missing!r}: no such directory$"):
+            ProverCritic.from_pretrained(missing, device="cpu")
+    weights = checkpoints["value_head"] / "model.safetensors"
+    with pytest.raises(CheckpointError, match="is a file, not a checkpoint directory"):
+        ProverCritic.from_pretrained(str(weights), device="cpu")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text((checkpoints["value_head"] / "config.json").read_text())
+    with pytest.raises(CheckpointError, match=r"has no model weights \(no model\.safetensors"):
+        ProverCritic.from_pretrained(str(empty), device="cpu")
+    (empty / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="has no config.json"):
+        ProverCritic.from_pretrained(str(empty), device="cpu")
+
+
+@pytest.mark.parametrize("variable", ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"])
+def test_hub_id_offline_fails_at_once_or_loads_from_the_cache(variable, checkpoints, samples, tmp_path,
+                                                              monkeypatch):
+    """Offline, an `org/model` id is looked up in the local hub cache only: absent, an error before transformers
+    (and so before any network retry) is reached; present, the cached snapshot loads."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, "1")
+    with monkeypatch.context() as guarded:
+        _no_transformers_call(guarded)
+        with pytest.raises(FileNotFoundError) as error:
+            ProverCritic.from_pretrained("some-org/some-critic", device="cpu")
+    assert f"critic checkpoint 'some-org/some-critic': no such directory, and {variable} is set (offline)" in str(
+        error.value)
+    assert "not in the local hub cache" in str(error.value)
+    revision = "0" * 40
+    repo = cache / "models--some-org--some-critic"
+    shutil.copytree(checkpoints["value_head"], repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    prompts, responses = [p for p, _ in samples[:2]], [r for _, r in samples[:2]]
+    cached = ProverCritic.from_pretrained("some-org/some-critic", device="cpu").score_texts(prompts, responses)
+    local = ProverCritic.from_pretrained(str(checkpoints["value_head"]), device="cpu").score_texts(prompts, responses)
+    assert torch.equal(cached.step_values, local.step_values)

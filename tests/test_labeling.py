@@ -186,13 +186,13 @@ def test_interrupted_labelling_resumes_without_loss_or_duplicates(tmp_path):
 
 def test_store_refuses_other_settings_and_repeated_prompts(tmp_path):
     store = ShardStore(tmp_path)
-    store.check_config({"n_mc": 8, "shard_size": 4}, ignore=("shard_size",))
-    store.check_config({"n_mc": 8, "shard_size": 16}, ignore=("shard_size",))
-    with pytest.raises(ValueError, match="n_mc: 8 -> 16"):
-        store.check_config({"n_mc": 16, "shard_size": 4}, ignore=("shard_size",))
+    assert store.check_config({"n_mc": 8, "shard_size": 4}, ignore=("shard_size",)) is None
+    assert store.check_config({"n_mc": 8, "shard_size": 16}, ignore=("shard_size",)) is None
     task = ScriptedStepTask(num_steps=2)
     rows = scripted_labeler(LabelSettings(n_cov=1, n_mc=2), 0.5, 0.5).label(scripted_items(task, 1), [task.prompt(0)])
     store.write_shard(rows)
+    with pytest.raises(ValueError, match="n_mc: 8 -> 16"):
+        store.check_config({"n_mc": 16, "shard_size": 4}, ignore=("shard_size",))
     store.write_shard(rows)
     with pytest.raises(ValueError, match="repeats prompts"):
         store.finished_prompts()
@@ -439,3 +439,257 @@ def test_batch_reward_function_scores_each_round_in_one_call():
     with pytest.raises(ValueError, match="returned 1 scores for 2 responses"):
         OutcomeScorer(lambda data_sources, solution_strs, ground_truths, extra_infos: [1.0]).score_many(
             ["a", "b"], ["x", "y"], ["1", "1"], [None, None])
+
+
+# ------------------------------------------------------------------------------------------------ safe resumes
+
+
+_STALLING_WRITER = """
+import sys, time
+from verl_prm.labeling.inputs import PromptItem
+from verl_prm.labeling.monte_carlo import LabelSettings, MonteCarloLabeler
+from verl_prm.labeling.runner import run_labeling
+from verl_prm.labeling.scoring import OutcomeScorer
+from verl_prm.labeling.scripted import ScriptedStepGenerator, ScriptedStepTask, scripted_step_score
+from verl_prm.labeling.store import ShardStore
+
+task = ScriptedStepTask(num_steps=3)
+items = [PromptItem(i, task.prompt(i), str(task.num_steps), "scripted") for i in range(7)]
+labeler = MonteCarloLabeler(ScriptedStepGenerator(0.7), ScriptedStepGenerator(0.8), OutcomeScorer(scripted_step_score),
+                            LabelSettings(n_cov=2, n_mc=8, strategy="every"))
+
+def stall(path):
+    print("wrote", path.name, flush=True)
+    time.sleep(120)
+
+run_labeling(items, lambda prompt: prompt, labeler, ShardStore(sys.argv[1]), shard_size=2, progress=False,
+             on_shard_written=stall)
+"""
+
+
+def test_second_label_writer_is_refused_and_a_killed_writer_resumes(tmp_path):
+    """A live labelling process (a real subprocess, mid-run) locks its directory: run_labeling, `verl-prm label`
+    and `label convert` on it fail naming the holder's pid; after kill -9 of the holder the rerun resumes with no
+    duplicate and labels equal to an uninterrupted run."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from verl_prm.labeling.cli import main
+    from verl_prm.locking import DirectoryLockedError
+
+    task = ScriptedStepTask(num_steps=3)
+    items = scripted_items(task, 7)
+    settings = LabelSettings(n_cov=2, n_mc=8, strategy="every")
+    _run(tmp_path / "reference", items, settings)
+    out = tmp_path / "labels"
+    child = subprocess.Popen([sys.executable, "-c", _STALLING_WRITER, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "wrote shard-00000.parquet"
+        holder = f"{out} is being written by another process: pid {child.pid} on host {socket.gethostname()} (labelling"
+        with pytest.raises(DirectoryLockedError, match=re.escape(holder)):
+            _run(out, items, settings)
+        with pytest.raises(DirectoryLockedError, match=re.escape(holder)):
+            main(["--input", str(tmp_path / "unused.parquet"), "--output-dir", str(out), "--policy", "unused"])
+        with pytest.raises(DirectoryLockedError, match=re.escape(holder)):
+            main(["convert", "math_shepherd", "--input", str(tmp_path / "unused.jsonl"), "--output-dir", str(out)])
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+        child.stdout.close()
+    assert not (out / "labels_config.json").exists()  # the refused CLI wrote nothing
+    resumed = _run(out, items, settings)
+    assert resumed["prompts_skipped"] == 2 and resumed["prompts_labelled"] == 5
+    got = read_labels(out).sort_values(["prompt_index", "rollout_index"]).reset_index(drop=True)
+    want = read_labels(tmp_path / "reference").sort_values(["prompt_index", "rollout_index"]).reset_index(drop=True)
+    pd.testing.assert_frame_equal(got, want)
+
+
+def _bad_shard_rows() -> list[dict]:
+    task = ScriptedStepTask(num_steps=3)
+    return scripted_labeler(LabelSettings(n_cov=2, n_mc=4), 0.7, 0.8).label(scripted_items(task, 2),
+                                                                          [task.prompt(i) for i in range(2)])
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda r: r.update(q=[5.0] + r["q"][1:], n_mc=[0] * 3, n_success=[0] * 3), "step 0 has q=5.0 outside [0, 1]"),
+    (lambda r: r.update(q=[-1.0] + r["q"][1:], n_mc=[0] * 3, n_success=[0] * 3), "step 0 has q=-1.0 outside [0, 1]"),
+    (lambda r: r.update(q=r["q"][:2]), "q has 2 entries but there are 3 steps"),
+    (lambda r: r.update(n_mc=r["n_mc"][:1]), "n_mc has 1 entries but there are 3 steps"),
+    (lambda r: r.update(n_success=[5, 0, 0], n_mc=[4, 4, 0]), "step 0 has n_success=5, n_mc=4"),
+    (lambda r: r.update(q=[0.5, 0.5, r["q"][2]], n_success=[1, 2, 0], n_mc=[4, 4, 0]), "step 0 has q=0.5 but n_success/n_mc = 1/4"),
+    (lambda r: r.update(step_ends=r["step_ends"][:2] + [len(r["response"]) + 5]), "step 2 span"),
+    (lambda r: r.update(step_starts=[0, 0, r["step_starts"][2]]), "step 1 span"),
+    (lambda r: r.update(outcome=2.0), "outcome=2.0 is not 0, 1 or NaN"),
+    (lambda r: r.update(first_pit=3), "first_pit=3 is not -1 or a step of the 3 steps"),
+    (lambda r: r.update(prompt_value=1.5, prompt_n_mc=0, prompt_n_success=0), "prompt_value=1.5 outside [0, 1]"),
+    (lambda r: r.update(prompt_value=0.25), "prompt_value=0.25 but prompt_n_success/prompt_n_mc"),
+    (lambda r: r.update(score=math.inf), "score=inf is infinite"),
+    (lambda r: r.update(data_source=None), "data_source is null"),
+    (lambda r: r.update(rollout_index=-1), "rollout_index=-1 is negative"),
+])
+def test_read_labels_checks_every_column_naming_shard_and_row(tmp_path, change, message):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from verl_prm.labeling.format import LABEL_SCHEMA
+
+    rows = _bad_shard_rows()
+    if message.startswith("prompt_value=0.25"):
+        rows[3]["prompt_n_mc"], rows[3]["prompt_n_success"] = 4, 2
+    change(rows[3])
+    shard = tmp_path / "shard-00000.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=LABEL_SCHEMA), shard)  # bypasses the writer's checks
+    index = rows[3]["rollout_index"]
+    with pytest.raises(ValueError, match=re.escape(f"label shard {shard} row 3 (prompt_index=1, rollout_index={index}): "
+                                                   f"{message}")):
+        read_labels(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(message)):  # the writer applies the same checks
+        ShardStore(tmp_path / "written").write_shard(rows)
+
+
+def test_read_labels_checks_column_types(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from verl_prm.labeling.format import LABEL_SCHEMA
+
+    table = pa.Table.from_pylist(_bad_shard_rows(), schema=LABEL_SCHEMA)
+    as_text = pa.array([[str(v) for v in q] for q in table.column("q").to_pylist()], type=pa.list_(pa.string()))
+    pq.write_table(table.set_column(LABEL_SCHEMA.get_field_index("q"), "q", as_text), tmp_path / "a.parquet")
+    with pytest.raises(ValueError, match=re.escape(f"label shard {tmp_path / 'a.parquet'}: column q has type "
+                                                   "list<element: string>, expected list<item: double>")):
+        read_labels(tmp_path)
+    # a safe cast is fine: int64 indices written by another tool read as the schema's int32
+    wide = table.set_column(1, "rollout_index", table.column("rollout_index").cast(pa.int64()))
+    pq.write_table(wide, tmp_path / "a.parquet")
+    assert list(read_labels(tmp_path)["rollout_index"]) == [0, 1, 0, 1]
+
+
+def test_read_labels_refuses_duplicate_rollouts(tmp_path):
+    import shutil
+
+    rows = _bad_shard_rows()
+    store = ShardStore(tmp_path / "two_writers")
+    store.write_shard(rows)
+    store.write_shard(rows)  # what two unlocked writers left behind
+    first, second = tmp_path / "two_writers" / "shard-00000.parquet", tmp_path / "two_writers" / "shard-00001.parquet"
+    with pytest.raises(ValueError, match=re.escape(f"duplicate label rows: {second} row 0 repeats {first} row 0 "
+                                                   "(prompt_index=0, rollout_index=0)")):
+        read_labels(tmp_path / "two_writers")
+    ShardStore(tmp_path / "one").write_shard(rows)
+    with pytest.raises(ValueError, match="is given twice"):
+        read_labels([tmp_path / "one", tmp_path / "one" / "shard-00000.parquet"])
+    (tmp_path / "copy").mkdir()
+    shutil.copy(tmp_path / "one" / "shard-00000.parquet", tmp_path / "copy" / "shard-00000.parquet")
+    with pytest.raises(ValueError, match="duplicate label rows: .*copy/shard-00000.parquet row 0 repeats"):
+        read_labels([tmp_path / "one", tmp_path / "copy"])
+    # other rollouts of the same prompts (another seed) in another directory are no duplicates
+    task = ScriptedStepTask(num_steps=3)
+    other = scripted_labeler(LabelSettings(n_cov=2, n_mc=4, seed=9), 0.7, 0.8).label(scripted_items(task, 2),
+                                                                                    [task.prompt(i) for i in range(2)])
+    ShardStore(tmp_path / "seed9").write_shard(other)
+    assert len(read_labels([tmp_path / "one", tmp_path / "seed9"])) == 8
+
+
+def test_label_run_that_failed_before_its_first_shard_does_not_bind_the_rerun(tmp_path, tiny_lm_dir, repo_data, capsys):
+    import shutil
+
+    from verl_prm.labeling.cli import main
+
+    out = tmp_path / "gsm"
+    args = ["--input", str(repo_data / "gsm8k_test.jsonl"), "--limit", "1", "--prompt-field", "question",
+            "--answer-field", "answer", "--data-source", "openai/gsm8k", "--output-dir", str(out), "--n-cov", "1",
+            "--n-mc", "1", "--max-new-tokens", "4", "--device", "cpu", "--no-progress"]
+    with pytest.raises(ValueError, match=re.escape("row 0 (line 1): --answer-regex 'Answer: (.*)' does not match")):
+        main(args + ["--policy", str(tiny_lm_dir), "--answer-regex", "Answer: (.*)"])
+    assert not (out / "labels_config.json").exists()  # bad input fails before anything is written
+    with pytest.raises(FileNotFoundError, match="--policy checkpoint .*no_such_model': no such directory"):
+        main(args + ["--policy", str(tmp_path / "no_such_model")])  # a missing model: before anything is written
+    assert not (out / "labels_config.json").exists()
+    broken = tmp_path / "broken_model"  # passes the path checks, fails to load: after the settings were stored
+    shutil.copytree(tiny_lm_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(Exception, match="deserializing header"):
+        main(args + ["--policy", str(broken)])
+    assert (out / "labels_config.json").exists() and not list(out.glob("shard-*"))
+    assert main(args + ["--policy", str(tiny_lm_dir)]) == 0
+    assert "holds no label shard yet: the new settings replace the stored ones (policy: " in capsys.readouterr().err
+    assert len(read_labels(out)) == 1
+    with pytest.raises(ValueError, match="holds labels made with other settings"):  # now labels exist: bound
+        main(args + ["--policy", str(tiny_lm_dir), "--n-mc", "2"])
+
+
+def test_known_data_sources_get_verls_ground_truth_extraction(repo_data):
+    from verl.utils.reward_score import default_compute_score
+
+    notes = []
+    items = read_prompts(repo_data / "gsm8k_test.jsonl", prompt_field="question", answer_field="answer",
+                         data_source="openai/gsm8k", notes=notes)
+    raw = [json.loads(line) for line in (repo_data / "gsm8k_test.jsonl").read_text().splitlines()]
+    assert [item.ground_truth for item in items] == [re.search("#### (.*)", r["answer"]).group(1).replace(",", "")
+                                                     for r in raw]
+    assert items[0].ground_truth == "18" and any("," in r["answer"].split("####")[1] for r in raw)
+    assert notes == [f"ground truth of {len(raw)} of {len(raw)} rows (data_source 'openai/gsm8k'): the GSM8K "
+                     "'#### <number>' of 'answer', as verl's preprocessing extracts it; --answer-regex overrides this"]
+    correct = raw[0]["answer"]  # the reference solution itself is a correct response
+    assert default_compute_score("openai/gsm8k", correct, items[0].ground_truth) == 1.0
+    assert default_compute_score("openai/gsm8k", correct, raw[0]["answer"]) == 0.0  # what the old default stored
+    math_items = read_prompts(repo_data / "math500_test.jsonl", prompt_field="problem", answer_field="solution",
+                              data_source="HuggingFaceH4/MATH-500")
+    answers = [json.loads(line)["answer"] for line in (repo_data / "math500_test.jsonl").read_text().splitlines()]
+    assert [item.ground_truth for item in math_items] == answers
+    explicit = read_prompts(repo_data / "gsm8k_test.jsonl", prompt_field="question", answer_field="answer",
+                            data_source="openai/gsm8k", answer_regex="(?s)(.*)", limit=1)
+    assert explicit[0].ground_truth == raw[0]["answer"].strip()  # --answer-regex wins
+    other = read_prompts(repo_data / "gsm8k_test.jsonl", prompt_field="question", answer_field="answer",
+                         data_source="my_source", limit=1)
+    assert other[0].ground_truth == raw[0]["answer"]  # unknown sources are left alone
+
+
+def test_all_failed_seed_rollouts_warn_with_the_likely_cause(tmp_path, repo_data, capsys):
+    from verl.utils.reward_score import default_compute_score
+
+    task = ScriptedStepTask(num_steps=3)
+    solution = json.loads((repo_data / "gsm8k_test.jsonl").read_text().splitlines()[0])["answer"]
+    items = [PromptItem(i, task.prompt(i), solution, "openai/gsm8k") for i in range(3)]
+    labeler = MonteCarloLabeler(ScriptedStepGenerator(0.9), ScriptedStepGenerator(0.9),
+                                OutcomeScorer(default_compute_score), LabelSettings(n_cov=2, n_mc=2))
+    summary = run_labeling(items, lambda p: p, labeler, ShardStore(tmp_path / "zero"), shard_size=2, progress=False)
+    assert summary["seed_success_rate"] == 0.0 and len(summary["warnings"]) == 1
+    warning = summary["warnings"][0]
+    assert warning.startswith("all 6 seed rollouts of this run scored 0 (success iff score > 0.5), so every label is 0")
+    assert "the ground truth looks like a whole solution, not a final answer (prompt 0: 'Janet sells" in warning
+    assert f"verl-prm label: WARNING: {warning}" in capsys.readouterr().err
+    ok = _run(tmp_path / "fine", scripted_items(task, 3), LabelSettings(n_cov=2, n_mc=2))
+    assert ok["warnings"] == [] and 0 < ok["seed_success_rate"] < 1
+
+
+def test_truncated_or_non_utf8_inputs_name_the_file_and_line(tmp_path):
+    from verl_prm.labeling.cli import main as label_main
+
+    good = json.dumps({"question": "q", "answer": "#### 1"})
+    torn = tmp_path / "torn.jsonl"
+    torn.write_text(f"{good}\n{good}\n{good[:9]}")
+    with pytest.raises(ValueError, match=re.escape(f"{torn} line 3: not valid JSON (the last line: was the file "
+                                                   "cut short?)")):
+        read_prompts(torn, prompt_field="question", answer_field="answer", data_source="openai/gsm8k")
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(f"{good}\n".encode() + json.dumps({"question": "caf\u00e9"}, ensure_ascii=False).encode("latin-1"))
+    with pytest.raises(ValueError, match=re.escape(f"{latin} line 2: not UTF-8 text")):
+        read_prompts(latin, prompt_field="question", answer_field="answer", data_source="x")
+    latin.write_bytes(latin.read_bytes().split(b"\n")[1])
+    with pytest.raises(ValueError, match=re.escape(f"{latin} line 1: not UTF-8 text")):
+        label_main(["convert", "math_shepherd", "--input", str(latin), "--output-dir", str(tmp_path / "ms")])
+    prompts = tmp_path / "prompts.parquet"
+    pd.DataFrame([{"prompt": "p", "data_source": "x", "reward_model": {"ground_truth": "1"}}] * 50).to_parquet(prompts)
+    prompts.write_bytes(prompts.read_bytes()[:-40])
+    with pytest.raises(ValueError, match=re.escape(f"prompts file {prompts} is not a readable parquet file")):
+        read_prompts(prompts)
+    ShardStore(tmp_path / "labels").write_shard(_bad_shard_rows())
+    shard = tmp_path / "labels" / "shard-00000.parquet"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ValueError, match=re.escape(f"label shard {shard} cannot be read as parquet")):
+        read_labels(tmp_path / "labels")

@@ -443,3 +443,115 @@ def test_cache_scores_only_the_longest_of_nested_prefixes():
     assert compute[0].critic_sequences == 1 and compute[0].critic_tokens == 3 and compute[1].critic_tokens == 2
     critic.values([Node(0, ("a",)), Node(0, ("a", "x"))], compute)  # only the new branch is scored
     assert [key for key, _, _ in inner.scored][2:] == [(0, ("a", "x"))] and inner.calls == 2
+
+
+# ------------------------------------------------------------------------------------------------ steps sharing a critic token
+def test_merge_shared_step_ends_by_hand():
+    from verl_prm.search.generation import merge_shared_step_ends
+
+    assert merge_shared_step_ends([5, 7, 7, 9, 9, 9, 12]) == ([5, 7, 9, 12], [0, 1, 1, 2, 2, 2, 3])
+    assert merge_shared_step_ends([3, 4]) == ([3, 4], [0, 1])
+    assert merge_shared_step_ends([]) == ([], [])
+    with pytest.raises(ValueError, match=r"step_ends\[2\]=6 is before step_ends\[1\]=7: step ends must not decrease"):
+        merge_shared_step_ends([5, 7, 6])
+
+
+class PositionCritic:
+    """A critic whose value at a read position is position / 1000, checking its inputs as ProverCritic does."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.calls: list[list[list[int]]] = []
+
+    def score_sequences(self, input_ids, prompt_ends, step_ends):
+        from types import SimpleNamespace
+
+        from verl_prm.critic.packing import check_step_positions
+
+        for i, (ids, prompt_end, ends) in enumerate(zip(input_ids, prompt_ends, step_ends)):
+            check_step_positions(i, len(ids), prompt_end, ends)
+        self.calls.append([list(e) for e in step_ends])
+        width = max(len(e) for e in step_ends)
+        values = torch.zeros(len(step_ends), width)
+        for i, ends in enumerate(step_ends):
+            values[i, : len(ends)] = torch.tensor(ends, dtype=torch.float32) / 1000
+        return SimpleNamespace(prompt_values=torch.tensor(prompt_ends, dtype=torch.float32) / 1000,
+                               step_values=values, num_steps=torch.tensor([len(e) for e in step_ends]))
+
+
+def test_text_critic_merges_steps_that_end_in_one_critic_token(bpe_large):
+    """Issue 16: with the delimiter " ", the steps "x " and "y" both end in the critic token " y". The critic reads
+    that token once, both steps get its value, and the merge is counted and warned about (it used to abort the
+    search with `step_ends[1]=k must lie in (k, k+1)`)."""
+    from verl_prm.search.generation import TextCritic
+
+    assert bpe_large.convert_ids_to_tokens(bpe_large.encode("x y he", add_special_tokens=False)) == ["x", "Ġy", "Ġhe"]
+    inner = PositionCritic(bpe_large)
+    critic = TextCritic(inner, ["Question?\n", "Other?\n"])
+    prompt_tokens = len(bpe_large.encode("Question?\n", add_special_tokens=False))
+    x, y = prompt_tokens, prompt_tokens + 1  # positions of "x" and " y"
+    nodes = [Node(0, ("x ", "y")), Node(1, ("x ", "y ", "he "))]
+    with pytest.warns(UserWarning, match=r"problem 0: step 1 \('y'\) ends in the critic token that also ends step 0"):
+        values, tokens = critic.score_nodes(nodes)
+    # "x " ends at " y" (which holds its space), and so does "y": one read at " y" for both
+    assert inner.calls[0][0] == [y]
+    assert values[0] == pytest.approx([(x - 1) / 1000, y / 1000, y / 1000])
+    assert critic.merged_steps == {0: 1}
+    # "x ", "y ", "he " end in " y", " he" and " ": one read per step, nothing merged
+    other = len(bpe_large.encode("Other?\n", add_special_tokens=False))
+    assert inner.calls[0][1] == [other + 1, other + 2, other + 3]
+    assert values[1] == pytest.approx([(other - 1) / 1000] + [(other + k) / 1000 for k in (1, 2, 3)])
+    assert tokens == [prompt_tokens + 2, other + 4]
+    # CachedCritic accepts the merged values (H + 1 per node)
+    cached = CachedCritic(TextCritic(inner, ["Question?\n", "Other?\n"]))
+    with pytest.warns(UserWarning, match="merged"):
+        assert cached.values(nodes, {}).tolist() == pytest.approx([y / 1000, (other + 3) / 1000])
+
+
+def test_search_cli_text_with_space_delimiter_merges_shared_critic_tokens(tmp_path, text_models, repo_data, capsys):
+    """Issue 16 end to end: `--delimiter ' '` makes best-of-N responses whose last step ("y", "x") lies inside the
+    critic token that ends the step before it (" y"); the sweep finishes, and the merges are counted per problem
+    and reported."""
+    from verl_prm.search.cli import main
+
+    reward = tmp_path / "reward.py"
+    reward.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(solution_str.count('x') % 2 == 0)\n")
+    data = tmp_path / "problems.jsonl"
+    with open(repo_data / "gsm8k_test.jsonl") as f, open(data, "w") as g:
+        for line, _ in zip(f, range(3)):
+            g.write(line)
+    out = tmp_path / "space"
+    args = ["--task", "text", "--input", str(data), "--prompt-field", "question", "--answer-field", "answer",
+            "--answer-regex", "#### (.*)", "--data-source", "openai/gsm8k", "--reward-fn", f"{reward}:score",
+            "--policy", str(text_models / "policy"), "--q-critic", str(text_models / "q"), "--device", "cpu",
+            "--n", "1", "--bon-n", "8", "--max-response-tokens", "24", "--methods", "best_of_n",
+            "--delimiter", " ", "--output-dir", str(out)]
+    with pytest.warns(UserWarning, match="ends in the critic token that also ends step"):
+        assert main(args) == 0
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(records) == 3
+    merged = sum(r["critic_merged_steps"] for r in records)
+    assert merged > 0
+    assert f"{merged} critic step values in" in capsys.readouterr().out
+
+
+def test_search_plot_labels_several_ticks_on_a_log_axis_under_a_decade_and_a_half():
+    """Issue 19: tokens from 22 to 450 used to get one labelled tick ("100"); 1-2-5 ticks label 20..500."""
+    import matplotlib.pyplot as plt
+
+    from verl_prm.search.cli import accuracy_vs_compute_figure
+
+    rows = [dict(method=m, n=n, accuracy=0.01 * n, generated_tokens=t)
+            for m, points in (("best_of_n", ((3, 22.6), (48, 358.0))), ("beam_pav", ((1, 28.2), (16, 452.4))))
+            for n, t in points]
+    figure = accuracy_vs_compute_figure(rows, "t")
+    try:
+        figure.canvas.draw()
+        axis = figure.axes[0]
+        low, high = axis.get_xlim()
+        labelled = [(tick.get_position()[0], tick.get_text()) for tick in axis.xaxis.get_majorticklabels()
+                    if tick.get_text() and low <= tick.get_position()[0] <= high]
+        assert [text for _, text in labelled] == ["20", "50", "100", "200", "500"]
+    finally:
+        plt.close(figure)

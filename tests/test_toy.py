@@ -304,3 +304,73 @@ def test_demo_quick_runs_end_to_end(tmp_path, capsys, verl_loaded):
     pav, outcome = report["comparison"]["PAV"], report["comparison"]["outcome-only"]
     assert all(hit is not None for hit in pav["iterations_to_90"]), pav
     assert min(pav["final_accuracy"]) > max(outcome["final_accuracy"]), (pav, outcome)
+
+
+def _synthetic_report(learned: bool) -> dict:
+    """A report with the fields the plots read: 3 comparison seeds, 2 sweep seeds, every curve crossing the
+    axes so that a legend inside them would cover something."""
+    from verl_prm.toy.report import PASS_AT_N_NS
+
+    rise = np.clip(np.linspace(-0.5, 1.5, 120), 0, 1)
+    curves = {"outcome-only": [list(rise * f) for f in (0.2, 0.5, 0.8)], "PAV": [list(rise ** p) for p in (0.5, 1, 2)]}
+    pass_curves = {"base policy (iteration 0)": list(np.linspace(0, 0.4, 11)),
+                   "outcome-only": list(np.linspace(0, 0.55, 11)), "PAV": list(np.linspace(0.9, 1, 11))}
+    if learned:
+        curves["PAV (exact values)"] = [list(rise ** p) for p in (0.7, 1.2, 1.5)]
+        pass_curves["PAV (exact values)"] = list(np.linspace(0.5, 1, 11))
+    rows = [{"gamma": g, "accuracy": [a - 0.1, a + 0.1], "accuracy_mean": a, "accuracy_min": a - 0.1,
+             "accuracy_max": a + 0.1, "mean_abs_progress_base": 0.01 * i}
+            for i, (g, a) in enumerate([(1.0, 0.3), (10.0, 0.9), (100.0, 0.5)])]
+    assert len(PASS_AT_N_NS) == 11
+    return {"settings": {"gamma": 10.0, "learned_critic": learned}, "curves": curves,
+            "sweep": {"rows": rows, "outcome_accuracy": 0.5, "accuracy_at": 100, "outcome_iterations_to_90": [None, 50]},
+            "pass_at_n": {"curves": pass_curves, "iteration": 100, "base_successes": [1, 2, 3]}}
+
+
+@pytest.mark.parametrize("learned", [False, True])
+def test_demo_plots_label_bands_and_critic_and_keep_legends_off_the_data(learned):
+    """Issue 19: every seed band has a legend entry, the learned-critic curve says so, and no legend covers a
+    point or a curve (legends are checked against every plotted vertex in display coordinates)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.collections import PolyCollection
+    from matplotlib.lines import Line2D
+
+    from verl_prm.toy.plots import demo_figures
+
+    figures = demo_figures(_synthetic_report(learned))
+    assert sorted(figures) == ["accuracy_vs_gamma.png", "accuracy_vs_iterations.png", "pass_at_n.png"]
+    try:
+        labels = {}
+        for name, fig in figures.items():
+            fig.canvas.draw()
+            legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+            assert len(legends) == 1, name
+            labels[name] = [t.get_text() for t in legends[0].get_texts()]
+            box = legends[0].get_window_extent()
+            for ax in fig.axes:
+                for artist in ax.get_children():
+                    if isinstance(artist, Line2D) and len(artist.get_xdata()) > 1:
+                        points = artist.get_transform().transform(np.column_stack([artist.get_xdata(), artist.get_ydata()]))
+                    elif isinstance(artist, PolyCollection):
+                        points = np.concatenate([p.vertices for p in artist.get_paths()])
+                        points = artist.get_transform().transform(points)
+                    else:
+                        continue
+                    inside = ((points[:, 0] > box.x0) & (points[:, 0] < box.x1) &
+                              (points[:, 1] > box.y0) & (points[:, 1] < box.y1))
+                    assert not inside.any(), (name, artist.get_label())
+        pav = "PAV (learned critic)" if learned else "PAV"
+        expected = ["outcome-only: mean of 3 seeds", "outcome-only: min to max over seeds", f"{pav}: mean of 3 seeds",
+                    f"{pav}: min to max over seeds"]
+        if learned:
+            expected += ["PAV (exact values): mean of 3 seeds", "PAV (exact values): min to max over seeds"]
+        assert labels["accuracy_vs_iterations.png"] == expected
+        assert labels["accuracy_vs_gamma.png"] == [f"{pav}: mean of 2 seeds", f"{pav}: min to max over seeds",
+                                                   "outcome-only: mean of 2 seeds",
+                                                   "mean |A^mu| on base-policy samples (right axis)"]
+        assert labels["pass_at_n.png"] == ["base policy (iteration 0)", "outcome-only", pav] + (
+            ["PAV (exact values)"] if learned else [])
+        assert figures["pass_at_n.png"].axes[0].get_title() == "Pass@N after 100 RL iterations (mean of 3 seeds)"
+    finally:
+        for fig in figures.values():
+            plt.close(fig)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -293,3 +294,150 @@ def test_label_train_score_cli_end_to_end(tmp_path, bpe_small):
     pav = load_file(checkpoint / "model.safetensors")
     assert "score.weight" in pav and pav["score.weight"].shape[0] == 1
     assert lm["model.embed_tokens.weight"].shape == pav["model.embed_tokens.weight"].shape
+
+
+# ------------------------------------------------------------------------------------------------ safe resumes
+
+
+def test_keep_checkpoints_zero_is_refused_and_rotation_keeps_the_final_model(critic_setup, tmp_path):
+    from verl_prm.cli import main
+
+    root, _, _ = critic_setup
+    message = "keep_checkpoints (--keep-checkpoints) must be an integer >= 1, got 0: the newest checkpoint is the model"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _config(root, "keep0", keep_checkpoints=0)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        main(["--debug", "train", "--labels", str(root / "labels"), "--output-dir", str(tmp_path / "pav"), "--init-config",
+              str(root / "config.json"), "--tokenizer", str(root / "tokenizer"), "--keep-checkpoints", "0"])
+    assert not (tmp_path / "pav").exists()
+    summary = train(_config(root, "keep1", max_steps=3, save_every=1, keep_checkpoints=1, warmup_steps=1))
+    kept = sorted(p.name for p in (root / "keep1").glob("checkpoint-*"))
+    assert kept == ["checkpoint-0000003"] and summary["checkpoint"] == str(root / "keep1" / "checkpoint-0000003")
+    assert (root / "keep1" / "checkpoint-0000003" / "model.safetensors").is_file()
+
+
+_STALLING_TRAINER = """
+import json, sys, time
+import torch
+from verl_prm.training.trainer import TrainConfig, train
+
+torch.set_num_threads(1)
+
+def stall(step, record):
+    if step == 2:
+        print("step 2", flush=True)
+        time.sleep(120)
+
+train(TrainConfig(**json.loads(sys.argv[1])), on_step=stall)
+"""
+
+
+def test_second_train_writer_is_refused_and_a_killed_trainer_resumes(critic_setup):
+    """A real `train` process, killed with SIGKILL after its step-2 checkpoint while it held the directory: while
+    it lives a second train() is refused naming its pid; after the kill the rerun resumes at step 2 and ends with
+    the weights of an uninterrupted run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from dataclasses import asdict
+
+    from verl_prm.locking import DirectoryLockedError
+
+    root, _, _ = critic_setup
+    settings = dict(max_steps=4, save_every=2, keep_checkpoints=5, log_every=1, warmup_steps=1)
+    reference = train(_config(root, "uninterrupted", **settings))
+    config = _config(root, "killed", **settings)
+    child = subprocess.Popen([sys.executable, "-c", _STALLING_TRAINER, json.dumps(asdict(config))],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert any(line.strip() == "step 2" for line in child.stdout)  # after the trainer's own log lines
+        with pytest.raises(DirectoryLockedError, match=re.escape(f"{root / 'killed'} is being written by another "
+                                                                 f"process: pid {child.pid} on host ")):
+            train(config)
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+        child.stdout.close()
+    resumed = train(config)
+    assert resumed["start_step"] == 2
+    want = load_file(Path(reference["checkpoint"]) / "model.safetensors")
+    got = load_file(Path(resumed["checkpoint"]) / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_torn_last_metrics_line_is_skipped_and_a_torn_middle_line_is_an_error(critic_setup, capsys):
+    from verl_prm.training.trainer import read_log
+
+    root, _, _ = critic_setup
+    settings = dict(max_steps=4, save_every=2, keep_checkpoints=5, log_every=1, warmup_steps=1)
+
+    class Crash(RuntimeError):
+        pass
+
+    def crash_at_three(step, record):
+        if step == 3:
+            raise Crash
+
+    with pytest.raises(Crash):
+        train(_config(root, "torn", **settings), on_step=crash_at_three)
+    log_path = root / "torn" / "metrics.jsonl"
+    with open(log_path, "a") as f:
+        f.write('{"step": 4, "lo')  # the process died while appending a line
+    capsys.readouterr()
+    assert train(_config(root, "torn", **settings))["start_step"] == 2
+    assert f"{log_path} line 4 is torn (cut off while it was written" in capsys.readouterr().out
+    assert [json.loads(line)["step"] for line in log_path.read_text().splitlines()] == [1, 2, 3, 4, 4]  # loss + eval
+    lines = log_path.read_text().splitlines()
+    log_path.write_text("\n".join([lines[0], lines[1][:7]] + lines[2:]) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{log_path} line 2 is not a JSON record") + ".*not the last line"):
+        read_log(log_path)
+    with pytest.raises(ValueError, match=re.escape(f"{log_path} line 2 is not a JSON record")):
+        train(_config(root, "torn", **settings))
+
+
+def test_rerunning_a_finished_run_logs_no_second_eval_line(critic_setup):
+    root, _, _ = critic_setup
+    first = train(_config(root, "finished", max_steps=2, warmup_steps=1, log_every=1))
+    log = (root / "finished" / "metrics.jsonl").read_text()
+    again = train(_config(root, "finished", max_steps=2, warmup_steps=1, log_every=1))
+    assert again["start_step"] == 2 and again["metrics"] == first["metrics"]
+    assert (root / "finished" / "metrics.jsonl").read_text() == log
+    assert sum("eval/mse" in line for line in log.splitlines()) == 1
+
+
+def test_nan_auroc_says_why_and_held_out_labels_must_not_be_training_labels(critic_setup, capsys):
+    root, _, rows = critic_setup
+    one_class = [dict(row, q=[1.0] * len(row["q"]), n_success=[0] * len(row["q"]), n_mc=[0] * len(row["q"]),
+                      first_pit=-1, outcome=1.0, prompt_value=math.nan, prompt_n_mc=0, prompt_n_success=0)
+                 for row in rows[:8]]
+    ShardStore(root / "one_class").write_shard(one_class)
+    capsys.readouterr()
+    summary = train(_config(root, "nan_auroc", max_steps=2, warmup_steps=1, eval_labels=[str(root / "one_class")]))
+    metrics = summary["metrics"]
+    steps = sum(len(row["q"]) for row in one_class)
+    why = (f"AUROC is NaN: all {steps} held-out step labels are at or above 0.5 (one class); it needs both classes. "
+           "Hold out more prompts (--eval-fraction) or pass --eval-labels with mixed outcomes")
+    assert math.isnan(metrics["eval/auroc"]) and metrics["eval/auroc_note"] == why
+    assert f"verl-prm train: step 2: {why}" in capsys.readouterr().out
+    logged = json.loads((root / "nan_auroc" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert logged["eval/auroc_note"] == why
+    assert json.loads((root / "nan_auroc" / "eval_metrics.json").read_text())["eval/auroc_note"] == why
+    with pytest.raises(ValueError, match="--eval-labels and --labels share shards"):
+        train(_config(root, "leak", eval_labels=[str(root / "labels" / "shard-00000.parquet")]))
+
+
+def test_train_refuses_labels_that_break_the_format(critic_setup, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from verl_prm.labeling.format import LABEL_SCHEMA
+
+    root, _, rows = critic_setup
+    bad = [dict(row) for row in rows[:4]]
+    bad[2]["q"] = bad[2]["q"][:-1]  # fewer values than steps
+    pq.write_table(pa.Table.from_pylist(bad, schema=LABEL_SCHEMA), tmp_path / "shard-00000.parquet")
+    with pytest.raises(ValueError, match=re.escape(f"label shard {tmp_path / 'shard-00000.parquet'} row 2 (prompt_index="
+                                                   f"{bad[2]['prompt_index']}, rollout_index={bad[2]['rollout_index']}): "
+                                                   f"q has {NUM_STEPS - 1} entries but there are {NUM_STEPS} steps")):
+        train(_config(root, "bad_labels", labels=[str(tmp_path)]))

@@ -171,7 +171,19 @@ def test_steps_section_splits_with_its_rule(bpe_small):
         (["algorithm.pav.alpha=-0.5"], "algorithm.pav.alpha must be >= 0"),
         (["algorithm.pav.best_of_k=0"], "algorithm.pav.best_of_k must be an integer >= 1"),
         (["verl_prm.critic.path=null"], "verl_prm.critic.path is required"),
-        (["verl_prm.critic.path=/no/such/critic"], "does not exist"),
+        (["verl_prm.critic.path=/no/such/critic"], "verl_prm.critic.path: critic checkpoint '/no/such/critic': no such directory"),
+        # NaN and inf knobs: checked at startup, the key named
+        (["algorithm.pav.alpha=nan"], "algorithm.pav.alpha must be >= 0 (a finite number), got nan"),
+        (["algorithm.pav.alpha=inf"], "algorithm.pav.alpha must be >= 0 (a finite number), got inf"),
+        (["algorithm.pav.clip=nan"], "algorithm.pav.clip must be > 0 (a finite number), got nan"),
+        (["algorithm.pav.epsilon=inf"], "algorithm.pav.epsilon must be > 0 (a finite number), got inf"),
+        (["algorithm.pav.aggregate_weight=-inf"], "algorithm.pav.aggregate_weight must be a finite number, got -inf"),
+        (["algorithm.pav.best_of_k=nan"], "algorithm.pav.best_of_k must be an integer >= 1, got nan"),
+        (["+verl_prm.critic.options.softcap=nan"], "verl_prm.critic.options.softcap must be a finite number, got nan"),
+        (["algorithm.adv_estimator=pav_grp"],
+         "algorithm.adv_estimator='pav_grp' is not a registered advantage estimator (did you mean 'pav_grpo'?)"),
+        (["algorithm.adv_estimator=no_such_estimator", "trainer.v1.trainer_mode=sync"],
+         "algorithm.adv_estimator='no_such_estimator' is not a registered advantage estimator; known: gae,"),
         (["trainer.v1.trainer_mode=sync"], "needs the step tensors that only the verl-prm trainer hook computes"),
         (["verl_prm.critic.format=onnx"], "verl_prm.critic.format must be one of"),
         (["verl_prm.placement.pool=elsewhere"], "verl_prm.placement.pool must be one of"),
@@ -192,6 +204,70 @@ def test_startup_validation_errors(overrides, message, critic_dir):
     with pytest.raises(ConfigError) as error:
         validate_run_config(config)
     assert message in str(error.value)
+
+
+def test_known_estimators_cover_verl_and_the_plugin():
+    from verl.trainer.ppo.core_algos import AdvantageEstimator
+
+    from verl_prm.config.hook import known_estimators
+    from verl_prm.plugin import PLUGIN_ESTIMATOR_NAMES
+
+    known = known_estimators()
+    assert set(PLUGIN_ESTIMATOR_NAMES) <= known and {e.value for e in AdvantageEstimator} <= known
+
+
+@pytest.fixture
+def broken_critics(tmp_path, critic_dir) -> dict[str, Path]:
+    """Critic paths that must fail the startup check: a file, a directory without weights, pickle-only."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    empty = tmp_path / "no_weights"
+    empty.mkdir()
+    shutil.copy(critic_dir / "config.json", empty / "config.json")
+    pickle_only = tmp_path / "pickle_only"
+    shutil.copytree(critic_dir, pickle_only)
+    torch.save(load_file(pickle_only / "model.safetensors"), pickle_only / "pytorch_model.bin")
+    (pickle_only / "model.safetensors").unlink()
+    return {"file": critic_dir / "config.json", "no_weights": empty, "pickle_only": pickle_only}
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("file", "is a file, not a checkpoint directory"),
+    ("no_weights", "has no model weights (no model.safetensors"),
+    ("pickle_only", "has only pickle weights (pytorch_model.bin)"),
+])
+def test_startup_rejects_a_critic_path_without_loadable_weights(kind, message, broken_critics):
+    path = broken_critics[kind]
+    config = compose_verl(PLUGIN_OVERRIDES + [f"verl_prm.critic.path={path}"])
+    with pytest.raises(ConfigError) as error:
+        validate_run_config(config)
+    assert str(error.value).startswith(f"verl_prm.critic.path: critic checkpoint {str(path)!r} ")
+    assert message in str(error.value)
+    if kind == "pickle_only":  # the documented opt-in
+        validate_run_config(compose_verl(PLUGIN_OVERRIDES + [f"verl_prm.critic.path={path}",
+                                                             "verl_prm.critic.allow_pickle=true"]))
+
+
+def test_startup_rejects_an_uncached_hub_id_offline(critic_dir, monkeypatch, tmp_path):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="'some-org/some-critic': no such directory, and HF_HUB_OFFLINE is set"):
+        validate_run_config(compose_verl(PLUGIN_OVERRIDES + ["verl_prm.critic.path=some-org/some-critic"]))
+    monkeypatch.delenv("HF_HUB_OFFLINE")  # online, a hub id is left to the worker's download
+    validate_run_config(compose_verl(PLUGIN_OVERRIDES + ["verl_prm.critic.path=some-org/some-critic"]))
+
+
+def test_critic_worker_gets_the_pickle_opt_in(critic_dir):
+    from verl_prm.trainer import critic_worker_kwargs
+
+    config = compose_verl(PLUGIN_OVERRIDES + [f"verl_prm.critic.path={critic_dir}", "verl_prm.critic.allow_pickle=true"])
+    hook, _ = validate_run_config(config)
+    assert critic_worker_kwargs(hook)["allow_pickle"] is True
+    assert critic_worker_kwargs(read_hook_config(None))["allow_pickle"] is False
 
 
 def test_startup_validation_accepts_a_valid_run(critic_dir):
@@ -324,6 +400,12 @@ def main_ppo_runs(critic_dir) -> dict[str, subprocess.CompletedProcess]:
         "negative_alpha": (main_ppo + PLUGIN_OVERRIDES + [f"verl_prm.critic.path={critic_dir}",
                                                           "algorithm.pav.alpha=-1"], {}),
         "plugin_order_and_failure": ([sys.executable, "-c", PLUGIN_ORDER_AND_FAILURE_SCRIPT], {}),
+        "nan_alpha": (main_ppo + PLUGIN_OVERRIDES + [f"verl_prm.critic.path={critic_dir}", "algorithm.pav.alpha=nan"],
+                      {}),
+        "unknown_estimator": (main_ppo + PLUGIN_OVERRIDES + [f"verl_prm.critic.path={critic_dir}",
+                                                             "algorithm.adv_estimator=pav_grop"], {}),
+        "critic_path_is_a_file": (main_ppo + PLUGIN_OVERRIDES + [f"verl_prm.critic.path={critic_dir}/config.json"],
+                                  {}),
     }
     processes = {
         name: subprocess.Popen(command, env=dict(os.environ, **env_extra), stdout=subprocess.PIPE,
@@ -352,7 +434,26 @@ def test_main_ppo_startup_check_rejects_a_bad_config_before_ray(main_ppo_runs):
     result = main_ppo_runs["negative_alpha"]
     output = result.stdout + result.stderr
     assert result.returncode != 0
-    assert "verl-prm startup check failed: algorithm.pav.alpha must be >= 0, got -1" in output
+    assert "verl-prm startup check failed: algorithm.pav.alpha must be >= 0 (a finite number), got -1.0" in output
+    assert "Please set at least one of" not in output and "ray init kwargs" not in output
+
+
+@pytest.mark.parametrize("run, message", [
+    ("nan_alpha", "verl-prm startup check failed: algorithm.pav.alpha must be >= 0 (a finite number), got nan"),
+    ("unknown_estimator", "verl-prm startup check failed: algorithm.adv_estimator='pav_grop' is not a registered "
+                          "advantage estimator (did you mean 'pav_grpo'?)"),
+    ("critic_path_is_a_file", "verl-prm startup check failed: verl_prm.critic.path: critic checkpoint "),
+])
+def test_main_ppo_startup_check_catches_nan_knobs_unknown_estimators_and_bad_critics(main_ppo_runs, run, message):
+    """Real `python -m verl.trainer.main_ppo` argument parsing: the check fails the run while Hydra builds its
+    callbacks, before verl's main (its config validation, Ray) starts."""
+    result = main_ppo_runs[run]
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert message in output
+    if run == "critic_path_is_a_file":
+        assert "config.json' is a file, not a checkpoint directory" in output
+    assert "full_key: hydra.callbacks.verl_prm_startup_check" in output
     assert "Please set at least one of" not in output and "ray init kwargs" not in output
 
 
@@ -697,7 +798,7 @@ def test_each_patch_applies_cleanly_to_the_installed_verl():
 
     statuses = check_patches()
     assert [s.patch.name for s in statuses] == [p.name for p in find_patches()]
-    assert len(statuses) == 3
+    assert len(statuses) == 6  # 0001-0003: the plugin's workarounds; 0004-0006: the CPU platform's fixes
     assert all(s.state == "applies" for s in statuses), [(s.patch.name, s.state, s.detail) for s in statuses]
     assert (installed_verl_root() / "verl" / "__init__.py").is_file()
 
@@ -726,9 +827,10 @@ def test_patches_apply_to_a_copy_and_compile(tmp_path):
 
 def test_patches_cli_check_exit_code(capsys):
     from verl_prm.cli import main
+    from verl_prm.patching import find_patches
 
     assert main(["patches", "check"]) == 0
-    assert capsys.readouterr().out.count("applies") == 3
+    assert capsys.readouterr().out.count("applies") == len(find_patches())
 
 
 def test_truncated_responses_reads_every_eos_id():

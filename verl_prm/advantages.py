@@ -38,8 +38,18 @@ __all__ = [
     "group_ids",
     "group_normalized_outcome",
     "leave_one_out_outcome",
+    "leave_one_out_process_advantage",
+    "leave_one_out_step_mean",
+    "leave_one_out_step_rewards",
+    "masked_whiten",
+    "min_form_advantage",
+    "min_form_step_rewards",
     "process_advantage",
     "process_scores",
+    "rewards_to_go",
+    "softmin_weights",
+    "step_end_positions",
+    "step_end_rewards",
     "step_progress",
     "step_scores_per_token",
     "valid_steps",
@@ -98,7 +108,12 @@ def step_progress(step_values: torch.Tensor, prompt_values: torch.Tensor, num_st
 
 
 def _lookup(table: torch.Tensor, step_ids: torch.Tensor) -> torch.Tensor:
-    """``out[i, t] = table[i, step_ids[i, t] + 1]`` for a table whose column 0 stands for "no step" (-1)."""
+    """``out[i, t] = table[i, clamp(step_ids[i, t], -1, S - 1) + 1]`` for a table of S + 1 columns whose column
+    0 stands for "no step" (-1).
+
+    The clamp keeps an out-of-range id (possible when ``pav.check_inputs`` is off) inside its own row: without
+    it the flat index would read a neighbouring response's value. It costs one in-place pass over the int32 copy
+    (within the run-to-run noise of ``verl-prm bench advantages --threads 1``)."""
     batch, columns = table.shape
     # One flat index_select over int32 indices: it reads the [B, T] step ids once and allocates no int64
     # [B, T] temporary (memory traffic dominates this function; on CPU a fresh 32 MB buffer also costs page
@@ -106,14 +121,15 @@ def _lookup(table: torch.Tensor, step_ids: torch.Tensor) -> torch.Tensor:
     index_dtype = torch.int32 if batch * columns < 2**31 else torch.int64
     row_starts = torch.arange(batch, device=step_ids.device, dtype=index_dtype)[:, None] * columns + 1
     # copy=True: int32 step_ids would otherwise be the same tensor, and add_ would change the caller's ids
-    flat_index = step_ids.to(index_dtype, copy=True).add_(row_starts)
+    flat_index = step_ids.to(index_dtype, copy=True).clamp_(-1, columns - 2).add_(row_starts)
     return table.reshape(-1).index_select(0, flat_index.reshape(-1)).view(step_ids.shape)
 
 
 def step_scores_per_token(step_scores: torch.Tensor, step_ids: torch.Tensor) -> torch.Tensor:
     """Broadcast per-step scores to the tokens of each step: ``out[i, t] = step_scores[i, step_ids[i, t]]``.
 
-    Tokens in no step (``step_ids == -1``) get 0. ``step_ids`` must lie in [-1, S - 1].
+    Tokens in no step (``step_ids == -1``) get 0. ``step_ids`` must lie in [-1, S - 1]; an id outside is clamped
+    into it (it reads its own row, never another response's).
 
     Args:
         step_scores: [B, S] one score per step.
@@ -150,7 +166,20 @@ def group_ids(index, device: torch.device | str | None = None) -> tuple[torch.Te
     return torch.as_tensor(inverse.reshape(-1), dtype=torch.long, device=device), int(len(uniques))
 
 
+def _check_per_response(tensor: torch.Tensor, batch: int, what: str) -> None:
+    """A [B] tensor of one entry per response (shape only: no host read)."""
+    if tuple(tensor.shape) != (batch,):
+        raise ValueError(
+            f"{what} must have one entry per response, shape ({batch},), got shape {tuple(tensor.shape)}"
+        )
+
+
+_GROUPS = "index (verl's uid of each response's prompt, as group ids)"
+_KEEP = "truncated (keep: which responses get a process term)"
+
+
 def _group_sums(values: torch.Tensor, groups: torch.Tensor, num_groups: int) -> torch.Tensor:
+    _check_per_response(groups, values.shape[0], _GROUPS)
     return torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add_(0, groups, values)
 
 
@@ -235,6 +264,7 @@ def process_scores(
     if clip is not None:
         scores = scores.clamp(-clip, clip)
     if keep is not None:
+        _check_per_response(keep, scores.shape[0], _KEEP)
         scores = scores * keep[:, None].to(scores.dtype)
     if normalize:
         counted = valid_steps(num_steps, scores.shape[1])
@@ -292,8 +322,11 @@ def process_advantage(
 
 def _masked_lookup(table: torch.Tensor, step_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """``out[i, t] = table[i, step_ids[i, t] + 1] * response_mask[i, t]``, written as one expression so that
-    ``torch.compile`` makes it a single pass that reads ``step_ids`` and the mask once and writes ``out``."""
-    return torch.gather(table, 1, step_ids.long() + 1) * response_mask.to(table.dtype)
+    ``torch.compile`` makes it a single pass that reads ``step_ids`` and the mask once and writes ``out``. Ids are
+    clamped as in ``_lookup`` (free inside the fused kernel; on CUDA an out-of-range gather would be a device-side
+    assert that ends the process)."""
+    columns = table.shape[1]
+    return torch.gather(table, 1, (step_ids.long() + 1).clamp(0, columns - 1)) * response_mask.to(table.dtype)
 
 
 _compiled_lookup = None
@@ -324,13 +357,6 @@ def _fused_masked_lookup(table, step_ids, response_mask, *, fall_back: bool) -> 
             _compile_failed,
         )
         return eager
-    except RuntimeError as error:  # the kernel's bounds check
-        if "index out of bounds" not in str(error):
-            raise
-        raise ValueError(
-            f"step_ids outside [-1, S - 1] (S = {table.shape[1] - 1} step columns): turn algorithm.pav.check_inputs "
-            "on to find the sample"
-        ) from error
 
 
 def aggregate_step_scores(step_scores: torch.Tensor, num_steps: torch.Tensor, how: Aggregation) -> torch.Tensor:
@@ -451,3 +477,260 @@ def check_step_inputs(
             f"sample {i}: prompt_values[{i}] = {float(prompt_h[i])} is not a probability in [0, 1]; pass the "
             "critic's raw value of the prompt"
         )
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Credit assignment of the anchors: PURE's min-form (Cheng et al. 2025) and PRIME's leave-one-out process
+# returns (Cui et al. 2025), over the process scores p [B, S] of ``process_scores``. Both place step h's reward
+# at the last token of step h and sum rewards over later tokens (returns, gamma = 1), unlike
+# ``process_advantage``, whose process term of step h enters only the tokens of step h.
+
+
+def step_end_positions(step_ids: torch.Tensor, max_steps: int) -> torch.Tensor:
+    """Position of the last token of each step: ``ends[i, h] = max{t : step_ids[i, t] = h}``, -1 for a step with
+    no token (and for h >= H). Exact when a step's tokens are interrupted by tokens in no step.
+
+    Args:
+        step_ids: [B, T] step of each token, -1 for none; max_steps: S.
+
+    Returns:
+        [B, S] int64.
+    """
+    batch, length = step_ids.shape
+    positions = torch.arange(length, device=step_ids.device).expand(batch, length)
+    # column 0 collects the tokens in no step (-1) and is dropped
+    ends = torch.full((batch, max_steps + 1), -1, dtype=torch.long, device=step_ids.device)
+    ends = ends.scatter_reduce(1, step_ids.long() + 1, positions, reduce="amax", include_self=True)
+    return ends[:, 1:]
+
+
+def step_end_rewards(step_rewards: torch.Tensor, step_ids: torch.Tensor) -> torch.Tensor:
+    """Token rewards ``d[i, t] = step_rewards[i, h]`` at the last token t of step h (``step_end_positions``), 0
+    elsewhere: [B, T]. A step with no token has nowhere to go (``verl_prm.steps.split_steps`` makes none)."""
+    ends = step_end_positions(step_ids, step_rewards.shape[1])
+    has_token = ends >= 0
+    rewards = torch.zeros(step_ids.shape, dtype=step_rewards.dtype, device=step_rewards.device)
+    placed = torch.where(has_token, step_rewards, torch.zeros_like(step_rewards))
+    return rewards.scatter_add_(1, ends.clamp(min=0), placed)
+
+
+def rewards_to_go(token_rewards: torch.Tensor) -> torch.Tensor:
+    """Undiscounted returns ``G[i, t] = sum_{t' >= t} d[i, t']`` (gamma = 1), the reverse cumulative sum: [B, T]."""
+    return token_rewards.flip(1).cumsum(1).flip(1)
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + 1e-8)`` with the mean and the unbiased variance over the tokens where ``mask``
+    is set (verl's ``masked_whiten``, which PRIME applies to its returns); 0 where ``mask`` is not set. With fewer
+    than two such tokens there is no variance: the values are only centred."""
+    weights = mask.to(values.dtype)
+    count = weights.sum()
+    mean = (values * weights).sum() / count.clamp_min(1)
+    variance = (((values - mean) ** 2) * weights).sum() / (count - 1).clamp_min(1)
+    scale = torch.where(count > 1, torch.rsqrt(variance + 1e-8), torch.ones_like(variance))
+    return (values - mean) * scale * weights
+
+
+def softmin_weights(step_scores: torch.Tensor, num_steps: torch.Tensor, temperature: float) -> torch.Tensor:
+    """PURE's min-form weights over the real steps of each response (Cheng et al. 2025, "Stop Summation").
+
+    ``w[i, h] = exp(-p[i, h] / T) / sum_{k < H_i} exp(-p[i, k] / T)`` for h < H_i, 0 beyond. ``T = 0`` is the
+    limit T -> 0: ``w = 1/m`` on the m steps that attain ``min_h p[i, h]``, 0 elsewhere. A response with no step
+    has no weights.
+
+    Args:
+        step_scores: [B, S] p; num_steps: [B] H; temperature: T >= 0 (PURE uses 0.1).
+
+    Returns:
+        [B, S] weights; each row with H_i > 0 sums to 1.
+    """
+    valid = valid_steps(num_steps, step_scores.shape[1])
+    zeros = torch.zeros_like(step_scores)
+    if step_scores.shape[1] == 0:
+        return zeros
+    if temperature > 0:
+        logits = torch.where(valid, -step_scores / temperature, torch.full_like(step_scores, float("-inf")))
+        weights = torch.softmax(logits, dim=1)  # a row without steps is NaN here and is zeroed below
+    else:
+        masked = torch.where(valid, step_scores, torch.full_like(step_scores, float("inf")))
+        at_min = valid & (masked == masked.amin(dim=1, keepdim=True))
+        weights = at_min.to(step_scores.dtype) / at_min.sum(dim=1, keepdim=True).clamp_min(1).to(step_scores.dtype)
+    return torch.where(valid, weights, zeros)
+
+
+def min_form_step_rewards(step_scores: torch.Tensor, num_steps: torch.Tensor, temperature: float) -> torch.Tensor:
+    """PURE's min-form process rewards: ``r[i, h] = w[i, h] * p[i, h]`` with ``w = softmin_weights``.
+
+    Their sum over a response's steps is a soft minimum of its step scores (the hard minimum at ``T = 0``), so the
+    return of every token is governed by the worst step instead of the sum of all steps. 0 at h >= H_i.
+    """
+    valid = valid_steps(num_steps, step_scores.shape[1])
+    scores = torch.where(valid, step_scores, torch.zeros_like(step_scores))
+    return softmin_weights(step_scores, num_steps, temperature) * scores
+
+
+def _leave_one_out_counts(step_rewards, num_steps, groups, num_groups, keep):
+    """Per response: its mean step reward m_i, whether it is counted (H_i > 0 and kept), and the group's count
+    and sum of m over counted responses (broadcast to the response)."""
+    valid = valid_steps(num_steps, step_rewards.shape[1])
+    totals = torch.where(valid, step_rewards, torch.zeros_like(step_rewards)).sum(dim=1)
+    means = totals / num_steps.clamp_min(1).to(step_rewards.dtype)
+    counted = num_steps > 0
+    if keep is not None:
+        _check_per_response(keep, step_rewards.shape[0], _KEEP)
+        counted = counted & keep.bool()
+    counted_f = counted.to(step_rewards.dtype)
+    group_count = _group_sums(counted_f, groups, num_groups)[groups]
+    group_total = _group_sums(means * counted_f, groups, num_groups)[groups]
+    return means, counted, counted_f, group_count, group_total
+
+
+def leave_one_out_step_mean(
+    step_rewards: torch.Tensor,
+    num_steps: torch.Tensor,
+    groups: torch.Tensor,
+    num_groups: int,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """PURE's "step" baseline: the mean, over the other responses of the same prompt, of their mean step reward.
+
+    ``b_i = (1 / |O_i|) sum_{j in O_i} m_j`` with ``m_j = (1 / H_j) sum_{h < H_j} r[j, h]`` and O_i the responses
+    of i's group other than i that have steps (and are kept, when ``keep`` [B] bool is given); ``b_i = 0`` when
+    O_i is empty.
+
+    Returns:
+        [B] baseline.
+    """
+    means, counted, counted_f, group_count, group_total = _leave_one_out_counts(step_rewards, num_steps, groups,
+                                                                               num_groups, keep)
+    others = group_count - counted_f
+    baseline = (group_total - means * counted_f) / others.clamp_min(1)
+    return torch.where(others > 0, baseline, torch.zeros_like(baseline))
+
+
+def min_form_advantage(
+    outcome_advantage: torch.Tensor,
+    step_scores: torch.Tensor,
+    step_ids: torch.Tensor,
+    num_steps: torch.Tensor,
+    response_mask: torch.Tensor,
+    alpha: float,
+    *,
+    groups: torch.Tensor,
+    num_groups: int,
+    temperature: float = 0.1,
+    baseline: bool = True,
+    zero_separators: bool = True,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """PURE's min-form credit assignment (Cheng et al. 2025) with the process scores p as the PRM's rewards.
+
+    1. ``r = min_form_step_rewards(p, T)`` (softmin-weighted step rewards);
+    2. ``q[i, h] = r[i, h] - b_i`` for the real steps h < H_i, with ``b = leave_one_out_step_mean(r)`` when
+       ``baseline`` (PURE's ``reward_baseline=step``), else ``q = r``; ``q = 0`` for responses not in ``keep``;
+    3. ``d[i, t] = q[i, h]`` at the last token t of step h (``step_end_rewards``);
+    4. ``adv[i, t] = (out_i + alpha * sum_{t' >= t} d[i, t']) * response_mask[i, t]``;
+    5. ``zero_separators``: ``adv[i, t] = 0`` at the last token of every step h < H_i - 1 (the token that holds
+       the step delimiter; PURE gives its step-separator tokens no loss). The last step's last token is answer
+       text and keeps its advantage.
+
+    Args:
+        outcome_advantage: [B] out_i (RLOO of the outcome in the ``pav_pure`` estimator, as in PURE).
+        step_scores: [B, S] p; step_ids: [B, T]; num_steps: [B]; response_mask: [B, T].
+        alpha: weight of the process return. groups, num_groups: prompt groups (``group_ids``).
+        temperature: T >= 0 of the softmin (PURE: 0.1; 0: the hard minimum).
+        keep: [B] bool, responses that get a process term (and enter the baseline); default all.
+
+    Returns:
+        [B, T] advantages in the dtype of ``outcome_advantage``.
+    """
+    valid = valid_steps(num_steps, step_scores.shape[1])
+    rewards = min_form_step_rewards(step_scores, num_steps, temperature)
+    if baseline:
+        rewards = rewards - leave_one_out_step_mean(rewards, num_steps, groups, num_groups, keep)[:, None]
+    rewards = torch.where(valid, rewards, torch.zeros_like(rewards))
+    if keep is not None:
+        _check_per_response(keep, rewards.shape[0], _KEEP)
+        rewards = rewards * keep[:, None].to(rewards.dtype)
+    returns = rewards_to_go(step_end_rewards(rewards, step_ids))
+    advantages = (outcome_advantage[:, None] + alpha * returns).to(outcome_advantage.dtype)
+    advantages = advantages * response_mask.to(advantages.dtype)
+    if zero_separators:
+        advantages = advantages * (~_separator_tokens(step_ids, num_steps, step_scores.shape[1])).to(advantages.dtype)
+    return advantages
+
+
+def _separator_tokens(step_ids: torch.Tensor, num_steps: torch.Tensor, max_steps: int) -> torch.Tensor:
+    """[B, T] bool: the last token of every step h < H_i - 1."""
+    batch, length = step_ids.shape
+    ends = step_end_positions(step_ids, max_steps)
+    marked = (torch.arange(max_steps, device=step_ids.device)[None, :] < (num_steps[:, None] - 1)) & (ends >= 0)
+    # distinct steps end at distinct tokens; unmarked steps write False into the spare column `length`
+    target = torch.where(marked, ends, torch.full_like(ends, length))
+    tokens = torch.zeros((batch, length + 1), dtype=torch.bool, device=step_ids.device)
+    return tokens.scatter_(1, target, marked)[:, :length]
+
+
+def leave_one_out_step_rewards(
+    step_scores: torch.Tensor,
+    num_steps: torch.Tensor,
+    groups: torch.Tensor,
+    num_groups: int,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """PRIME's leave-one-out on process rewards (Cui et al. 2025, ``compute_rloo_returns``), one reward per step.
+
+    ``q[i, h] = p[i, h] * n / (n - 1) - (sum_{j in g} m_j) / (n - 1)`` for the real steps h < H_i, with
+    ``m_j = (1 / H_j) sum_{h < H_j} p[j, h]`` and the sum and n over the responses j of i's group g that have
+    steps (and are kept, when ``keep`` [B] bool is given). Equivalently
+    ``q[i, h] = p[i, h] - (sum_{j != i} m_j + m_i - p[i, h]) / (n - 1)``. A group with n = 1 keeps ``q = p`` (no
+    other response to compare with); responses not counted get ``q = 0``.
+
+    Returns:
+        [B, S] transformed step rewards, 0 at h >= H_i.
+    """
+    valid = valid_steps(num_steps, step_scores.shape[1])
+    scores = torch.where(valid, step_scores, torch.zeros_like(step_scores))
+    _, counted, _, group_count, group_total = _leave_one_out_counts(scores, num_steps, groups, num_groups, keep)
+    n = group_count[:, None]
+    loo = (scores * n - group_total[:, None]) / (n - 1).clamp_min(1)
+    rewards = torch.where(n > 1, loo, scores)
+    return torch.where(valid & counted[:, None], rewards, torch.zeros_like(rewards))
+
+
+def leave_one_out_process_advantage(
+    outcome_advantage: torch.Tensor,
+    step_scores: torch.Tensor,
+    step_ids: torch.Tensor,
+    num_steps: torch.Tensor,
+    response_mask: torch.Tensor,
+    alpha: float,
+    *,
+    groups: torch.Tensor,
+    num_groups: int,
+    whiten: bool = True,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """PRIME's advantage (Cui et al. 2025, ``compute_rloo_returns``) with the process scores p as the process
+    rewards in place of the implicit PRM's.
+
+    1. ``q = leave_one_out_step_rewards(p)``; ``d[i, t] = q[i, h]`` at the last token t of step h;
+    2. ``G[i, t] = out_i + alpha * sum_{t' >= t} d[i, t']`` (gamma = 1; out_i is PRIME's leave-one-out outcome,
+       whose reward sits at the last token, so its return reaches every token of the response);
+    3. ``adv = masked_whiten(G, response_mask)`` when ``whiten`` (PRIME whitens the summed returns over the
+       batch's response tokens), else ``G * response_mask``.
+
+    Args:
+        outcome_advantage: [B] out_i (``leave_one_out_outcome`` of the outcome in the ``pav_prime`` estimator).
+        step_scores: [B, S]; step_ids: [B, T]; num_steps: [B]; response_mask: [B, T]; alpha: process weight.
+        groups, num_groups: prompt groups. keep: [B] bool, responses that get a process term; default all.
+
+    Returns:
+        [B, T] advantages in the dtype of ``outcome_advantage``.
+    """
+    rewards = leave_one_out_step_rewards(step_scores, num_steps, groups, num_groups, keep)
+    returns = outcome_advantage[:, None] + alpha * rewards_to_go(step_end_rewards(rewards, step_ids))
+    returns = returns.to(outcome_advantage.dtype)
+    if whiten:
+        return masked_whiten(returns, response_mask)
+    return returns * response_mask.to(returns.dtype)

@@ -22,6 +22,8 @@ __all__ = [
     "STEP_KEYS",
     "compute_advantage_with_steps",
     "compute_pav_grpo_advantage",
+    "compute_pav_prime_advantage",
+    "compute_pav_pure_advantage",
     "compute_pav_reinforce_advantage",
     "compute_pav_rloo_advantage",
     "compute_prm_aggregate_advantage",
@@ -231,7 +233,7 @@ PAV_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "pav_rloo": compute_pav_rloo_advantage,
     "pav_reinforce": compute_pav_reinforce_advantage,
     "prm_aggregate": compute_prm_aggregate_advantage,
-}
+}  # pav_pure and pav_prime are added below, next to their definitions
 
 
 def register_estimators() -> None:
@@ -274,3 +276,86 @@ def compute_advantage_with_steps(data, config) -> Any:
     data.batch["advantages"] = advantages
     data.batch["returns"] = returns
     return data
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Credit assignment of the anchors (PURE, PRIME): the process scores become rewards at the end of each step,
+# summed over later tokens; the outcome advantage is RLOO's, as both use. Math: verl_prm.advantages.
+
+
+def _returns_estimator(name, token_level_rewards, response_mask, index, config, steps: dict, truncated,
+                       verl_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    pav = read_pav_config(config)
+    _inputs(name, steps, token_level_rewards, response_mask, pav, verl_kwargs)
+    with torch.no_grad():
+        scores = _process_scores(name, pav, steps, truncated)  # raises when drop_truncated lacks `truncated`
+        keep = ~truncated.bool() if pav.drop_truncated else None
+        groups, num_groups = _groups(name, index, token_level_rewards.device)
+        outcome = adv.leave_one_out_outcome(token_level_rewards.sum(dim=-1), groups, num_groups)
+        common = dict(groups=groups, num_groups=num_groups, keep=keep)
+        if name == "pav_pure":
+            advantages = adv.min_form_advantage(
+                outcome, scores, steps["step_ids"], steps["num_steps"], response_mask, pav.alpha,
+                temperature=pav.min_form_temperature, baseline=pav.min_form_baseline,
+                zero_separators=pav.zero_separator_advantage, **common,
+            )
+        else:
+            advantages = adv.leave_one_out_process_advantage(
+                outcome, scores, steps["step_ids"], steps["num_steps"], response_mask, pav.alpha,
+                whiten=pav.whiten_returns, **common,
+            )
+    return advantages, advantages
+
+
+def compute_pav_pure_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index=None,
+    config=None,
+    step_ids: torch.Tensor | None = None,
+    step_values: torch.Tensor | None = None,
+    prompt_values: torch.Tensor | None = None,
+    num_steps: torch.Tensor | None = None,
+    truncated: torch.Tensor | None = None,
+    **verl_kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pav_pure``: PURE's min-form credit assignment (Cheng et al. 2025) of the PAV process scores.
+
+    Step rewards ``r = softmin_T-weighted p`` minus PURE's leave-one-out step baseline, placed at each step's
+    last token and summed over later tokens, plus RLOO's outcome advantage:
+    ``adv[i, t] = (out_i + alpha * sum_{t' >= t} d[i, t']) * response_mask[i, t]``, 0 on step-separator tokens
+    (``verl_prm.advantages.min_form_advantage``; knobs ``pav.min_form_temperature``, ``pav.min_form_baseline``,
+    ``pav.zero_separator_advantage``). With alpha = 0 and ``zero_separator_advantage=false`` it equals verl's rloo.
+    """
+    steps = dict(step_ids=step_ids, step_values=step_values, prompt_values=prompt_values, num_steps=num_steps)
+    return _returns_estimator("pav_pure", token_level_rewards, response_mask, index, config, steps, truncated,
+                              verl_kwargs)
+
+
+def compute_pav_prime_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index=None,
+    config=None,
+    step_ids: torch.Tensor | None = None,
+    step_values: torch.Tensor | None = None,
+    prompt_values: torch.Tensor | None = None,
+    num_steps: torch.Tensor | None = None,
+    truncated: torch.Tensor | None = None,
+    **verl_kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pav_prime``: PRIME's leave-one-out process returns (Cui et al. 2025, ``compute_rloo_returns``) with
+    the PAV process scores in place of the implicit PRM's rewards.
+
+    ``q[i, h] = p[i, h] n/(n-1) - sum_g m_j/(n-1)`` at each step's last token, summed over later tokens, plus
+    RLOO's outcome advantage, whitened over the batch's response tokens (``pav.whiten_returns``):
+    ``verl_prm.advantages.leave_one_out_process_advantage``. With alpha = 0 and ``whiten_returns=false`` it
+    equals verl's rloo.
+    """
+    steps = dict(step_ids=step_ids, step_values=step_values, prompt_values=prompt_values, num_steps=num_steps)
+    return _returns_estimator("pav_prime", token_level_rewards, response_mask, index, config, steps, truncated,
+                              verl_kwargs)
+
+
+PAV_ESTIMATORS["pav_pure"] = compute_pav_pure_advantage
+PAV_ESTIMATORS["pav_prime"] = compute_pav_prime_advantage

@@ -21,6 +21,15 @@ from pathlib import Path
 
 __all__ = ["PatchStatus", "apply_patches", "check_patches", "find_patches", "installed_verl_root", "main"]
 
+# `--help` text: plain text (the module docstring is reST, whose ``markup`` argparse would print as is).
+HELP = """Check or apply the upstreamable verl patches in patches/ (unified diffs against verl 0.9.1; the plugin
+works without them, each removes one workaround, see patches/README.md).
+
+    verl-prm patches check              # dry run of every patch against the installed verl
+    verl-prm patches apply              # apply them (all or nothing: every patch is checked first)
+    verl-prm patches check --target DIR # another directory that holds a verl package (e.g. a checkout)"""
+
+
 def find_patch_dir() -> Path:
     """The repository's ``patches/`` directory (next to the ``verl_prm`` package)."""
     candidate = Path(__file__).resolve().parents[1] / "patches"
@@ -115,7 +124,8 @@ def apply_patches(target: Path | None = None, patch_dir: Path | None = None) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="verl-prm patches", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="verl-prm patches", description=HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("action", choices=("check", "apply"))
     parser.add_argument("--target", type=Path, default=None,
                         help="directory that holds the verl package (default: the installed verl's site-packages)")

@@ -1,6 +1,8 @@
 """Entry point of the "verl.plugins" group: ``import verl`` imports this module in every process.
 
-It registers every name the plugin adds to verl: the estimators at once, and the trainer hook ``pav_sync``
+It registers every name the plugin adds to verl: the estimators and the CPU platform (``verl_prm.platform``;
+selected only on a host without an accelerator or with ``VERL_PLATFORM=cpu``) at once, the ``hf`` rollout when
+verl imports its rollout registries, and the trainer hook ``pav_sync``
 (``verl_prm.trainer``) and the reward manager ``pav`` (``verl_prm.reward``) as soon as verl imports the registry
 they go into (``verl.trainer.ppo.v1`` and ``verl.experimental.reward_loop.reward_manager``): importing those
 verl modules costs seconds, and most processes of a run (rollout servers, actor workers) never need them. A
@@ -25,7 +27,7 @@ from verl_prm import SUPPORTED_VERL_VERSION
 
 logger = logging.getLogger("verl_prm")
 
-PLUGIN_ESTIMATOR_NAMES = ("pav_grpo", "pav_rloo", "pav_reinforce", "prm_aggregate")
+PLUGIN_ESTIMATOR_NAMES = ("pav_grpo", "pav_rloo", "pav_reinforce", "prm_aggregate", "pav_pure", "pav_prime")
 PLUGIN_TRAINER_NAME = "pav_sync"
 PLUGIN_REWARD_MANAGER_NAME = "pav"
 # verl package -> the registration that must run once it is imported
@@ -144,6 +146,10 @@ def register_all() -> None:
     from verl_prm.estimators import register_estimators
 
     register_estimators()
+    from verl_prm.platform import register_platform, register_rollout_when_imported
+
+    register_platform()
+    register_rollout_when_imported()
     register_when_imported(TRAINER_REGISTRY_MODULE, _guarded("trainer " + PLUGIN_TRAINER_NAME, _register_trainer))
     register_when_imported(
         REWARD_REGISTRY_MODULE, _guarded("reward manager " + PLUGIN_REWARD_MANAGER_NAME, _register_reward_manager)

@@ -132,6 +132,7 @@ def critic_worker_kwargs(hook: HookConfig) -> dict[str, Any]:
         "best_of_k": 1,
         "max_tokens_per_batch": critic.max_tokens_per_batch,
         "truncation": critic.truncation,
+        "allow_pickle": critic.allow_pickle,
     }
     if critic.dtype != "auto":
         kwargs["dtype"] = critic.dtype

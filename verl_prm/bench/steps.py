@@ -5,7 +5,13 @@ text (sentences, numbers, "\\n\\n" and ".\\n\\n" step breaks, emoji, CJK), token
 tokenizer trained here (or ``--tokenizer DIR``, a local Hugging Face tokenizer), and prints, side by side in
 one process: the tokenizer's own ``batch_decode`` of the batch (the floor: every method must decode), and
 `split_steps` by delimiter, by regex and by fixed-size segments, plus `align_to_critic` to a second
-tokenizer (next to the critic tokenizer's own encode of the texts, which it must do) and to the same one. Target (issue 3): under one second per million tokens on one core.
+tokenizer (next to the critic tokenizer's own encode of the texts, which it must do) and to the same one.
+Target (issue 3): under one second per million tokens on one core.
+
+Timings on a shared machine depend on its load: the table prints the load average (``os.getloadavg``, runnable
+processes averaged over 1/5/15 minutes) and the CPU count before and after the runs, and each row the 1-minute
+load right after its best run, so every figure carries the load it was taken under. The methods are timed in
+interleaved rounds (best of ``--repeats``), so a load change during the benchmark reaches every method alike.
 """
 
 from __future__ import annotations
@@ -53,13 +59,24 @@ def synthetic_response(rng: random.Random, approx_chars: int) -> str:
     return joined
 
 
-def _timed(fn, repeats: int) -> float:
-    best = float("inf")
+def _best_of_interleaved_rounds(methods: dict, repeats: int) -> dict[str, tuple[float, float]]:
+    """``{name: (best seconds, 1-minute load right after that best run)}``. Each round times every method once,
+    so a change of the machine's load during the benchmark reaches all methods alike (the ratios stay fair)."""
+    best: dict[str, tuple[float, float]] = {name: (float("inf"), 0.0) for name in methods}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
+        for name, fn in methods.items():
+            start = time.perf_counter()
+            fn()
+            seconds = time.perf_counter() - start
+            if seconds < best[name][0]:
+                best[name] = (seconds, os.getloadavg()[0])
     return best
+
+
+def machine_load() -> str:
+    """The load average over 1, 5 and 15 minutes and the CPU count, as printed with the table."""
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} / {five:.2f} / {fifteen:.2f} (1 / 5 / 15 min) on {os.cpu_count()} CPUs"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=1024, help="tokens per response")
     parser.add_argument("--vocab-size", type=int, default=8000, help="of the byte-level BPE trained here")
     parser.add_argument("--tokenizer", default=None, help="a local tokenizer directory instead of training one")
-    parser.add_argument("--repeats", type=int, default=3, help="best of this many runs per method")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds (each times every method once); a method's figure is its best round")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the target is for one)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -128,13 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"\n{args.responses} responses x {args.length} tokens = {tokens:,} tokens, "
           f"mean {float(split.num_steps.float().mean()):.1f} steps/response, torch threads {args.threads}, "
-          f"best of {args.repeats}")
-    print(f"{'method':<34} {'seconds':>8} {'responses/s':>12} {'s per M tokens':>15} {'x decode':>9}")
-    floor = None
-    for name, fn in methods.items():
-        seconds = _timed(fn, args.repeats)
-        floor = seconds if floor is None else floor
+          f"best of {args.repeats} interleaved rounds")
+    print(f"before the runs: {machine_load()}")
+    print(f"{'method':<34} {'seconds':>8} {'responses/s':>12} {'s per M tokens':>15} {'x decode':>9} "
+          f"{'load 1 min':>10}")
+    best = _best_of_interleaved_rounds(methods, args.repeats)
+    floor = best["tokenizer.batch_decode (floor)"][0]
+    for name, (seconds, load) in best.items():
         print(f"{name:<34} {seconds:8.3f} {args.responses / seconds:12.0f} {seconds / tokens * 1e6:15.3f} "
-              f"{seconds / floor:9.2f}")
+              f"{seconds / floor:9.2f} {load:10.2f}")
+    print(f"after the runs: {machine_load()}")
     print("\ntarget: split_steps under 1 s per million tokens on one core")
     return 0

@@ -21,7 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m verl_prm.code", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=None, help="sandboxes at once (default: CPU count)")
     parser.add_argument("--limit", type=int, default=None, help="only the first K problems")
-    parser.add_argument("--mode", choices=("auto", "full", "basic"), default="auto")
+    parser.add_argument("--mode", choices=("auto", "full", "user", "basic"), default="auto",
+                        help="isolation level (auto: the strongest that runs Python here)")
     args = parser.parse_args(argv)
     config = SandboxConfig(mode=args.mode)
     problems = read_humaneval()[: args.limit]

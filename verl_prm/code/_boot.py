@@ -2,8 +2,9 @@
 
 Runs as the first process of a new session (the parent starts it with ``start_new_session=True``). In order:
 read the program (still privileged), enter new network and mount namespaces (root), mount a fresh size-capped
-tmpfs over every world-writable directory and use a directory inside it as the working directory, set the
-resource limits, drop to the sandbox uid, install the network audit hook, then compile and run the program in
+tmpfs over every world-writable directory and use a directory inside it as the working directory, show the
+interpreter's files that this hid read-only again, set no_new_privs, drop to the sandbox uid, set the
+resource limits, install the network audit hook, then compile and run the program in
 this interpreter. The outcome goes to the status pipe as one JSON line; stdout/stderr are the program's.
 
 Nothing here may import anything heavy: it runs once per program.
@@ -73,49 +74,48 @@ MS_NODEV = 4
 MS_BIND = 4096
 MS_RDONLY = 1
 MS_REMOUNT = 32
-MNT_DETACH = 2
+PR_SET_NO_NEW_PRIVS = 38
 
 NETWORK_MARKER = "sandbox: network access is blocked"
 
 
-def _closed_ancestor(path):
-    """The topmost ancestor of ``path`` that other uids cannot traverse (no o+x bit), or None."""
-    import stat
-
-    parts = os.path.abspath(path).split(os.sep)[1:]
-    current = ""
-    for part in parts:
-        current = current + os.sep + part
-        try:
-            mode = os.stat(current).st_mode
-        except OSError:
-            return None
-        if stat.S_ISDIR(mode) and not mode & stat.S_IXOTH:
-            return current
-    return None
+def _open_exposed(expose):
+    """O_PATH descriptors of the paths to expose, opened before anything masks them (in the new mount namespace:
+    a bind mount takes its source from the caller's own namespace only)."""
+    fds = []
+    for path, _ in expose:
+        fds.append(os.open(path, os.O_PATH | os.O_CLOEXEC | (os.O_DIRECTORY if os.path.isdir(path) else 0)))
+    return fds
 
 
-def _expose(paths, scratch):
-    """Make each of ``paths`` (the interpreter's standard library) readable by the sandbox uid although an
-    ancestor (``/root`` of a pyenv install) is closed: bind the path to ``scratch``, mask the closed ancestor with
-    an empty tmpfs (which also hides whatever else it holds), recreate the path in it and bind the path back,
-    read-only."""
-    libc = _libc()
-    for index, path in enumerate(paths):
-        closed = _closed_ancestor(path)
-        if closed is None or not os.path.isdir(path):
-            continue
-        hold = os.path.join(scratch, "expose%d" % index)
-        os.mkdir(hold, 0o755)
-        _mount(path, hold, None, MS_BIND | MS_REC, None)
-        if not os.path.ismount(closed) or not os.path.exists(os.path.join(closed, ".verl_prm_sandbox_mask")):
+def _expose(expose, fds):
+    """Show each path of ``expose`` (the interpreter's files, ``sandbox._interpreter_layout``) at its own place,
+    read-only, although a private tmpfs masks it (a path under /tmp) or an ancestor is closed to other uids
+    (``/root`` of a pyenv install): mask a closed ancestor with an empty tmpfs (which also hides whatever else it
+    holds), create the path in the tmpfs and bind the descriptor opened before the masking onto it."""
+    masked = set()
+    for (path, closed), fd in zip(expose, fds):
+        if closed is not None and closed not in masked:
             _mount("tmpfs", closed, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755")
-            open(os.path.join(closed, ".verl_prm_sandbox_mask"), "w").close()
-        os.makedirs(path, 0o755, exist_ok=True)
-        _mount(hold, path, None, MS_BIND | MS_REC, None)
-        _mount("none", path, None, MS_BIND | MS_REMOUNT | MS_RDONLY, None)
-        libc.umount2(hold.encode(), MNT_DETACH)
-        os.rmdir(hold)
+            masked.add(closed)
+        if os.path.isdir("/proc/self/fd/%d" % fd):
+            os.makedirs(path, 0o755, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(path), 0o755, exist_ok=True)
+            open(path, "ab").close()
+        _mount("/proc/self/fd/%d" % fd, path, None, MS_BIND | MS_REC, None)
+        _mount("none", path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
+        os.close(fd)
+
+
+def _set_no_new_privs():
+    """prctl(PR_SET_NO_NEW_PRIVS): execve of a setuid/setgid binary (or one with file capabilities) no longer
+    raises privileges, for this process and every child."""
+    import ctypes
+
+    if _libc().prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, "prctl(PR_SET_NO_NEW_PRIVS) failed: %s" % os.strerror(errno))
 
 
 def _network_hook(event, args):
@@ -144,16 +144,16 @@ def main():
             _unshare(flags)
         if config["mount_namespace"]:
             _mount("none", "/", None, MS_REC | MS_PRIVATE, None)
+            fds = _open_exposed(config["expose"])
             options = "size=%dk,mode=1777" % config["tmpfs_kb"]
             for target in config["mask_dirs"]:
                 if os.path.isdir(target):
                     _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, options)
-            if config["uid"] is not None:
-                _expose(config["expose_paths"], config["mask_dirs"][0])
-            workdir = os.path.join(config["mask_dirs"][0], "sandbox")
+            workdir = config["workdir_full"]
             os.mkdir(workdir, 0o700)
             if config["uid"] is not None:
                 os.chown(workdir, config["uid"], config["gid"])
+            _expose(config["expose"], fds)
         else:
             workdir = config["workdir"]
         program_path = os.path.join(workdir, "program.py")
@@ -170,6 +170,7 @@ def main():
         ]
         if config["nproc"] is not None:
             limits.append((resource.RLIMIT_NPROC, config["nproc"], config["nproc"]))
+        _set_no_new_privs()  # before the uid switch: ctypes is surely readable then (setuid() is not an exec)
         if config["uid"] is not None:
             os.setgroups([])
             os.setgid(config["gid"])

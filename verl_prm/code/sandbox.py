@@ -3,8 +3,11 @@
 ``run_program(source, config)`` writes ``source`` to a root-only staging directory and starts
 ``python -I -S -B verl_prm/code/_boot.py`` as the leader of a new session (``setsid``) with an environment
 of a few fixed variables (nothing of the caller's environment). The boot script (``_boot.py``) sets up the
-isolation before any program code runs. Three isolation levels; ``isolation()`` probes once which one this machine allows (``SandboxConfig.mode="auto"``
-takes the strongest):
+isolation before any program code runs. Three isolation levels. ``isolation()`` runs a probe program once per
+level asked for, interpreter and ``site_packages`` setting (lazily imported standard-library modules, the
+executable, every directory of the interpreter's ``sys.path``): ``SandboxConfig.mode="auto"`` takes the
+strongest level that runs it; an explicit mode that cannot run it is a RuntimeError (never a run that scores a
+correct program 0):
 
 * **full isolation** (the process runs as root and may create namespaces):
   enters a new **network namespace** (only a loopback device that is down: no route anywhere) and a new
@@ -12,6 +15,11 @@ takes the strongest):
   (``/tmp``, ``/var/tmp``, ``/dev/shm``); the working directory is a new directory inside that tmpfs, so it and
   everything the program writes there vanish with the namespace (when the last process of the run exits), and
   the host's files in those directories (Ray's sockets in ``/tmp/ray``, other users' files) are invisible;
+  the interpreter's files that this hides (an interpreter, virtual environment or site-packages under ``/tmp``;
+  a pyenv install under ``/root``, which other uids cannot traverse) are bound back at their own paths,
+  **read-only** (``_interpreter_layout``: the executable's directory, ``base_prefix``, every ``sys.path``
+  directory, with ``site_packages`` also ``prefix`` and what ``.pth`` files add); a path that cannot be shown
+  without undoing the private tmpfs (``/tmp`` itself on ``sys.path``) is refused with a ValueError;
   then it drops to an **unprivileged uid** of its own (a number with no passwd entry, unique per run slot of
   this process: ``uid_for_slot``), so every other path of the file system is read-only or unreadable by
   ordinary Unix permissions, and ``RLIMIT_NPROC`` counts exactly this run's processes;
@@ -20,15 +28,16 @@ takes the strongest):
   ``RLIMIT_NPROC`` counts the run's processes, and every process of the uid is killed at the end) and a fresh
   working directory owned by it (removed afterwards); network access is refused by the audit hook only; ``/tmp``
   and other world-writable directories stay writable and shared. The interpreter's installation must be
-  readable by other uids (the probe checks it with a lazy standard-library import);
+  readable by other uids (the probe checks it; a pyenv Python under ``/root`` fails it: use full isolation);
 * **basic isolation** (not root, or the uid switch failed): the working directory is a fresh directory (removed
   afterwards); network access is refused by an audit hook (see below) only; writes elsewhere are limited by the
   caller's own file permissions only; ``RLIMIT_NPROC`` is set to the caller's current process count + ``nproc``
   (the kernel does not enforce it for root); processes that leave the process group (``setsid``) survive the
   run.
 
-At every level: resource limits ``RLIMIT_CPU`` (CPU seconds; SIGXCPU then SIGKILL), ``RLIMIT_AS`` (address
-space), ``RLIMIT_FSIZE`` (largest file written), ``RLIMIT_NOFILE``, ``RLIMIT_CORE = 0``; an audit hook that
+At every level: ``no_new_privs`` (``prctl``: executing a setuid/setgid binary raises no privileges); resource
+limits ``RLIMIT_CPU`` (CPU seconds; SIGXCPU then SIGKILL), ``RLIMIT_AS`` (address space), ``RLIMIT_FSIZE``
+(largest file written), ``RLIMIT_NOFILE``, ``RLIMIT_CORE = 0``; an audit hook that
 raises ``PermissionError("sandbox: network access is blocked")`` when the program creates an IPv4/IPv6 (any
 non-Unix) socket or connects/binds/sends to a network address (a clear failure reason; in full isolation the
 namespace is the barrier, the hook only names the cause); a wall-clock deadline after which the whole process
@@ -59,17 +68,21 @@ Limits of the guarantees (read before trusting a reward): the program runs in th
 script, so a program written against this harness can find the status pipe and forge a "done" record, or
 return objects whose ``__eq__`` is always true; the sandbox contains the machine (files, network,
 processes, memory, time), not reward hacking inside the interpreter. ``/proc`` is the host's: command lines of
-other processes are readable (their environments, memory and files are not: other uids). Without root, see
+other processes are readable (their environments, memory and files are not: other uids). The probe checks the
+interpreter's ``sys.path`` and executable, not the shared libraries it links: in user isolation a program that
+starts ``sys.executable`` of a pyenv-style build (``libpython`` under ``/root``) fails. Without root, see
 "basic isolation" above.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -129,10 +142,13 @@ class SandboxConfig:
         file_mb: largest file the program may write (RLIMIT_FSIZE), and the size of the private tmpfs.
         max_files: open file descriptors (RLIMIT_NOFILE).
         nproc: processes the run may have at once (RLIMIT_NPROC on the run's own uid in full isolation).
-        mode: "auto" (the strongest level available), or "full", "user", "basic" (error if unavailable).
+        mode: "auto" (the strongest level that runs Python here), or "full", "user", "basic" (probed the same
+            way: `isolation` raises RuntimeError if that level cannot run Python here).
         site_packages: let the program import installed third-party packages (numpy...); default off
             (``python -S``: the standard library only, which is what HumanEval and MBPP need).
-        python: the interpreter that runs the program (default: this one).
+        python: the interpreter that runs the program (default: this one). In full isolation its files (and,
+            with ``site_packages``, its site-packages) are shown read-only even where the sandbox masks their
+            directory (an interpreter or venv under ``/tmp``).
     """
 
     timeout_s: float = 10.0
@@ -149,10 +165,11 @@ class SandboxConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "full", "user", "basic"):
             raise ValueError(f"SandboxConfig.mode must be 'auto', 'full', 'user' or 'basic', got {self.mode!r}")
-        if self.timeout_s <= 0 or self.cpu_s < 1 or self.memory_mb < 64 or self.nproc < 1:
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0) or self.cpu_s < 1 or self.memory_mb < 64 or (
+                self.nproc < 1):
             raise ValueError(
-                f"SandboxConfig: need timeout_s > 0, cpu_s >= 1, memory_mb >= 64, nproc >= 1; got {self.timeout_s}, "
-                f"{self.cpu_s}, {self.memory_mb}, {self.nproc}"
+                f"SandboxConfig: need a finite timeout_s > 0, cpu_s >= 1, memory_mb >= 64, nproc >= 1; got "
+                f"{self.timeout_s}, {self.cpu_s}, {self.memory_mb}, {self.nproc}"
             )
 
 
@@ -160,7 +177,7 @@ class SandboxConfig:
 class Isolation:
     """What a run is isolated by on this machine (``isolation()``)."""
 
-    mode: str  # "full" or "basic"
+    mode: str  # "full", "user" or "basic"
     network: str  # "namespace+audit-hook" or "audit-hook"
     filesystem: str
     processes: str
@@ -237,56 +254,193 @@ class _Slots:
 
 
 _SLOTS = _Slots()
-_ISOLATION: dict[str, Isolation] = {}
 _ISOLATION_LOCK = threading.Lock()
 
 
 LEVELS = ("full", "user", "basic")
-_PROBE = b"import heapq, json, textwrap\nassert json.loads('[1]') == [1]\n"  # lazily imported stdlib must be readable
+# The working directory of a run in full isolation (inside the private tmpfs over MASK_DIRS[0]).
+FULL_WORKDIR = MASK_DIRS[0] + "/sandbox"
+_QUERY = (
+    "import json, sys\n"
+    "print(json.dumps({'executable': sys.executable, 'prefix': sys.prefix, 'exec_prefix': sys.exec_prefix, "
+    "'base_prefix': sys.base_prefix, 'base_exec_prefix': sys.base_exec_prefix, 'path': sys.path}))\n"
+)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What the sandboxed interpreter reads after the uid switch (``_interpreter_layout``).
+
+    Attributes:
+        paths: existing absolute paths: the directory of the executable, ``base_prefix``/``base_exec_prefix``,
+            every entry of the interpreter's ``sys.path`` (with ``site_packages``: site-packages, what ``.pth``
+            files add, and ``prefix``), each also as its real path.
+        expose: ``(path, closed_ancestor)`` for each of ``paths`` hidden in full isolation: under a directory the
+            private tmpfs masks (closed_ancestor None), or below a directory other uids cannot traverse (that
+            directory, e.g. ``/root`` of a pyenv install); nested paths dropped (their parent carries them).
+        closed: ``(path, closed_ancestor)`` for each of ``paths`` other uids cannot read (user isolation has no
+            mount namespace to fix that).
+    """
+
+    executable: str
+    paths: tuple[str, ...]
+    expose: tuple[tuple[str, str | None], ...]
+    closed: tuple[tuple[str, str], ...]
+
+
+_LAYOUTS: dict[tuple[str, bool], _Layout] = {}
+_LAYOUTS_LOCK = threading.Lock()
+
+
+def _under(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def _closed_ancestor(path: str) -> str | None:
+    """The topmost directory on the way to ``path`` (``path`` itself included) that other uids cannot traverse
+    (no o+x bit), or None."""
+    current = ""
+    for part in os.path.abspath(path).split(os.sep)[1:]:
+        current = current + os.sep + part
+        try:
+            mode = os.stat(current).st_mode
+        except OSError:
+            return None
+        if stat.S_ISDIR(mode) and not mode & stat.S_IXOTH:
+            return current
+    return None
+
+
+def _interpreter_layout(python: str, site_packages: bool) -> _Layout:
+    """The interpreter's files the sandbox must keep readable (`_Layout`), from the interpreter itself run with
+    the sandbox's flags (``-I``, and ``-S`` without ``site_packages``); cached per (python, site_packages).
+
+    Raises RuntimeError if the interpreter does not run, ValueError if one of its paths cannot be exposed without
+    undoing the private tmpfs (a path that is a masked directory itself, or the run's working directory)."""
+    key = (python, site_packages)
+    with _LAYOUTS_LOCK:
+        if key in _LAYOUTS:
+            return _LAYOUTS[key]
+    flags = ["-I"] + ([] if site_packages else ["-S"])
+    try:
+        completed = subprocess.run([python, *flags, "-c", _QUERY], capture_output=True, text=True, timeout=120,
+                                   stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise RuntimeError(f"SandboxConfig(python={python!r}): the interpreter does not start: {error}") from None
+    if completed.returncode != 0:
+        raise RuntimeError(f"SandboxConfig(python={python!r}): the interpreter failed (exit status "
+                           f"{completed.returncode}): {completed.stderr.strip()[-500:]}")
+    found = json.loads(completed.stdout.strip().splitlines()[-1])
+    executable = found["executable"]
+    # the executable's directory (a program may start sys.executable) and the real one (a symlinked venv)
+    candidates = [os.path.dirname(executable), os.path.dirname(os.path.realpath(executable)), found["base_prefix"],
+                  found["base_exec_prefix"], *found["path"]]
+    if site_packages:
+        candidates += [found["prefix"], found["exec_prefix"]]  # pyvenv.cfg: a child `sys.executable` is the venv
+    paths: list[str] = []
+    for candidate in candidates:
+        if not candidate or not os.path.isabs(candidate):
+            continue  # "" (the working directory) is the run's own
+        for path in (os.path.normpath(candidate), os.path.realpath(candidate)):
+            if os.path.exists(path) and path not in paths:  # sys.path names a missing python3X.zip: nothing to keep
+                paths.append(path)
+    for path in paths:
+        refused = [d for d in MASK_DIRS if path == d] + ([FULL_WORKDIR] if _under(path, FULL_WORKDIR) else [])
+        if refused:
+            raise ValueError(
+                f"SandboxConfig(python={python!r}, site_packages={site_packages}): the interpreter needs {path}, "
+                f"which the sandbox cannot show read-only without undoing its private {refused[0]}; install the "
+                f"interpreter (or its packages) elsewhere, or drop {path} from its sys.path (.pth files)")
+    hidden = []
+    for path in paths:
+        masked = [d for d in MASK_DIRS if _under(path, d)]
+        closed = None if masked else _closed_ancestor(path)
+        if masked or closed:
+            hidden.append((path, closed))
+    hidden.sort(key=lambda entry: len(entry[0]))
+    expose: list[tuple[str, str | None]] = []
+    for path, closed in hidden:
+        if not any(_under(path, outer) for outer, _ in expose):
+            expose.append((path, closed))
+    closed_paths = tuple((p, c) for p in paths for c in [_closed_ancestor(p)] if c)
+    layout = _Layout(executable, tuple(paths), tuple(expose), closed_paths)
+    with _LAYOUTS_LOCK:
+        _LAYOUTS[key] = layout
+    return layout
+
+
+def _probe_source(layout: _Layout) -> bytes:
+    """A program that passes only where the interpreter works: lazily imported standard-library modules, the
+    executable (a program may start ``sys.executable``) and every directory of its ``sys.path``."""
+    return (
+        "import heapq, json, os, sys, textwrap\n"
+        "assert json.loads('[1]') == [1]\n"
+        "if not os.access(sys.executable, os.X_OK):\n"
+        "    raise PermissionError('cannot execute the interpreter ' + sys.executable)\n"
+        f"for path in {list(layout.paths)!r}:\n"
+        "    os.listdir(path) if os.path.isdir(path) else open(path, 'rb').close()\n"
+    ).encode()
 
 
 def _isolation_of(level: str, note: str = "") -> Isolation:
     if level == "full":
         return Isolation("full", "namespace+audit-hook",
-                         "private tmpfs over " + ", ".join(MASK_DIRS) + " (cwd inside it); unprivileged uid elsewhere",
-                         "setsid + killpg + kill-all-of-the-run's-uid; RLIMIT_NPROC on the run's uid", note)
+                         "private tmpfs over " + ", ".join(MASK_DIRS) + " (cwd inside it); the interpreter's "
+                         "files read-only; unprivileged uid elsewhere",
+                         "setsid + killpg + kill-all-of-the-run's-uid; RLIMIT_NPROC on the run's uid; no_new_privs",
+                         note)
     if level == "user":
         return Isolation("user", "audit-hook",
                          "fresh temporary cwd (removed); unprivileged uid elsewhere (world-writable directories such "
                          "as /tmp stay writable and shared)",
-                         "setsid + killpg + kill-all-of-the-run's-uid; RLIMIT_NPROC on the run's uid", note)
+                         "setsid + killpg + kill-all-of-the-run's-uid; RLIMIT_NPROC on the run's uid; no_new_privs",
+                         note)
     return Isolation("basic", "audit-hook", "fresh temporary cwd (removed); caller's permissions elsewhere",
-                     "setsid + killpg; RLIMIT_NPROC = caller's processes + nproc (not enforced for root)", note)
+                     "setsid + killpg; RLIMIT_NPROC = caller's processes + nproc (not enforced for root); "
+                     "no_new_privs", note)
 
 
-def _probe_level(python: str) -> tuple[str, str]:
-    """The strongest level that runs a probe program here: full (namespaces + uid), user (uid only), basic."""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return "basic", "not running as root: no namespaces, no uid switch"
-    config = SandboxConfig(timeout_s=20.0, mode="basic", python=python)
-    notes = []
-    for level in ("full", "user"):
-        probe = _run(_PROBE, config, level=level)
-        if probe.reason == "passed":
-            return level, "; ".join(notes)
-        notes.append(f"{level} isolation refused: {probe.reason}: {probe.detail[:200]}")
-    return "basic", "; ".join(notes)
+_PROBES: dict[tuple[str, bool, str], str] = {}  # (python, site_packages, level) -> "" (runs) or why not
+
+
+def _probe(python: str, site_packages: bool, level: str) -> str:
+    """Why ``level`` cannot run Python with this interpreter here ("" if it can): a probe program (`_probe_source`)
+    run once at that level; cached. Call with ``_ISOLATION_LOCK`` held."""
+    key = (python, site_packages, level)
+    if key not in _PROBES:
+        if level in ("full", "user") and (not hasattr(os, "geteuid") or os.geteuid() != 0):
+            why = "not running as root: no namespaces, no uid switch"
+        else:
+            layout = _interpreter_layout(python, site_packages)
+            config = SandboxConfig(timeout_s=30.0, python=python, site_packages=site_packages)
+            result = _run(_probe_source(layout), config, level=level)
+            why = "" if result.passed else f"the probe program ended with {result.reason}: {result.detail[:300]}"
+            if why and level == "user" and layout.closed:
+                path, closed = layout.closed[0]
+                why += (f" (the interpreter's {path} is not readable by other uids: {closed} has no o+x bit, and user "
+                        f"isolation has no mount namespace to show it; use mode='full' or 'auto', or an interpreter "
+                        f"other uids can read, e.g. chmod o+rx {closed})")
+        _PROBES[key] = why
+    return _PROBES[key]
 
 
 def isolation(config: SandboxConfig | None = None) -> Isolation:
-    """The isolation runs get with ``config.mode`` on this machine (probed once per interpreter path): "auto"
-    takes the strongest available level; a level asked for explicitly must be available (or weaker)."""
+    """The isolation runs get with ``config`` on this machine. Each level is probed once per (interpreter,
+    site_packages) by running a probe program at that level (`_probe`): "auto" takes the strongest level that
+    runs it, an explicit mode must run it. Raises RuntimeError (with each failure) where no level asked for can
+    run Python: an error, never a run that scores a correct program 0."""
     config = config or SandboxConfig()
+    levels = LEVELS if config.mode == "auto" else (config.mode,)
+    failures = []
     with _ISOLATION_LOCK:
-        if config.python not in _ISOLATION:
-            _ISOLATION[config.python] = _isolation_of(*_probe_level(config.python))
-        found = _ISOLATION[config.python]
-    if config.mode == "auto":
-        return found
-    if LEVELS.index(config.mode) < LEVELS.index(found.mode):
-        raise RuntimeError(f"SandboxConfig(mode={config.mode!r}): not available here, the strongest is "
-                           f"{found.mode!r} ({found.note})")
-    return found if config.mode == found.mode else _isolation_of(config.mode, f"mode={config.mode!r} requested")
+        for level in levels:
+            why = _probe(config.python, config.site_packages, level)
+            if not why:
+                note = f"mode={config.mode!r} requested" if config.mode != "auto" else "; ".join(failures)
+                return _isolation_of(level, note)
+            failures.append(f"{level} isolation: {why}")
+    raise RuntimeError(f"SandboxConfig(mode={config.mode!r}, python={config.python!r}, site_packages="
+                       f"{config.site_packages}) cannot run Python here: " + "; ".join(failures))
 
 
 def _user_process_count(uid: int) -> int:
@@ -421,19 +575,6 @@ def _program_env(site_packages: bool) -> dict[str, str]:
     return env
 
 
-def _interpreter_paths(config: SandboxConfig) -> list[str]:
-    """Directories the sandboxed interpreter reads after the uid switch: its installation (standard library),
-    and with ``site_packages`` the environment's prefix (site-packages)."""
-    if config.python == sys.executable:
-        paths = {sys.base_prefix, sys.base_exec_prefix} | ({sys.prefix, sys.exec_prefix} if config.site_packages else set())
-    else:
-        query = "import sys; print(sys.base_prefix); print(sys.base_exec_prefix); print(sys.prefix)"
-        lines = subprocess.run([config.python, "-I", "-c", query], capture_output=True, text=True, check=True).stdout
-        found = lines.split()
-        paths = set(found[:2]) | ({found[2]} if config.site_packages else set())
-    return sorted(paths)
-
-
 def _run(source: bytes, config: SandboxConfig, *, level: str) -> RunResult:
     """One run at isolation ``level`` (module docstring)."""
     full = level == "full"
@@ -472,9 +613,10 @@ def _run(source: bytes, config: SandboxConfig, *, level: str) -> RunResult:
             file_bytes=int(config.file_mb) * 1024 * 1024,
             max_files=int(config.max_files),
             nproc=nproc,
-            env=dict(env, HOME="/tmp/sandbox" if full else str(staging), TMPDIR="/tmp/sandbox" if full else str(staging)),
+            env=dict(env, HOME=FULL_WORKDIR if full else str(staging), TMPDIR=FULL_WORKDIR if full else str(staging)),
             audit_network=True,
-            expose_paths=_interpreter_paths(config),
+            workdir_full=FULL_WORKDIR,
+            expose=[list(entry) for entry in _interpreter_layout(config.python, config.site_packages).expose],
         )
         flags = ["-I", "-B"] + ([] if config.site_packages else ["-S"])
         process = subprocess.Popen(

@@ -6,6 +6,7 @@ estimator as ``config``). Unknown keys and out-of-range values are errors at the
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Optional
@@ -13,6 +14,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from verl_prm.advantages import AGGREGATIONS, COMPILE_MODES
+from verl_prm.config.checks import check_number
 
 __all__ = ["PavConfig", "read_pav_config"]
 
@@ -39,7 +41,9 @@ class PavConfig:
     normalize: bool = False
     # No process term for responses that were truncated (no EOS). Needs the `truncated` tensor.
     drop_truncated: bool = False
-    # Validate the step tensors against the contract (one host read per batch). Errors name the sample.
+    # Validate the step tensors against the contract (one host read per batch). Errors name the sample. Off: no
+    # checks; a step id outside [-1, S - 1] (S = step_values columns) is clamped into that range, so it reads its
+    # own response's row (the last step column, or "no step"), never another response's value.
     check_inputs: bool = True
     # How the per-token lookup runs: "auto" (one kernel made by torch.compile for batches of >= 1M tokens,
     # compiled once per process; eager below or if compilation fails, with a warning), "always", "never".
@@ -52,31 +56,49 @@ class PavConfig:
     aggregate_with_outcome: bool = True
     # Small constant of the std normalisations.
     epsilon: float = 1e-6
+    # pav_pure only (PURE's min-form credit assignment): temperature T of the softmin over a response's steps
+    # (PURE: 0.1; 0: the hard minimum) ...
+    min_form_temperature: float = 0.1
+    # ... PURE's "step" baseline: subtract the mean step reward of the prompt's other responses ...
+    min_form_baseline: bool = True
+    # ... and no advantage on the token that ends each step but the last (PURE's step-separator tokens).
+    zero_separator_advantage: bool = True
+    # pav_prime only (PRIME's leave-one-out process returns): whiten the returns over the batch's response tokens.
+    whiten_returns: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "aggregate_weight", "epsilon") + (("clip",) if self.clip is not None else ()):
+        for name in ("alpha", "aggregate_weight", "epsilon", "min_form_temperature") + (
+            ("clip",) if self.clip is not None else ()
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"algorithm.pav.{name} must be a number, got {value!r}")
             setattr(self, name, float(value))
-        for name in ("normalize", "drop_truncated", "check_inputs", "aggregate_with_outcome"):
+        for name in ("normalize", "drop_truncated", "check_inputs", "aggregate_with_outcome", "min_form_baseline",
+                     "zero_separator_advantage", "whiten_returns"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"algorithm.pav.{name} must be true or false, got {getattr(self, name)!r}")
-        if self.alpha < 0:
-            raise ValueError(f"algorithm.pav.alpha must be >= 0, got {self.alpha}")
-        if isinstance(self.best_of_k, bool) or int(self.best_of_k) != self.best_of_k or self.best_of_k < 1:
+        # NaN or inf in any float knob would turn every advantage into NaN: finite and in range, at startup.
+        check_number("algorithm.pav.alpha", self.alpha, 0.0)
+        check_number("algorithm.pav.aggregate_weight", self.aggregate_weight)
+        if self.clip is not None:
+            check_number("algorithm.pav.clip", self.clip, 0.0, low_open=True)
+        check_number("algorithm.pav.epsilon", self.epsilon, 0.0, low_open=True)
+        if (isinstance(self.best_of_k, bool) or not isinstance(self.best_of_k, (int, float))
+                or not math.isfinite(self.best_of_k) or int(self.best_of_k) != self.best_of_k or self.best_of_k < 1):
             raise ValueError(f"algorithm.pav.best_of_k must be an integer >= 1, got {self.best_of_k}")
         self.best_of_k = int(self.best_of_k)
         if self.process_term not in PROCESS_TERMS:
             raise ValueError(f"algorithm.pav.process_term must be one of {PROCESS_TERMS}, got {self.process_term!r}")
-        if self.clip is not None and self.clip <= 0:
-            raise ValueError(f"algorithm.pav.clip must be > 0 or null, got {self.clip}")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"algorithm.pav.compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"algorithm.pav.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
-        if self.epsilon <= 0:
-            raise ValueError(f"algorithm.pav.epsilon must be > 0, got {self.epsilon}")
+        if not 0.0 <= self.min_form_temperature < float("inf"):  # NaN fails both comparisons
+            raise ValueError(
+                f"algorithm.pav.min_form_temperature must be a finite number >= 0 (0: the hard minimum), got "
+                f"{self.min_form_temperature}"
+            )
 
     @property
     def uses_values(self) -> bool:

@@ -17,7 +17,8 @@ and returns the typed ``HookConfig`` and ``PavConfig``. Every error names the co
 
 from __future__ import annotations
 
-import os
+import difflib
+import math
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
@@ -46,7 +47,7 @@ DEFAULT_DELIMITER = "\n\n"  # verl_prm.steps.DEFAULT_DELIMITER (kept here so the
 HOOK_TRAINER_NAME = "pav_sync"
 # Estimators that read the step tensors, so they only work with the hook (verl passes plugin estimators no
 # batch keys besides the rewards, the mask and the uid).
-STEP_ESTIMATORS = ("pav_grpo", "pav_rloo", "pav_reinforce", "prm_aggregate")
+STEP_ESTIMATORS = ("pav_grpo", "pav_rloo", "pav_reinforce", "prm_aggregate", "pav_pure", "pav_prime")
 # Checkpoint formats a prover critic can be read from (DESIGN.md section 4; verl_prm.critic.formats.FORMATS,
 # which a test holds equal to this tuple: the config check must not import torch models).
 CRITIC_FORMATS = ("value_head", "qwen_prm", "math_shepherd", "value_head_lm")
@@ -81,6 +82,9 @@ class CriticSection:
     # A prompt + response longer than the critic's context: "error" (names the sample) or "left_prompt" (drop
     # prompt tokens from the left; never response tokens).
     truncation: str = "error"
+    # Also load a checkpoint whose weights are pickle only (pytorch_model.bin): unpickling can run arbitrary code,
+    # so the default loads safetensors only (verl_prm.checkpoints).
+    allow_pickle: bool = False
 
 
 @dataclass
@@ -121,9 +125,12 @@ class StepsSection:
 class PlacementSection:
     """``verl_prm.placement``: the verl resource pool of the critic's worker group."""
 
+    # "colocated": the critic's workers share verl's global pool (the actor and rollout GPUs); "own": a pool of
+    # its own, which verl's GPU check counts.
     pool: str = "colocated"
-    # Only for pool="own": the size of the critic's own pool.
+    # Only for pool="own": the size of the critic's own pool, GPUs per node ...
     n_gpus_per_node: int = 1
+    # ... and nodes.
     nnodes: int = 1
 
 
@@ -254,26 +261,73 @@ def _select(config: Any, dotted: str, default: Any = None) -> Any:
     return default if node is None else node
 
 
-def _check_critic_path(path: Optional[str]) -> None:
+def _check_critic_path(path: Optional[str], allow_pickle: bool = False) -> None:
     if path is None or str(path).strip() == "":
         raise ConfigError(
             "verl_prm.critic.path is required when the verl-prm trainer hook runs: set "
             "verl_prm.critic.path=/path/to/prover_critic (a Hugging Face checkpoint; `verl-prm train` writes one)"
         )
     path = str(path)
-    looks_local = os.path.isabs(path) or path.startswith((".", "~"))
-    if looks_local and not os.path.exists(os.path.expanduser(path)):
-        raise ConfigError(f"verl_prm.critic.path={path!r} does not exist: point it at the critic checkpoint directory")
+    if "://" in path:  # hdfs:// and the like: verl copies it to a local directory when the worker starts
+        return
+    from verl_prm.checkpoints import CheckpointError, resolve_checkpoint
+
+    try:
+        resolve_checkpoint(path, "critic", allow_pickle=allow_pickle)
+    except (FileNotFoundError, CheckpointError) as error:
+        raise ConfigError(f"verl_prm.critic.path: {error}") from None
+
+
+def _check_finite_floats(node: Any, key: str) -> None:
+    """Every float anywhere under ``node`` (e.g. in ``verl_prm.critic.options``) is finite; the error names its key.
+
+    The typed knobs check their own ranges; this also covers free-form option maps, so no NaN or inf reaches a
+    run through any key of the plugin."""
+    if isinstance(node, DictConfig):
+        node = OmegaConf.to_container(node, resolve=True)
+    if isinstance(node, dict):
+        for name, value in node.items():
+            _check_finite_floats(value, f"{key}.{name}")
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            _check_finite_floats(value, f"{key}[{i}]")
+    elif isinstance(node, float) and not math.isfinite(node):
+        raise ConfigError(f"{key} must be a finite number, got {node}")
+
+
+def known_estimators() -> Optional[set[str]]:
+    """The advantage estimators a verl run can name: verl's registry plus this plugin's (None without verl)."""
+    try:
+        from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
+    except ImportError:
+        return None
+    return set(ADV_ESTIMATOR_REGISTRY) | set(STEP_ESTIMATORS)
+
+
+def _check_estimator(estimator: Any) -> None:
+    if estimator is None:
+        return
+    known = known_estimators()
+    if known is None or str(estimator) in known:
+        return
+    close = difflib.get_close_matches(str(estimator), sorted(known), n=1)
+    raise ConfigError(
+        f"algorithm.adv_estimator={estimator!r} is not a registered advantage estimator"
+        + (f" (did you mean {close[0]!r}?)" if close else "")
+        + f"; known: {', '.join(sorted(known))}"
+    )
 
 
 def validate_run_config(config: Any) -> tuple[HookConfig, PavConfig]:
     """Check the verl-prm parts of a composed verl run config; return the typed hook and estimator configs.
 
     Checks, in order (each a ``ConfigError`` naming the key):
-    unknown or mistyped keys under ``verl_prm`` and ``algorithm.pav``; ``alpha < 0``; ``best_of_k < 1``;
-    a step estimator (pav_*, prm_aggregate) without ``trainer.v1.trainer_mode=pav_sync`` (the hook);
-    the hook without ``verl_prm.critic.path`` (or with a local path that does not exist); out-of-range
-    step, critic and placement settings.
+    unknown or mistyped keys under ``verl_prm`` and ``algorithm.pav``; a NaN or infinite float anywhere under
+    them; out-of-range estimator knobs (``alpha < 0``, ``best_of_k < 1``, ...); an ``algorithm.adv_estimator``
+    that neither verl nor the plugin registers; a step estimator (pav_*, prm_aggregate) without
+    ``trainer.v1.trainer_mode=pav_sync`` (the hook); the hook without ``verl_prm.critic.path``, or with a path
+    that does not exist, is a file, has no weights or only pickle weights (``verl_prm.critic.allow_pickle``), or
+    is a hub id that is not cached while offline; out-of-range step, critic and placement settings.
     """
     hook = read_hook_config(_select(config, "verl_prm"))
     algorithm = _select(config, "algorithm")
@@ -281,7 +335,11 @@ def validate_run_config(config: Any) -> tuple[HookConfig, PavConfig]:
         pav = read_pav_config(algorithm)
     except (ValueError, TypeError) as error:
         raise ConfigError(str(error)) from None
+    # after the typed checks (their messages give the range): the floats no typed knob covers
+    _check_finite_floats(_select(config, "verl_prm"), "verl_prm")
+    _check_finite_floats(_select(config, "algorithm.pav"), "algorithm.pav")
     estimator = _select(config, "algorithm.adv_estimator")
+    _check_estimator(estimator)
     trainer_mode = _select(config, "trainer.v1.trainer_mode")
     hook_selected = trainer_mode == HOOK_TRAINER_NAME
     if estimator in STEP_ESTIMATORS and not hook_selected:
@@ -291,5 +349,5 @@ def validate_run_config(config: Any) -> tuple[HookConfig, PavConfig]:
             "(or add +verl_prm=pav with hydra.searchpath=[pkg://verl_prm.config], which sets it)"
         )
     if hook_selected and (estimator in STEP_ESTIMATORS or hook.score_outcome_estimators):
-        _check_critic_path(hook.critic.path)
+        _check_critic_path(hook.critic.path, hook.critic.allow_pickle)
     return hook, pav

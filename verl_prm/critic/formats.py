@@ -21,7 +21,10 @@ Formats (``ProverCritic.from_pretrained(path, format=NAME)``):
   step's last token (Skywork reads it at the step's trailing "\\n", which is the step's last token when
   steps are split at "\\n"); v_0 at the prompt's last token.
 
-Everything loads with ``trust_remote_code=False``.
+Everything loads with ``trust_remote_code=False`` and from safetensors only, unless the caller passes
+``allow_pickle=True`` (``verl_prm.checkpoints``). Weights the model needs but the checkpoint lacks (e.g. a value
+head that was never saved) are an error naming the checkpoint and the keys: transformers would initialise them
+at random on every load and only mention it in its load report.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+
+from verl_prm.checkpoints import CheckpointError, from_pretrained_kwargs, safetensors_keys
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +191,9 @@ class CriticFormat:
         self.marker_id = marker_id
 
     @classmethod
-    def load(cls, path: str, tokenizer, *, dtype: torch.dtype, attn_implementation: str, **options: Any) -> "CriticFormat":
+    def load(cls, path: str, tokenizer, *, dtype: torch.dtype, attn_implementation: str, allow_pickle: bool = False,
+             **options: Any) -> "CriticFormat":
+        """Load the checkpoint directory ``path`` (safetensors only unless ``allow_pickle``)."""
         raise NotImplementedError
 
     def logits_to_values(self, logits: torch.Tensor) -> torch.Tensor:
@@ -221,8 +228,43 @@ def _quiet_unexpected_keys():
         hf_logging.set_verbosity(previous)
 
 
-def _common_kwargs(dtype: torch.dtype, attn_implementation: str) -> dict[str, Any]:
-    return {"dtype": dtype, "attn_implementation": attn_implementation, "trust_remote_code": False}
+def _common_kwargs(dtype: torch.dtype, attn_implementation: str, allow_pickle: bool = False) -> dict[str, Any]:
+    return {"dtype": dtype, "attn_implementation": attn_implementation, **from_pretrained_kwargs(allow_pickle)}
+
+
+def _missing_weights_error(path, missing) -> CheckpointError:
+    shown = ", ".join(sorted(missing)[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+    return CheckpointError(
+        f"critic checkpoint {str(path)!r} lacks weights the model needs: {shown}. Loading it would fill them with "
+        "random values that change on every load. Use a complete checkpoint (a `verl-prm train` checkpoint-*/ "
+        "directory), or the format that matches it (verl_prm.critic.format / --critic-format)"
+    )
+
+
+def _load_complete(auto_class, path, dtype, attn_implementation, allow_pickle: bool, quiet: bool = False):
+    """``auto_class.from_pretrained`` that raises ``CheckpointError`` when a weight of the model is not in the
+    checkpoint (transformers' ``missing_keys``, which excludes tied weights)."""
+    with _quiet_unexpected_keys() if quiet else contextlib.nullcontext():
+        model, info = auto_class.from_pretrained(
+            path, output_loading_info=True, **_common_kwargs(dtype, attn_implementation, allow_pickle)
+        )
+    missing = set(info.get("missing_keys") or ())
+    if missing:
+        raise _missing_weights_error(path, missing)
+    return model
+
+
+def _require_head_weights(path, model: nn.Module, head: nn.Module) -> None:
+    """The head's parameters must be tensors of the checkpoint's safetensors (read from the headers; our own
+    check, independent of transformers' load report). Pickle checkpoints rely on ``_load_complete`` alone."""
+    keys = safetensors_keys(path) if Path(str(path)).is_dir() else None
+    if keys is None:
+        return
+    prefix = next(name for name, module in model.named_modules() if module is head)
+    wanted = {f"{prefix}.{name}" for name, _ in head.named_parameters()}
+    missing = wanted - keys
+    if missing:
+        raise _missing_weights_error(path, missing)
 
 
 class ValueHeadFormat(CriticFormat):
@@ -231,18 +273,20 @@ class ValueHeadFormat(CriticFormat):
     name = "value_head"
 
     @classmethod
-    def load(cls, path, tokenizer, *, dtype, attn_implementation, **options):
+    def load(cls, path, tokenizer, *, dtype, attn_implementation, allow_pickle=False, **options):
         from transformers import AutoModelForTokenClassification
 
         _no_options(cls.name, options)
-        model = AutoModelForTokenClassification.from_pretrained(path, **_common_kwargs(dtype, attn_implementation))
+        model = _load_complete(AutoModelForTokenClassification, path, dtype, attn_implementation, allow_pickle)
         if model.config.num_labels != 1:
             raise ValueError(
                 f"{path}: format 'value_head' needs num_labels=1, the checkpoint has {model.config.num_labels}; "
                 "a two-class head is format 'qwen_prm'"
             )
+        head = _token_classification_head(model)
+        _require_head_weights(path, model, head)
         model.eval()
-        return cls(model, _base_model(model), _fp32_copy(_token_classification_head(model)))
+        return cls(model, _base_model(model), _fp32_copy(head))
 
     def logits_to_values(self, logits):
         return torch.sigmoid(logits[:, 0])
@@ -259,7 +303,7 @@ class QwenPrmFormat(CriticFormat):
 
     @classmethod
     def load(cls, path, tokenizer, *, dtype, attn_implementation, separator: str | int = "<extra_0>",
-             positive_label: int = 1, head_prefix: str | None = None, **options):
+             positive_label: int = 1, head_prefix: str | None = None, allow_pickle=False, **options):
         from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification
 
         _no_options(cls.name, options)
@@ -267,14 +311,15 @@ class QwenPrmFormat(CriticFormat):
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
         architectures = getattr(config, "architectures", None) or []
         if head_prefix is None and any(a.endswith("ForTokenClassification") for a in architectures):
-            model = AutoModelForTokenClassification.from_pretrained(path, **_common_kwargs(dtype, attn_implementation))
-            head = _fp32_copy(_token_classification_head(model))
+            model = _load_complete(AutoModelForTokenClassification, path, dtype, attn_implementation, allow_pickle)
+            head = _token_classification_head(model)
+            _require_head_weights(path, model, head)
+            head = _fp32_copy(head)
             backbone = _base_model(model)
         else:
             # Public Qwen2.5-Math-PRM: custom architecture (Qwen2ForProcessRewardModel), head `score` =
             # Linear-ReLU-Linear; the backbone loads as the plain base model, the head from safetensors.
-            with _quiet_unexpected_keys():
-                model = AutoModel.from_pretrained(path, **_common_kwargs(dtype, attn_implementation))
+            model = _load_complete(AutoModel, path, dtype, attn_implementation, allow_pickle, quiet=True)
             _, head = read_head_from_safetensors(path, (head_prefix,) if head_prefix else ("score",))
             backbone = model
         out_features = _out_features(head)
@@ -298,7 +343,7 @@ class MathShepherdFormat(CriticFormat):
 
     @classmethod
     def load(cls, path, tokenizer, *, dtype, attn_implementation, tag: str | int = "ки",
-             positive_token: str | int = "+", negative_token: str | int = "-", **options):
+             positive_token: str | int = "+", negative_token: str | int = "-", allow_pickle=False, **options):
         from transformers import AutoModelForCausalLM
 
         _no_options(cls.name, options)
@@ -307,7 +352,7 @@ class MathShepherdFormat(CriticFormat):
             resolve_token_id(tokenizer, positive_token, "math_shepherd positive token"),
             resolve_token_id(tokenizer, negative_token, "math_shepherd negative token"),
         ]
-        model = AutoModelForCausalLM.from_pretrained(path, **_common_kwargs(dtype, attn_implementation))
+        model = _load_complete(AutoModelForCausalLM, path, dtype, attn_implementation, allow_pickle)
         model.eval()
         lm_head = model.get_output_embeddings()
         # Only the two candidate rows of the LM head are needed: a [2, H] fp32 Linear instead of full-vocab logits.
@@ -332,12 +377,12 @@ class ValueHeadLMFormat(CriticFormat):
     HEAD_PREFIXES: ClassVar[tuple[str, ...]] = ("v_head.summary", "v_head", "value_head", "score")
 
     @classmethod
-    def load(cls, path, tokenizer, *, dtype, attn_implementation, head_prefix: str | None = None, **options):
+    def load(cls, path, tokenizer, *, dtype, attn_implementation, head_prefix: str | None = None,
+             allow_pickle=False, **options):
         from transformers import AutoModel
 
         _no_options(cls.name, options)
-        with _quiet_unexpected_keys():
-            model = AutoModel.from_pretrained(path, **_common_kwargs(dtype, attn_implementation))
+        model = _load_complete(AutoModel, path, dtype, attn_implementation, allow_pickle, quiet=True)
         model.eval()
         prefix, head = read_head_from_safetensors(path, (head_prefix,) if head_prefix else cls.HEAD_PREFIXES)
         if _out_features(head) != 1:

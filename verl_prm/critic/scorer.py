@@ -17,6 +17,8 @@ from typing import Any, Literal, Sequence
 import torch
 
 from verl_prm.advantages import best_of_k as best_of_k_transform
+from verl_prm.checkpoints import allow_pickle_default, resolve_checkpoint
+from verl_prm.config.checks import check_number
 from verl_prm.critic.formats import FORMATS, CriticFormat, default_attn_implementation, resolve_dtype
 from verl_prm.critic.packing import (
     CriticInput,
@@ -109,7 +111,7 @@ class ProverCritic:
         if packing == "auto":
             packing = "varlen" if runs_varlen(attn) else "padded"
         self.packing: Literal["varlen", "padded"] = packing
-        self.max_padding_share = float(max_padding_share)
+        self.max_padding_share = check_number("max_padding_share", max_padding_share, 0.0, 1.0)
         self.progress = progress
         pad = tokenizer.pad_token_id if tokenizer is not None else None
         if pad is None and tokenizer is not None:
@@ -133,12 +135,15 @@ class ProverCritic:
         attn_implementation: str | None = None,
         tokenizer: Any = None,
         progress: bool = False,
+        allow_pickle: bool | None = None,
         **format_options: Any,
     ) -> "ProverCritic":
         """Load a critic checkpoint (Hugging Face format, safetensors, ``trust_remote_code=False``).
 
         Args:
-            path: checkpoint directory (model + tokenizer).
+            path: checkpoint directory (model + tokenizer), or an ``org/model`` hub id. A missing directory, a
+                file, a directory without weights and, in offline mode (``HF_HUB_OFFLINE``), a hub id that is not
+                in the local cache are errors before anything is loaded (``verl_prm.checkpoints``).
             format: one of ``value_head`` (default), ``qwen_prm``, ``math_shepherd``, ``value_head_lm``
                 (see ``verl_prm.critic.formats``).
             best_of_k: K >= 1; K > 1 returns Best-of-K values ``1 - (1 - v)^K``.
@@ -156,11 +161,16 @@ class ProverCritic:
             attn_implementation: default flash_attention_2 on CUDA when flash-attn is installed, else sdpa.
             tokenizer: default ``AutoTokenizer.from_pretrained(path)``.
             progress: tqdm bar over micro-batches.
+            allow_pickle: also load pickle-only weights (``pytorch_model.bin``; unpickling can run code). Default:
+                the ``VERL_PRM_ALLOW_PICKLE`` environment variable, else False (safetensors only). Weights the
+                model needs but the checkpoint lacks (a value head never saved) are always an error.
             format_options: per format, e.g. ``separator=`` (qwen_prm), ``tag=``, ``positive_token=``,
                 ``negative_token=`` (math_shepherd), ``head_prefix=`` (value_head_lm, qwen_prm).
         """
         if format not in FORMATS:
             raise ValueError(f"unknown critic format {format!r}; choose one of {sorted(FORMATS)}")
+        allow_pickle = allow_pickle_default() if allow_pickle is None else bool(allow_pickle)
+        path = resolve_checkpoint(path, "critic", allow_pickle=allow_pickle)
         device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         torch_dtype = resolve_dtype(dtype, device)
         attn = attn_implementation or default_attn_implementation(device)
@@ -168,7 +178,8 @@ class ProverCritic:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-        adapter = FORMATS[format].load(path, tokenizer, dtype=torch_dtype, attn_implementation=attn, **format_options)
+        adapter = FORMATS[format].load(path, tokenizer, dtype=torch_dtype, attn_implementation=attn,
+                                       allow_pickle=allow_pickle, **format_options)
         adapter.to(device)
         return cls(
             adapter,

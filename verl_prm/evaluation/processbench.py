@@ -42,6 +42,7 @@ from typing import Any, Sequence
 import torch
 
 from verl_prm.advantages import best_of_k, step_progress, valid_steps
+from verl_prm.cli_types import finite_float
 
 __all__ = [
     "FirstErrorSample",
@@ -307,9 +308,14 @@ def _pad_scores(samples: Sequence[FirstErrorSample]) -> tuple[torch.Tensor, torc
 def _grid(text: str) -> torch.Tensor:
     try:
         start, stop, count = text.split(":")
-        return torch.linspace(float(start), float(stop), int(count), dtype=torch.float64)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--thresholds must be START:STOP:COUNT, got {text!r}") from None
+        start, stop = finite_float()(start), finite_float()(stop)
+        if int(count) < 1:
+            raise ValueError(count)
+        return torch.linspace(start, stop, int(count), dtype=torch.float64)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(
+            f"must be START:STOP:COUNT (finite numbers, COUNT >= 1), got {text!r}"
+        ) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -323,10 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--score", choices=("values", "progress"), default="values",
                    help="threshold the critic's values or their progress (PAV)")
     p.add_argument("--best-of-k", type=int, default=1)
-    p.add_argument("--threshold", type=float, default=None, help="fixed threshold (no tuning)")
+    p.add_argument("--threshold", type=finite_float(), default=None, help="fixed threshold (no tuning)")
     p.add_argument("--thresholds", type=_grid, default=None,
                    help="tuning grid START:STOP:COUNT (default 0:1:101 for values, -1:1:201 for progress)")
-    p.add_argument("--tune-fraction", type=float, default=0.5, help="share of samples used to tune the threshold")
+    p.add_argument("--tune-fraction", type=finite_float(0.0, 1.0, low_open=True, high_open=True), default=0.5, help="share of samples used to tune the threshold")
     p.add_argument("--prompt-format", default="{problem}\n\n", help="what the critic reads before the steps")
     p.add_argument("--separator", default="\\n\\n", help="text between steps (escapes decoded)")
     p.add_argument("--device", default=None)

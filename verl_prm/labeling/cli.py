@@ -13,6 +13,8 @@ import json
 import sys
 from typing import Sequence
 
+from verl_prm.checkpoints import resolve_checkpoint
+from verl_prm.cli_types import finite_float
 from verl_prm.config.hook import CODE_STEP_RULES
 
 __all__ = ["main", "build_generator"]
@@ -80,14 +82,14 @@ def label_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=None, help="merge steps beyond this count into the last")
     p.add_argument("--no-prompt-value", action="store_true", help="skip the V(prompt) label")
     p.add_argument("--max-new-tokens", type=int, default=1024)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=finite_float(0.0), default=1.0, help="0: greedy")
+    p.add_argument("--top-p", type=finite_float(0.0, 1.0, low_open=True), default=1.0)
     p.add_argument("--batch-size", type=int, default=32, help="hf back end: sequences per generate call")
     p.add_argument("--device", default=None, help="hf back end: cpu, cuda, cuda:1 (default: cuda if present)")
     p.add_argument("--dtype", default="auto", help="auto, bfloat16, float16, float32")
     p.add_argument("--num-engines", type=int, default=1, help="engines through Ray, one per GPU (or CPU slot)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs per engine")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+    p.add_argument("--gpu-memory-utilization", type=finite_float(0.0, 1.0, low_open=True), default=0.85,
                    help="vllm: GPU memory share (split between policy and prover when they differ)")
     p.add_argument("--max-model-len", type=int, default=None, help="vllm: context length cap")
     p.add_argument("--shard-size", type=int, default=64, help="prompts per output shard")
@@ -95,12 +97,14 @@ def label_parser() -> argparse.ArgumentParser:
                    "compute_score signature, or its batch signature (data_sources=, solution_strs=, ...: one call "
                    "per round, e.g. pkg://verl_prm.code.verl_score:compute_score_batch runs sandboxes in parallel); "
                    "default: verl.utils.reward_score.default_compute_score by data_source")
-    p.add_argument("--success-threshold", type=float, default=0.5, help="success iff score > this")
+    p.add_argument("--success-threshold", type=finite_float(), default=0.5, help="success iff score > this")
     p.add_argument("--prompt-field", default="prompt")
     p.add_argument("--answer-field", default="reward_model.ground_truth")
     p.add_argument("--data-source-field", default="data_source")
     p.add_argument("--data-source", default=None, help="one data_source for every row (jsonl without one)")
-    p.add_argument("--answer-regex", default=None, help="ground truth = first group of this regex on the answer")
+    p.add_argument("--answer-regex", default=None, help="ground truth = first group of this regex on the answer "
+                   "(default: verl's extraction for known data sources: GSM8K '#### <number>', MATH last \\boxed{}; "
+                   "'(?s)(.*)' keeps the whole answer)")
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
@@ -120,16 +124,27 @@ def _convert_parser() -> argparse.ArgumentParser:
 
 
 def convert_main(argv: Sequence[str]) -> int:
+    from verl_prm.locking import DirectoryLock
+
+    args = _convert_parser().parse_args(list(argv))
+    with DirectoryLock(args.output_dir, "verl-prm label convert"):
+        return _convert(args)
+
+
+def _convert(args: argparse.Namespace) -> int:
     from verl_prm.labeling.converters import convert_math_shepherd, convert_prm800k, read_jsonl
     from verl_prm.labeling.store import ShardStore
 
-    args = _convert_parser().parse_args(list(argv))
     prompt_format = _unescape(args.prompt_format)
     rows_in = read_jsonl(args.input)
-    if args.format == "math_shepherd":
-        rows = convert_math_shepherd(rows_in, prompt_format=prompt_format)
-    else:
-        rows = convert_prm800k(rows_in, prompt_format=prompt_format, alternatives=args.alternatives)
+    try:
+        if args.format == "math_shepherd":
+            rows = convert_math_shepherd(rows_in, prompt_format=prompt_format)
+        else:
+            rows = convert_prm800k(rows_in, prompt_format=prompt_format, alternatives=args.alternatives)
+    except ValueError as error:
+        message = str(error)
+        raise ValueError(message if message.startswith(str(args.input)) else f"{args.input}: {message}") from None
     store = ShardStore(args.output_dir)
     if store.shard_paths():
         raise SystemExit(f"{args.output_dir} already holds shards: convert into an empty directory")
@@ -147,7 +162,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] == "convert":
         return convert_main(argv[1:])
     args = label_parser().parse_args(argv)
+    from verl_prm.locking import DirectoryLock
 
+    # one writer per output directory: a second run would label the same prompts into duplicate shards
+    with DirectoryLock(args.output_dir, "verl-prm label"):
+        return _label(args)
+
+
+def _label(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from verl_prm.labeling.inputs import read_prompts, render_prompt
@@ -163,16 +185,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         delimiter=delimiter, step_regex=args.step_regex, max_steps=args.max_steps, code_rule=args.code_rule,
         code_depth=args.code_depth or 0, prompt_value=not args.no_prompt_value, seed=args.seed, source=prover_path,
     )
+    # Inputs and the scorer are checked before anything is written to the output directory.
+    notes: list[str] = []
+    items = read_prompts(args.input, prompt_field=args.prompt_field, answer_field=args.answer_field,
+                         data_source_field=args.data_source_field, data_source=args.data_source,
+                         answer_regex=args.answer_regex, limit=args.limit, notes=notes)
+    scorer = OutcomeScorer(load_reward_function(args.reward_fn), args.success_threshold)
+    for flag, path in (("--policy", args.policy), ("--prover", args.prover)):
+        if path is not None:  # no such directory, no weights, pickle-only, offline hub id: before any model loads
+            resolve_checkpoint(path, flag)
+    for note in notes:
+        print(f"verl-prm label: {note}", file=sys.stderr)
     store = ShardStore(args.output_dir)
     record = vars(args).copy()
     record.update(delimiter=delimiter, prover=prover_path)
-    store.check_config(record, ignore=("output_dir", "shard_size", "batch_size", "num_engines", "limit", "device",
-                                       "no_progress", "gpu_memory_utilization", "max_model_len"))
-    items = read_prompts(args.input, prompt_field=args.prompt_field, answer_field=args.answer_field,
-                         data_source_field=args.data_source_field, data_source=args.data_source,
-                         answer_regex=args.answer_regex, limit=args.limit)
+    replaced = store.check_config(record, ignore=("output_dir", "shard_size", "batch_size", "num_engines", "limit",
+                                                  "device", "no_progress", "gpu_memory_utilization", "max_model_len"))
+    if replaced:
+        print(f"verl-prm label: {replaced}", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(args.policy, trust_remote_code=False)
-    scorer = OutcomeScorer(load_reward_function(args.reward_fn), args.success_threshold)
     separate = prover_path != args.policy
     policy = _make_engine(args, args.policy, 0.5 if separate else 1.0)
     prover = _make_engine(args, prover_path, 0.5) if separate else policy

@@ -23,7 +23,6 @@ that completion as the last step. Steps are joined by "\\n" (PRM800K's generatio
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -35,10 +34,11 @@ PRM800K_RATING_TO_Q = {1: 1.0, 0: 1.0, -1: 0.0}
 
 
 def read_jsonl(path: str | Path) -> Iterator[dict]:
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                yield json.loads(line)
+    """The records of a jsonl file; a line that is not UTF-8 or not JSON raises ValueError naming file and line."""
+    from verl_prm.labeling.inputs import read_jsonl_records
+
+    for _, record in read_jsonl_records(path):
+        yield record
 
 
 def _row(index, rollout, data_source, prompt, ground_truth, steps, q, first_pit, outcome, finished, strategy, delimiter):

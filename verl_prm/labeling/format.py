@@ -39,20 +39,22 @@ derived later without new rollouts (:func:`best_of_k_from_counts`).
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 __all__ = [
     "LABEL_SCHEMA",
     "LABEL_COLUMNS",
     "best_of_k_from_counts",
+    "check_duplicate_rollouts",
     "check_label_row",
+    "check_label_table",
     "label_files",
     "read_labels",
     "rows_to_table",
@@ -85,44 +87,172 @@ LABEL_SCHEMA = pa.schema(
 LABEL_COLUMNS: tuple[str, ...] = tuple(LABEL_SCHEMA.names)
 
 
-def check_label_row(row: dict, where: str = "") -> None:
-    """Raise ValueError naming the row if the per-step lists disagree or the spans leave the response."""
-    name = where or f"prompt_index={row.get('prompt_index')} rollout_index={row.get('rollout_index')}"
-    missing = [c for c in LABEL_COLUMNS if c not in row]
+def _first(mask: np.ndarray) -> int | None:
+    hits = np.flatnonzero(mask)
+    return int(hits[0]) if hits.size else None
+
+
+def _same_kind(actual: pa.DataType, expected: pa.DataType) -> bool:
+    """Whether ``actual`` values may be cast to ``expected`` (integers of another width, integers to floats,
+    large strings/lists); text is never parsed into numbers."""
+    if pa.types.is_list(expected):
+        return (pa.types.is_list(actual) or pa.types.is_large_list(actual)) and _same_kind(actual.value_type,
+                                                                                           expected.value_type)
+    if pa.types.is_floating(expected):
+        return pa.types.is_floating(actual) or pa.types.is_integer(actual)
+    if pa.types.is_integer(expected):
+        return pa.types.is_integer(actual)
+    if pa.types.is_string(expected):
+        return pa.types.is_string(actual) or pa.types.is_large_string(actual)
+    return actual == expected
+
+
+def check_label_table(table: pa.Table, where: str) -> pa.Table:
+    """Validate label rows as stored; returns them in ``LABEL_SCHEMA`` (columns in order, types safely cast).
+
+    Checks every column, vectorised: presence and type; no nulls; the five per-step lists of a row have one
+    entry per step; spans ``0 <= start_h < end_h <= start_{h+1}``, ``end <= len(response)``; ``q`` in [0, 1]
+    or NaN; ``0 <= n_success <= n_mc`` and ``q = n_success / n_mc`` where ``n_mc > 0``; ``first_pit`` in
+    ``[-1, steps)``; the prompt value likewise; ``outcome`` in {0, 1} or NaN; ``score`` finite or NaN;
+    ``prompt_index, rollout_index >= 0``. Raises ValueError naming ``where``, the row (0-based) with its
+    ``prompt_index``/``rollout_index``, the column and the value.
+    """
+    missing = [c for c in LABEL_COLUMNS if c not in table.column_names]
     if missing:
-        raise ValueError(f"label row {name}: missing columns {missing}")
-    num_steps = len(row["step_starts"])
-    for column in ("step_ends", "q", "n_success", "n_mc"):
-        if len(row[column]) != num_steps:
-            raise ValueError(
-                f"label row {name}: {column} has {len(row[column])} entries but there are {num_steps} steps"
-            )
-    response_length = len(row["response"])
-    previous_end = 0
-    for h, (start, end) in enumerate(zip(row["step_starts"], row["step_ends"])):
-        if not (previous_end <= start < end <= response_length):
-            raise ValueError(
-                f"label row {name}: step {h} span ({start}, {end}) is empty, overlaps the previous step or leaves "
-                f"the response of {response_length} characters"
-            )
-        previous_end = end
-    for h, (q, s, n) in enumerate(zip(row["q"], row["n_success"], row["n_mc"])):
-        if n > 0 and not (0 <= s <= n and math.isclose(q, s / n, abs_tol=1e-9)):
-            raise ValueError(f"label row {name}: step {h} has q={q} but n_success/n_mc = {s}/{n}")
-        if not (math.isnan(q) or 0.0 <= q <= 1.0):
-            raise ValueError(f"label row {name}: step {h} has q={q} outside [0, 1]")
+        raise ValueError(f"{where} is no label shard: missing columns {missing} (see verl_prm.labeling.format)")
+    columns = []
+    for field in LABEL_SCHEMA:
+        column = table.column(field.name)
+        if column.type != field.type:
+            if not _same_kind(column.type, field.type):
+                raise ValueError(f"{where}: column {field.name} has type {column.type}, expected {field.type} "
+                                 "(see verl_prm.labeling.format)")
+            try:
+                column = column.cast(field.type, safe=True)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as error:
+                raise ValueError(f"{where}: column {field.name} has type {column.type}, expected {field.type} "
+                                 f"({error})") from None
+        columns.append(column)
+    table = pa.Table.from_arrays(columns, schema=LABEL_SCHEMA).combine_chunks()
+    if table.num_rows == 0:
+        return table
+
+    def numpy(name: str, flat: bool = False) -> np.ndarray:
+        column = table.column(name)
+        if flat:
+            column = pc.list_flatten(column)
+        return column.to_numpy(zero_copy_only=False)
+
+    prompt_index, rollout_index = numpy("prompt_index"), numpy("rollout_index")
+
+    def fail(row: int, message: str):
+        raise ValueError(f"{where} row {row} (prompt_index={prompt_index[row]}, rollout_index={rollout_index[row]}): "
+                         f"{message}; fix or relabel the shard (see verl_prm.labeling.format)")
+
+    for name in LABEL_COLUMNS:
+        column = table.column(name)
+        if column.null_count:
+            fail(_first(column.is_null().to_numpy(zero_copy_only=False)), f"{name} is null")
+        if pa.types.is_list(column.type):
+            values = pc.list_flatten(column)
+            if values.null_count:
+                parents = pc.list_parent_indices(column).to_numpy(zero_copy_only=False)
+                fail(int(parents[_first(values.is_null().to_numpy(zero_copy_only=False))]), f"{name} holds a null")
+    for name in ("prompt_index", "rollout_index"):
+        row = _first(numpy(name) < 0)
+        if row is not None:
+            fail(row, f"{name}={numpy(name)[row]} is negative")
+
+    lengths = pc.list_value_length(table.column("step_starts")).to_numpy(zero_copy_only=False).astype(np.int64)
+    for name in ("step_ends", "q", "n_success", "n_mc"):
+        other = pc.list_value_length(table.column(name)).to_numpy(zero_copy_only=False)
+        row = _first(other != lengths)
+        if row is not None:
+            fail(row, f"{name} has {other[row]} entries but there are {lengths[row]} steps (step_starts)")
+
+    # per step: flattened lists, the row of each entry and its step number within the row
+    parent = np.repeat(np.arange(table.num_rows), lengths)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    step = np.arange(parent.size) - offsets[parent]
+    starts, ends = numpy("step_starts", True).astype(np.int64), numpy("step_ends", True).astype(np.int64)
+    q = numpy("q", True).astype(np.float64)
+    n_success, n_mc = numpy("n_success", True).astype(np.int64), numpy("n_mc", True).astype(np.int64)
+    response_length = pc.utf8_length(table.column("response")).to_numpy(zero_copy_only=False).astype(np.int64)
+    previous_end = np.where(step == 0, 0, np.concatenate([[0], ends[:-1]]))
+    bad = _first(~((previous_end <= starts) & (starts < ends) & (ends <= response_length[parent])))
+    if bad is not None:
+        fail(parent[bad], f"step {step[bad]} span ({starts[bad]}, {ends[bad]}) is empty, overlaps the previous step "
+                          f"or leaves the response of {response_length[parent[bad]]} characters")
+    bad = _first(~(np.isnan(q) | ((q >= 0.0) & (q <= 1.0))))
+    if bad is not None:
+        fail(parent[bad], f"step {step[bad]} has q={q[bad]} outside [0, 1]")
+    bad = _first(~((n_success >= 0) & (n_success <= n_mc)))
+    if bad is not None:
+        fail(parent[bad], f"step {step[bad]} has n_success={n_success[bad]}, n_mc={n_mc[bad]}: need "
+                          "0 <= n_success <= n_mc")
+    with np.errstate(invalid="ignore"):
+        bad = _first((n_mc > 0) & ~(np.abs(q - n_success / np.maximum(n_mc, 1)) <= 1e-9))
+    if bad is not None:
+        fail(parent[bad], f"step {step[bad]} has q={q[bad]} but n_success/n_mc = {n_success[bad]}/{n_mc[bad]}")
+
+    first_pit = numpy("first_pit").astype(np.int64)
+    row = _first(~((first_pit >= -1) & (first_pit < np.maximum(lengths, 0)) | (first_pit == -1)))
+    if row is not None:
+        fail(row, f"first_pit={first_pit[row]} is not -1 or a step of the {lengths[row]} steps")
+    value = numpy("prompt_value").astype(np.float64)
+    value_success = numpy("prompt_n_success").astype(np.int64)
+    value_mc = numpy("prompt_n_mc").astype(np.int64)
+    row = _first(~(np.isnan(value) | ((value >= 0.0) & (value <= 1.0))))
+    if row is not None:
+        fail(row, f"prompt_value={value[row]} outside [0, 1]")
+    row = _first(~((value_success >= 0) & (value_success <= value_mc)))
+    if row is not None:
+        fail(row, f"prompt_n_success={value_success[row]}, prompt_n_mc={value_mc[row]}: need "
+                  "0 <= prompt_n_success <= prompt_n_mc")
+    with np.errstate(invalid="ignore"):
+        row = _first((value_mc > 0) & ~(np.abs(value - value_success / np.maximum(value_mc, 1)) <= 1e-9))
+    if row is not None:
+        fail(row, f"prompt_value={value[row]} but prompt_n_success/prompt_n_mc = {value_success[row]}/{value_mc[row]}")
+    outcome = numpy("outcome").astype(np.float64)
+    row = _first(~(np.isnan(outcome) | (outcome == 0.0) | (outcome == 1.0)))
+    if row is not None:
+        fail(row, f"outcome={outcome[row]} is not 0, 1 or NaN")
+    score = numpy("score").astype(np.float64)
+    row = _first(np.isinf(score))
+    if row is not None:
+        fail(row, f"score={score[row]} is infinite (NaN marks an unknown score)")
+    return table
+
+
+def _rows_table(rows: Sequence[dict], where: str) -> pa.Table:
+    for i, row in enumerate(rows):
+        missing = [c for c in LABEL_COLUMNS if c not in row]
+        if missing:
+            raise ValueError(f"{where} row {i}: missing columns {missing}")
+    arrays = []
+    for field in LABEL_SCHEMA:
+        try:
+            arrays.append(pa.array([row[field.name] for row in rows], type=field.type))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as error:
+            raise ValueError(f"{where}: column {field.name} does not hold {field.type} values ({error})") from None
+    return pa.Table.from_arrays(arrays, schema=LABEL_SCHEMA)
+
+
+def check_label_row(row: dict, where: str = "") -> None:
+    """Raise ValueError naming the row if it breaks the format (the checks of :func:`check_label_table`)."""
+    name = where or f"label row prompt_index={row.get('prompt_index')} rollout_index={row.get('rollout_index')}"
+    check_label_table(_rows_table([row], name), name)
 
 
 def rows_to_table(rows: Sequence[dict]) -> pa.Table:
-    """Label rows (dicts with every column of LABEL_SCHEMA) -> a pyarrow table with the fixed schema."""
-    for row in rows:
-        check_label_row(row)
-    columns = {name: [row[name] for row in rows] for name in LABEL_COLUMNS}
-    return pa.Table.from_pydict(columns, schema=LABEL_SCHEMA)
+    """Label rows (dicts with every column of LABEL_SCHEMA) -> a pyarrow table with the fixed schema, checked
+    by :func:`check_label_table` (the same checks that :func:`read_labels` applies)."""
+    return check_label_table(_rows_table(rows, "label rows to write"), "label rows to write")
 
 
 def label_files(paths: str | Path | Iterable[str | Path]) -> list[Path]:
-    """Expand directories (their ``*.parquet`` files, sorted) and files into a list of label shards."""
+    """Expand directories (their ``*.parquet`` files, sorted) and files into a list of label shards; a file
+    named twice (directly or through its directory) is an error: its rows would be trained on twice."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
     files: list[Path] = []
@@ -136,17 +266,61 @@ def label_files(paths: str | Path | Iterable[str | Path]) -> list[Path]:
             files.append(path)
         else:
             raise FileNotFoundError(f"label path {path} does not exist")
+    seen: dict[str, Path] = {}
+    for file in files:
+        key = str(file.resolve())
+        if key in seen:
+            raise ValueError(f"label shard {file} is given twice (as {seen[key]} and {file}); name each shard or "
+                             "directory once")
+        seen[key] = file
     return files
 
 
+def check_duplicate_rollouts(keys: pd.DataFrame) -> None:
+    """Raise ValueError naming both places if a rollout appears twice.
+
+    ``keys`` has one row per label row: ``file`` (shard path), ``row`` (row within it), ``directory``,
+    ``prompt_index``, ``rollout_index``, ``prompt``, ``response``. A rollout is identified within one directory
+    (one labelling run or conversion) by ``(prompt_index, rollout_index)``, and anywhere by the prompt, the
+    rollout and its text, ``(prompt_index, rollout_index, prompt, response)``: the step prefixes of a
+    rollout would otherwise be trained on twice (e.g. two writers on one directory, or a copied shard).
+    """
+    for columns in (["directory", "prompt_index", "rollout_index"], ["prompt_index", "rollout_index", "prompt", "response"]):
+        repeated = keys.duplicated(columns, keep="first")
+        if repeated.any():
+            second = keys[repeated].iloc[0]
+            first = keys[(keys[columns] == second[columns]).all(axis=1)].iloc[0]
+            raise ValueError(
+                f"duplicate label rows: {second['file']} row {second['row']} repeats {first['file']} row "
+                f"{first['row']} (prompt_index={first['prompt_index']}, rollout_index={first['rollout_index']}); "
+                "two writers on one --output-dir, or a shard copied or given twice? Remove the duplicate shard or "
+                "relabel into a new directory"
+            )
+
+
 def read_labels(paths: str | Path | Iterable[str | Path]) -> pd.DataFrame:
-    """Read label shards (files or directories) into one DataFrame; list columns become Python lists."""
-    tables = [pq.read_table(path) for path in label_files(paths)]
-    for path, table in zip(label_files(paths), tables):
-        missing = [c for c in LABEL_COLUMNS if c not in table.column_names]
-        if missing:
-            raise ValueError(f"{path} is no label shard: missing columns {missing} (see verl_prm.labeling.format)")
-    frame = pa.concat_tables([t.select(list(LABEL_COLUMNS)) for t in tables]).to_pandas()
+    """Read label shards (files or directories) into one DataFrame; list columns become Python lists.
+
+    Every shard is validated as it is read (:func:`check_label_table`) and duplicate rollouts are refused
+    (:func:`check_duplicate_rollouts`); errors name the shard and the row.
+    """
+    tables, keys = [], []
+    for path in label_files(paths):
+        try:
+            table = pq.read_table(path)
+        except Exception as error:  # pyarrow raises several types for a damaged file
+            raise ValueError(f"label shard {path} cannot be read as parquet ({error}); a shard cut short by a copy "
+                             "or a full disk? Shards are written atomically, so relabel or copy it again") from None
+        table = check_label_table(table, f"label shard {path}")
+        tables.append(table)
+        keys.append(pd.DataFrame({
+            "file": str(path), "row": np.arange(table.num_rows), "directory": str(path.parent.resolve()),
+            "prompt_index": table.column("prompt_index").to_numpy(),
+            "rollout_index": table.column("rollout_index").to_numpy(),
+            "prompt": table.column("prompt").to_pandas(), "response": table.column("response").to_pandas(),
+        }))
+    check_duplicate_rollouts(pd.concat(keys, ignore_index=True))
+    frame = pa.concat_tables(tables).to_pandas()
     for column in ("step_starts", "step_ends", "q", "n_success", "n_mc"):
         frame[column] = frame[column].map(lambda values: [v.item() if hasattr(v, "item") else v for v in values])
     return frame

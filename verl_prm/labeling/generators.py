@@ -118,8 +118,11 @@ class HFGenerator:
         torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
         if torch_dtype == "auto" and device == "cpu":
             torch_dtype = torch.float32  # bf16 matmuls are slow on most CPUs
+        from verl_prm.checkpoints import from_pretrained_kwargs, resolve_checkpoint
+
+        path = resolve_checkpoint(path, "policy")  # no such directory / no weights / pickle-only: named errors
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, trust_remote_code=False).to(device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **from_pretrained_kwargs()).to(device)
         return cls(model, tokenizer, **kwargs)
 
     def generate(self, texts: Sequence[str], n: int, seeds: Sequence[int]) -> list[list[Completion]]:

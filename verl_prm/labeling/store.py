@@ -2,7 +2,8 @@
 
 Layout of an output directory::
 
-    labels_config.json     the labelling settings (a restart with different settings is refused)
+    .verl-prm.lock         held by the one process writing here (verl_prm.locking; released when it exits)
+    labels_config.json     the labelling settings (once a shard exists, a restart with other settings is refused)
     shard-00000.parquet    label rows of a group of prompts; a shard file exists only when complete
     shard-00001.parquet
     .shard-00002.parquet.tmp   (only while it is being written)
@@ -38,25 +39,37 @@ class ShardStore:
     def config_path(self) -> Path:
         return self.directory / "labels_config.json"
 
-    def check_config(self, config: dict, ignore: Sequence[str] = ()) -> None:
+    def check_config(self, config: dict, ignore: Sequence[str] = ()) -> str | None:
         """Write ``config`` on the first run; on a restart refuse settings that differ from the stored ones
-        (except the keys in ``ignore``, which do not change labels: shard size, batch size, ...)."""
+        (except the keys in ``ignore``, which do not change labels: shard size, batch size, ...).
+
+        Settings bind only labels that exist: while the directory holds no shard (a run that failed before its
+        first shard), other settings replace the stored ones, and the returned note says which changed.
+        """
         config = json.loads(json.dumps(config, default=str))
+        note = None
         if self.config_path.exists():
-            stored = json.loads(self.config_path.read_text())
+            try:
+                stored = json.loads(self.config_path.read_text())
+            except ValueError as error:
+                raise ValueError(f"{self.config_path} is not valid JSON ({error}); it is written atomically, so it "
+                                 "was edited by hand: restore it or write to a new --output-dir") from None
             differing = sorted(
                 key for key in set(stored) | set(config) if key not in ignore and stored.get(key) != config.get(key)
             )
-            if differing:
-                details = ", ".join(f"{k}: {stored.get(k)!r} -> {config.get(k)!r}" for k in differing)
+            if not differing:
+                return None
+            details = ", ".join(f"{k}: {stored.get(k)!r} -> {config.get(k)!r}" for k in differing)
+            if self.shard_paths():
                 raise ValueError(
                     f"{self.directory} holds labels made with other settings ({details}); resume with the same "
                     "settings or write to a new --output-dir"
                 )
-            return
+            note = f"{self.directory} holds no label shard yet: the new settings replace the stored ones ({details})"
         temp = self.config_path.with_name(f".{self.config_path.name}.tmp")
         temp.write_text(json.dumps(config, indent=2, sort_keys=True))
         os.replace(temp, self.config_path)
+        return note
 
     def shard_paths(self) -> list[Path]:
         return sorted(p for p in self.directory.glob("shard-*.parquet") if _SHARD.fullmatch(p.name))
@@ -71,7 +84,12 @@ class ShardStore:
     def finished_prompts(self) -> set[int]:
         done: set[int] = set()
         for path in self.shard_paths():
-            indices = pq.read_table(path, columns=["prompt_index"]).column("prompt_index").to_pylist()
+            try:
+                indices = pq.read_table(path, columns=["prompt_index"]).column("prompt_index").to_pylist()
+            except Exception as error:  # pyarrow raises several types for a damaged file
+                raise ValueError(f"label shard {path} cannot be read as parquet ({error}); shards are written "
+                                 "atomically, so it was damaged afterwards: move it away and rerun to relabel its "
+                                 "prompts") from None
             overlap = done.intersection(indices)
             if overlap:
                 raise ValueError(f"{path} repeats prompts already in earlier shards: {sorted(overlap)[:10]}")

@@ -1,6 +1,7 @@
 """Test-time search with process verifiers: best-of-N, beam search on Q + alpha * A, greedy step search.
 
-``core`` holds the back-end-free algorithms; ``generation`` the Hugging Face / vLLM step samplers and the
+``core`` holds the back-end-free algorithms (split into ``nodes``, ``cache``, ``scoring``, ``rerank``, ``beam``
+and ``greedy``; ``core`` re-exports them all); ``generation`` the Hugging Face / vLLM step samplers and the
 language-model critic adapter; ``toy`` the planted sub-sequence task with exact critics; ``cli`` the
 ``verl-prm search`` command.
 """

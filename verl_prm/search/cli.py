@@ -24,12 +24,15 @@ import argparse
 import codecs
 import csv
 import json
+import math
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from verl_prm.advantages import AGGREGATIONS
+from verl_prm.checkpoints import resolve_checkpoint
+from verl_prm.cli_types import finite_float
 from verl_prm.search.core import (
     BeamConfig,
     BestOfNConfig,
@@ -82,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=_ints, default=None, help="beam widths N to sweep (default toy 1,2,4,8,16; text 1,2,4)")
     p.add_argument("--bon-n", type=_ints, default=None, help="best-of-N sample counts (default: N * samples-per-beam)")
     p.add_argument("--samples-per-beam", type=int, default=3, help="M: next steps sampled per beam")
-    p.add_argument("--alpha", type=float, default=0.5, help="weight of the prover's progress in Q + alpha*A")
+    p.add_argument("--alpha", type=finite_float(0.0), default=0.5, help="weight of the prover's progress in Q + alpha*A")
     p.add_argument("--best-of-k", type=int, default=1, help="K of the Best-of-K prover (A from BoK values)")
     p.add_argument("--max-steps", type=int, default=32, help="steps after which a response is truncated")
     p.add_argument("--rank", choices=("orm", *AGGREGATIONS), default="orm",
@@ -91,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="best-of-N: aggregate the step values or their progress")
     p.add_argument("--rank-critic", choices=("q", "prover"), default="q",
                    help="best-of-N: the critic whose scores rank the samples (default: the Q critic)")
-    p.add_argument("--threshold", type=float, default=None,
+    p.add_argument("--threshold", type=finite_float(), default=None,
                    help="greedy: accept a step iff its score >= threshold (default 0 for progress, 0.5 for value)")
     p.add_argument("--accept-on", choices=("value", "progress"), default="progress", help="greedy acceptance score")
     p.add_argument("--max-backtracks", type=int, default=2, help="greedy: backtracks per problem")
@@ -99,8 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="use the first LIMIT problems")
     toy = p.add_argument_group("toy task (--task toy)")
     toy.add_argument("--problems", type=int, default=200, help="planted sequences (problems)")
-    toy.add_argument("--policy-gamma", type=float, default=2.0, help="base policy mu_gamma (weak)")
-    toy.add_argument("--prover-gamma", type=float, default=10.0, help="prover mu_gamma")
+    toy.add_argument("--policy-gamma", type=finite_float(0.0, low_open=True), default=2.0, help="base policy mu_gamma (weak)")
+    toy.add_argument("--prover-gamma", type=finite_float(0.0, low_open=True), default=10.0, help="prover mu_gamma")
     toy.add_argument("--q-rollouts", type=int, default=16,
                      help="Q critic of the base policy fitted to this many rollouts per state (0: exact)")
     toy.add_argument("--step-tokens", type=int, default=2, help="tokens per step")
@@ -123,8 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     text.add_argument("--step-regex", default=None, help="steps end at matches of this regex (hf back end)")
     text.add_argument("--max-step-tokens", type=int, default=256)
     text.add_argument("--max-response-tokens", type=int, default=1024)
-    text.add_argument("--temperature", type=float, default=1.0)
-    text.add_argument("--top-p", type=float, default=1.0)
+    text.add_argument("--temperature", type=finite_float(0.0), default=1.0, help="0: greedy")
+    text.add_argument("--top-p", type=finite_float(0.0, 1.0, low_open=True), default=1.0)
     text.add_argument("--batch-size", type=int, default=32, help="hf back end: sequences per generate call")
     return p
 
@@ -163,6 +166,9 @@ def _text_setup(args) -> _Setup:
     missing = [name for name in ("input", "policy", "q_critic") if getattr(args, name) is None]
     if missing:
         raise SystemExit(f"verl-prm search --task text needs {', '.join('--' + m.replace('_', '-') for m in missing)}")
+    for flag, path in (("--policy", args.policy), ("--q-critic", args.q_critic), ("--prover", args.prover)):
+        if path is not None:  # no such directory, no weights, pickle-only, offline hub id: before any model loads
+            resolve_checkpoint(path, flag)
     items = read_prompts(args.input, prompt_field=args.prompt_field, answer_field=args.answer_field,
                          data_source_field=args.data_source_field, data_source=args.data_source,
                          answer_regex=args.answer_regex, limit=args.limit)
@@ -240,18 +246,28 @@ def run_sweep(args, setup: _Setup, log: Callable[[str], None] = print) -> list[d
                                   best_of_k=args.best_of_k, seed=args.seed)
             results = greedy_step_search(setup.problems, setup.sampler, prover if prover is not None else q_critic, config)
         seconds = time.perf_counter() - started
+        # steps merged because they end in one critic token (TextCritic; 0 for the toy task's critics)
+        merged: dict[int, int] = {}
+        for cached in (q_critic, prover):
+            for problem, count in getattr(getattr(cached, "critic", None), "merged_steps", {}).items():
+                merged[problem] = merged.get(problem, 0) + count
         for result in results:
-            records.append(_record(method, n, result, setup))
+            records.append(_record(method, n, result, setup, merged.get(result.problem, 0)))
         accuracy = sum(r["reward"] for r in records[-len(results):]) / max(len(results), 1)
-        log(f"{method:>10} N={n:<4} accuracy={accuracy:.3f} ({seconds:.1f} s)")
+        note = ""
+        if merged:
+            note = (f"; {sum(merged.values())} critic step values in {len(merged)} problem(s) were read at a token "
+                    "shared with the previous step (merged steps; see critic_merged_steps in results.jsonl)")
+        log(f"{method:>10} N={n:<4} accuracy={accuracy:.3f} ({seconds:.1f} s){note}")
     return records
 
 
-def _record(method: str, n: int, result: SearchResult, setup: _Setup) -> dict:
+def _record(method: str, n: int, result: SearchResult, setup: _Setup, critic_merged_steps: int = 0) -> dict:
     node = result.node
     return dict(method=method, n=n, problem=result.problem, reward=float(setup.reward(node)), score=result.score,
                 num_steps=node.num_steps, truncated=node.truncated, response_tokens=node.num_tokens,
-                response=setup.text(node), **result.compute.as_dict(), info=result.info)
+                response=setup.text(node), **result.compute.as_dict(), critic_merged_steps=critic_merged_steps,
+                info=result.info)
 
 
 def summarize(records: Sequence[dict]) -> list[dict]:
@@ -283,6 +299,15 @@ def _markdown(rows: Sequence[dict]) -> str:
 
 def plot_accuracy_vs_compute(rows: Sequence[dict], path: str | Path, title: str = "") -> None:
     """Accuracy against mean generated tokens per problem (log scale), one line per method, N annotated."""
+    import matplotlib.pyplot as plt
+
+    figure = accuracy_vs_compute_figure(rows, title)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def accuracy_vs_compute_figure(rows: Sequence[dict], title: str = ""):
+    """The figure of `plot_accuracy_vs_compute` (matplotlib, Agg backend; the caller closes it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -298,8 +323,13 @@ def plot_accuracy_vs_compute(rows: Sequence[dict], path: str | Path, title: str 
         for x, y, n in points:
             axis.annotate(f"{n}", (x, y), textcoords="offset points", xytext=(3, 4), fontsize=7)
     axis.set_xscale("log")
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
+    # Decade ticks alone label one or two points of a sweep that spans about a decade (22 to 450 tokens: only
+    # "100"); 1-2-5 ticks label every factor of about 2 while the range is under three decades.
+    xs = [r["generated_tokens"] for r in rows if r["generated_tokens"] > 0]
+    decades = math.log10(max(xs) / min(xs)) if xs else 0.0
+    axis.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if decades < 3 else (1.0,)))
     axis.xaxis.set_major_formatter(ScalarFormatter())
     axis.xaxis.set_minor_formatter(NullFormatter())
     axis.set_xlabel("generated tokens per problem (log scale)")
@@ -308,8 +338,7 @@ def plot_accuracy_vs_compute(rows: Sequence[dict], path: str | Path, title: str 
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    return figure
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,17 +17,28 @@ step. Generated tokens are counted per step, EOS included.
 
 :class:`TextCritic` wraps a ``verl_prm.critic.ProverCritic``: the node's steps give exact character spans
 (no re-splitting), ``encode_with_step_ends`` maps them to critic tokens, and one ``score_sequences`` call
-scores all nodes of a round; critic tokens are the lengths of the critic inputs.
+scores all nodes of a round; critic tokens are the lengths of the critic inputs. Consecutive steps that end in
+the same critic token (a step inside the token that ends the one before it) are merged: both get the value read
+there, counted per problem (`merge_shared_step_ends`).
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any, Sequence
 
 from verl_prm.search.core import Node, StepSample
 
-__all__ = ["HFStepSampler", "VLLMStepSampler", "TextCritic", "delimiter_regex", "first_step_end", "split_response"]
+__all__ = [
+    "HFStepSampler",
+    "TextCritic",
+    "VLLMStepSampler",
+    "delimiter_regex",
+    "first_step_end",
+    "merge_shared_step_ends",
+    "split_response",
+]
 
 
 def delimiter_regex(delimiter: str | None = "\n\n", regex: str | None = None) -> re.Pattern:
@@ -131,8 +142,11 @@ class HFStepSampler:
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        from verl_prm.checkpoints import from_pretrained_kwargs, resolve_checkpoint
+
+        path = resolve_checkpoint(path, "policy")  # no such directory / no weights / pickle-only: named errors
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False).to(device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **from_pretrained_kwargs()).to(device)
         return cls(model, tokenizer, prompts, **kwargs)
 
     def text(self, node: Node) -> str:
@@ -329,8 +343,39 @@ class VLLMStepSampler:
         ]
 
 
+def merge_shared_step_ends(step_ends: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Distinct critic read positions of a node's steps, and which one each step reads.
+
+    Step ends come from ``encode_with_step_ends`` and never decrease; two consecutive steps share an end when
+    every character of the later one lies in the critic token that holds the earlier one's last character
+    (``--delimiter ' '``: the step "y" after "x " inside the critic token " y"; or a step cut by
+    ``--max-step-tokens`` inside a critic token). Such steps are merged, as ``verl_prm.steps`` merges them: the
+    critic reads one value at the shared token and both steps get it (the later step's progress is 0).
+
+    Returns:
+        ``(reads, read_of_step)``: strictly increasing positions, and for step h the index into ``reads``
+        (``step_ends[h] == reads[read_of_step[h]]``).
+
+    Raises:
+        ValueError: decreasing step ends (not an output of ``encode_with_step_ends``).
+    """
+    reads: list[int] = []
+    read_of_step: list[int] = []
+    for h, end in enumerate(step_ends):
+        if reads and end < reads[-1]:
+            raise ValueError(f"step_ends[{h}]={end} is before step_ends[{h - 1}]={reads[-1]}: step ends must not decrease")
+        if not reads or end > reads[-1]:
+            reads.append(int(end))
+        read_of_step.append(len(reads) - 1)
+    return reads, read_of_step
+
+
 class TextCritic:
     """A ``ProverCritic`` as a prefix critic of text nodes (``PrefixCritic`` protocol).
+
+    Steps whose last characters fall in the same critic token are merged (`merge_shared_step_ends`): both get
+    the value read there. This is counted, per problem, in ``merged_steps`` (steps that got the value of the
+    step before them, summed over scored sequences) and warned about once per critic.
 
     Args:
         critic: a ``verl_prm.critic.ProverCritic`` (load it with ``best_of_k=1``: the search applies Best-of-K).
@@ -342,11 +387,13 @@ class TextCritic:
             raise ValueError("TextCritic: load the critic with best_of_k=1; the search applies Best-of-K itself")
         self.critic = critic
         self.prompts = list(prompts)
+        self.merged_steps: dict[int, int] = {}
+        self._warned = False
 
     def score_nodes(self, nodes: Sequence[Node]) -> tuple[list[list[float]], list[int]]:
         from verl_prm.steps import encode_with_step_ends
 
-        input_ids, prompt_ends, step_ends = [], [], []
+        input_ids, prompt_ends, reads, read_of_step = [], [], [], []
         for node in nodes:
             spans, position = [], 0
             for step in node.steps:
@@ -355,19 +402,35 @@ class TextCritic:
             encoded = encode_with_step_ends(
                 self.critic.tokenizer, self.prompts[node.problem], "".join(node.steps), spans, sample=node.problem
             )
+            node_reads, node_read_of_step = merge_shared_step_ends([int(e) for e in encoded.step_ends])
+            merged = node.num_steps - len(node_reads)
+            if merged:
+                self.merged_steps[node.problem] = self.merged_steps.get(node.problem, 0) + merged
+                if not self._warned:
+                    self._warned = True
+                    first = next(h for h in range(1, node.num_steps) if node_read_of_step[h] == node_read_of_step[h - 1])
+                    warnings.warn(
+                        f"problem {node.problem}: step {first} ({node.steps[first]!r}) ends in the critic token that "
+                        f"also ends step {first - 1} ({node.steps[first - 1][-20:]!r}); such steps are merged (both "
+                        "get the value read there) and counted per problem in the records' critic_merged_steps. Use a "
+                        "delimiter that the critic's tokenizer keeps apart from the next step's text to avoid it",
+                        stacklevel=2,
+                    )
             input_ids.append(list(encoded.input_ids))
             prompt_ends.append(int(encoded.prompt_end))
-            step_ends.append([int(e) for e in encoded.step_ends])
+            reads.append(node_reads)
+            read_of_step.append(node_read_of_step)
         if not nodes:
             return [], []
-        scores = self.critic.score_sequences(input_ids, prompt_ends, step_ends)
+        scores = self.critic.score_sequences(input_ids, prompt_ends, reads)
         values = []
         for i, node in enumerate(nodes):
             h = int(scores.num_steps[i])
-            if h != node.num_steps:
+            if h != len(reads[i]):
                 raise ValueError(
-                    f"problem {node.problem}: the critic returned {h} step values for a node with {node.num_steps} "
-                    "steps (two steps share their last critic token; use another delimiter)"
+                    f"problem {node.problem}: the critic returned {h} step values for a node with {len(reads[i])} "
+                    f"distinct step ends ({node.num_steps} steps)"
                 )
-            values.append([float(scores.prompt_values[i])] + scores.step_values[i, :h].tolist())
+            distinct = scores.step_values[i, :h].tolist()
+            values.append([float(scores.prompt_values[i])] + [distinct[r] for r in read_of_step[i]])
         return values, [len(ids) for ids in input_ids]

@@ -5,5 +5,6 @@
 - ``rl``: policy-gradient RL through the product's path (``DataProto`` -> ``compute_advantage_with_steps`` ->
   verl's policy loss);
 - ``critic``: a learned prover critic from Monte-Carlo labels (``verl-prm demo --learned-critic``);
-- ``demo``: the ``verl-prm demo`` command.
+- ``demo``: the ``verl-prm demo`` command (its settings and experiments), with ``runs`` (one RL run, the process
+  pool), ``report`` (analysis, printed tables) and ``plots`` (the PNGs).
 """

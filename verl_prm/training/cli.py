@@ -11,6 +11,8 @@ import json
 import sys
 from typing import Sequence
 
+from verl_prm.cli_types import finite_float
+
 __all__ = ["main"]
 
 
@@ -24,18 +26,18 @@ def train_parser() -> argparse.ArgumentParser:
     init.add_argument("--init-config", help="config.json (file or directory) of a new model with random weights")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --init)")
     p.add_argument("--eval-labels", nargs="+", default=None, help="held-out label shards (default: split)")
-    p.add_argument("--eval-fraction", type=float, default=0.1, help="share of prompts held out when no "
+    p.add_argument("--eval-fraction", type=finite_float(0.0, 1.0, high_open=True), default=0.1, help="share of prompts held out when no "
                    "--eval-labels (split by prompt)")
     p.add_argument("--max-length", type=int, default=4096, help="tokens per rollout (longer: labels beyond are "
                    "dropped and reported)")
     p.add_argument("--batch-size", type=int, default=8, help="rollouts per process per micro-batch")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=1000)
-    p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--min-lr-ratio", type=float, default=0.0, help="cosine decays to lr * this")
+    p.add_argument("--lr", type=finite_float(0.0, low_open=True), default=1e-5)
+    p.add_argument("--min-lr-ratio", type=finite_float(0.0, 1.0), default=0.0, help="cosine decays to lr * this")
     p.add_argument("--warmup-steps", type=int, default=50)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--grad-clip", type=float, default=1.0, help="0 = off")
+    p.add_argument("--weight-decay", type=finite_float(0.0), default=0.0)
+    p.add_argument("--grad-clip", type=finite_float(0.0), default=1.0, help="0 = off")
     p.add_argument("--no-balance", action="store_true", help="uniform instead of class-balanced sampling")
     p.add_argument("--best-of-k", type=int, default=1, help="train on the Best-of-K prover's values (labels "
                    "from the base policy's counts)")
@@ -43,7 +45,8 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=0, help="0 = only at the end")
     p.add_argument("--eval-batch-size", type=int, default=16)
     p.add_argument("--save-every", type=int, default=0, help="0 = only at the end")
-    p.add_argument("--keep-checkpoints", type=int, default=2)
+    p.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoints kept (>= 1); the one just "
+                   "written, at the end the final model, is never removed")
     p.add_argument("--no-resume", action="store_true", help="ignore checkpoints in --output-dir")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mixed-precision", choices=("no", "bf16", "fp16"), default="no")

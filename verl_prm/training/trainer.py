@@ -10,6 +10,7 @@ Output directory::
                           ProverCritic.from_pretrained(path, format="value_head")) + training_state.pt
                           (optimizer, scheduler, step, config)
     metrics.jsonl         one line per logged training step and per evaluation
+    .verl-prm.lock        held by the one process training here (verl_prm.locking; released when it exits)
     eval_metrics.json     the final held-out evaluation
 
 A checkpoint is written to a temporary directory and renamed when complete. A rerun with the same arguments
@@ -93,6 +94,11 @@ class TrainConfig:
             raise ValueError("a model built from init_config needs a tokenizer path (--tokenizer)")
         if self.max_steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
             raise ValueError("max_steps, batch_size and grad_accum must be >= 1")
+        if isinstance(self.keep_checkpoints, bool) or int(self.keep_checkpoints) != self.keep_checkpoints \
+                or self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints (--keep-checkpoints) must be an integer >= 1, got "
+                             f"{self.keep_checkpoints!r}: the newest checkpoint is the model the run produces and is "
+                             "always kept; 1 keeps only it")
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
@@ -117,7 +123,10 @@ def build_model(config: TrainConfig, tokenizer, checkpoint: Path | None = None):
     torch.manual_seed(config.seed)
     if checkpoint is not None or config.init is not None:
         path = str(checkpoint or config.init)
-        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, trust_remote_code=False)
+        if checkpoint is None:
+            model = value_head_from_init(path)
+        else:
+            model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, trust_remote_code=False)
     else:
         source = Path(config.init_config)
         if source.is_dir():
@@ -133,6 +142,38 @@ def build_model(config: TrainConfig, tokenizer, checkpoint: Path | None = None):
         raise ValueError(f"the critic needs one logit per token; the model has num_labels={model.config.num_labels}")
     if model.config.pad_token_id is None and tokenizer.pad_token_id is not None:
         model.config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def value_head_from_init(path: str):
+    """A one-logit token-classification model on the weights at ``path`` (``--init``, usually a causal LM).
+
+    The new head (``score.*``/``classifier.*``) missing from a causal LM checkpoint, and its LM head left
+    unused, are the intent here, so transformers' load report is silenced for exactly those keys; any other
+    missing, unexpected or mismatched key is still reported (a warning naming the keys).
+    """
+    import warnings
+
+    from transformers import AutoModelForTokenClassification
+    from transformers.utils import logging as hf_logging
+
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model, info = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, trust_remote_code=False,
+                                                                      output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(previous)
+    head_prefixes = ("score.", "classifier.")
+    surprises = {
+        "missing": [k for k in info.get("missing_keys", ()) if not str(k).startswith(head_prefixes)],
+        "unexpected": [k for k in info.get("unexpected_keys", ()) if not str(k).startswith("lm_head.")],
+        "mismatched": [k[0] if isinstance(k, (tuple, list)) else k for k in info.get("mismatched_keys", ())],
+    }
+    surprises = {kind: sorted(map(str, keys)) for kind, keys in surprises.items() if keys}
+    if surprises:
+        warnings.warn(f"verl-prm train: initialising the critic from {path}: keys other than the new value head "
+                      f"did not load as expected: {surprises}", stacklevel=2)
     return model
 
 
@@ -174,24 +215,77 @@ def _tokenizer_as_checkpoint_loads_it(tokenizer, model_config, output_dir: Path,
     return reloaded
 
 
-def _trim_log(path: Path, step: int) -> None:
-    """Drop log lines of steps after ``step`` (written after the checkpoint a resumed run starts from)."""
+def read_log(path: Path, note: Callable[[str], None] = print) -> list[dict]:
+    """The records of ``metrics.jsonl``. A torn last line (the process died while appending it) is skipped
+    with a note; a line elsewhere that is not a JSON object is an error naming the file and the line."""
     if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+        return []
+    lines = path.read_bytes().split(b"\n")
+    records = []
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8"))
+            if not isinstance(record, dict):
+                raise ValueError(f"a {type(record).__name__}, not an object")
+        except ValueError as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            if all(not rest.strip() for rest in lines[number:]):
+                note(f"verl-prm train: {path} line {number} is torn (cut off while it was written: {error}); "
+                     "dropping it")
+                break
+            raise ValueError(f"{path} line {number} is not a JSON record ({error}) and is not the last line; fix "
+                             "or delete that line to resume") from None
+        records.append(record)
+    return records
+
+
+def _trim_log(path: Path, step: int, note: Callable[[str], None] = print) -> list[dict]:
+    """Drop log lines of steps after ``step`` (written after the checkpoint a resumed run starts from) and a
+    torn last line; returns the records kept."""
+    if not path.exists():
+        return []
+    kept = [record for record in read_log(path, note) if record.get("step", 0) <= step]
+    temp = path.with_name(f".{path.name}.tmp")
+    temp.write_text("".join(json.dumps(record) + "\n" for record in kept))
+    os.replace(temp, path)
+    return kept
+
+
+def auroc_note(targets: np.ndarray) -> str | None:
+    """Why the held-out AUROC is undefined (NaN), or None if it is defined: it needs steps of both classes."""
+    positives = int(np.sum(targets >= 0.5))
+    negatives = int(targets.size - positives)
+    if targets.size == 0:
+        return "AUROC is NaN: no held-out labelled steps"
+    if positives == 0 or negatives == 0:
+        side = "below" if positives == 0 else "at or above"
+        return (f"AUROC is NaN: all {targets.size} held-out step labels are {side} 0.5 (one class); it needs both "
+                "classes. Hold out more prompts (--eval-fraction) or pass --eval-labels with mixed outcomes")
+    return None
 
 
 def train(config: TrainConfig, *, on_step: Callable[[int, dict], None] | None = None) -> dict:
     """Train (or resume) a PAV; returns a summary with the final held-out metrics and checkpoint path.
 
     ``on_step(step, record)`` is called after every optimizer step (tests use it to simulate a crash).
+    The output directory is locked against a second writer (:mod:`verl_prm.locking`) by the main process
+    (``RANK`` 0 or unset under ``accelerate launch``/``torchrun``).
     """
+    from verl_prm.locking import DirectoryLock
+
+    if os.environ.get("RANK", "0") != "0":
+        return _train(config, on_step)
+    with DirectoryLock(config.output_dir, "verl-prm train"):
+        return _train(config, on_step)
+
+
+def _train(config: TrainConfig, on_step: Callable[[int, dict], None] | None) -> dict:
     from accelerate import Accelerator
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
-    from verl_prm.labeling.format import read_labels
+    from verl_prm.labeling.format import label_files, read_labels
 
     accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=config.cpu)
     output_dir = Path(config.output_dir)
@@ -206,6 +300,11 @@ def train(config: TrainConfig, *, on_step: Callable[[int, dict], None] | None = 
             details = ", ".join(f"{k}: {stored.get(k)!r} -> {asdict(config).get(k)!r}" for k in differing)
             raise ValueError(f"cannot resume from {checkpoint}: settings differ ({details}); use the same settings "
                              "or a new --output-dir")
+    if checkpoint is None and config.init is not None:
+        from verl_prm.checkpoints import resolve_checkpoint
+
+        # no such directory, a file, no weights, pickle-only weights: an error naming --init before any load
+        resolve_checkpoint(config.init, "--init")
     tokenizer_path = str(checkpoint) if checkpoint is not None else (config.tokenizer or config.init)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=False)
     model = build_model(config, tokenizer, checkpoint)
@@ -217,6 +316,11 @@ def train(config: TrainConfig, *, on_step: Callable[[int, dict], None] | None = 
 
     frame = read_labels(config.labels)
     if config.eval_labels:
+        shared = {str(p.resolve()) for p in label_files(config.labels)} & {str(p.resolve()) for p in
+                                                                          label_files(config.eval_labels)}
+        if shared:
+            raise ValueError(f"--eval-labels and --labels share shards ({sorted(shared)[:3]}): held-out metrics "
+                             "would be measured on training data")
         train_frame, eval_frame = frame, read_labels(config.eval_labels)
     else:
         train_frame, eval_frame = split_by_prompt(frame, config.eval_fraction, config.seed)
@@ -244,8 +348,10 @@ def train(config: TrainConfig, *, on_step: Callable[[int, dict], None] | None = 
         scheduler.load_state_dict(state["scheduler"])
         start_step = int(state["step"])
     log_path = output_dir / "metrics.jsonl"
+    logged_evals: set[int] = set()
     if accelerator.is_main_process:
-        _trim_log(log_path, start_step)
+        kept = _trim_log(log_path, start_step, accelerator.print)
+        logged_evals = {int(r["step"]) for r in kept if any(k.startswith("eval/") for k in r)}
         accelerator.print(
             f"verl-prm train: {len(train_examples)} train rollouts ({sum(len(e.targets) for e in train_examples)} "
             f"labels), {len(eval_examples)} held-out rollouts; steps {start_step} -> {config.max_steps}"
@@ -264,7 +370,13 @@ def train(config: TrainConfig, *, on_step: Callable[[int, dict], None] | None = 
                                                      batch_size=config.eval_batch_size, pad_token_id=pad_token_id,
                                                      device=accelerator.device)
             metrics = {f"eval/{k}": v for k, v in value_metrics(predictions, targets).items()}
-            log({"step": step, **metrics})
+            why = auroc_note(targets)
+            if why is not None:
+                metrics["eval/auroc_note"] = why
+                accelerator.print(f"verl-prm train: step {step}: {why}")
+            if step not in logged_evals:  # a rerun of a finished run evaluates again but logs no second line
+                log({"step": step, **metrics})
+                logged_evals.add(step)
         accelerator.wait_for_everyone()
         return metrics
 
@@ -280,8 +392,11 @@ def train(config: TrainConfig, *, on_step: Callable[[int, dict], None] | None = 
             if final.exists():
                 shutil.rmtree(final)
             os.replace(temp, final)
-            checkpoints = sorted(p for p in output_dir.glob("checkpoint-*") if _CHECKPOINT.fullmatch(p.name))
-            for old in checkpoints[: max(0, len(checkpoints) - config.keep_checkpoints)]:
+            # Rotation never removes the checkpoint just written (keep_checkpoints >= 1 is checked at startup;
+            # excluding `final` keeps it safe even if that check is bypassed).
+            checkpoints = sorted(p for p in output_dir.glob("checkpoint-*") if _CHECKPOINT.fullmatch(p.name)
+                                 and p != final)
+            for old in checkpoints[: max(0, len(checkpoints) + 1 - config.keep_checkpoints)]:
                 shutil.rmtree(old)
         accelerator.wait_for_everyone()
         return final

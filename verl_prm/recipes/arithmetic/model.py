@@ -60,6 +60,15 @@ class SFTConfig:
     grad_clip: float = 1.0
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"SFTConfig.{name} must be finite and >= 0, got {value!r}")
+        if self.steps < 1 or self.batch_size < 1 or self.warmup_steps < 0:
+            raise ValueError(f"SFTConfig needs steps >= 1, batch_size >= 1, warmup_steps >= 0; got {self.steps}, "
+                             f"{self.batch_size}, {self.warmup_steps}")
+
 
 def build_tokenizer():
     """The character-level (byte-level BPE without merges) tokenizer with the recipe's chat template."""

@@ -22,26 +22,36 @@ ESTIMATOR=RUN_DIR`` records such a run (verl's file-logger curve and the merged 
 A stage is skipped when its ``DONE.json`` marker exists and records the same settings; a marker with other
 settings is an error (use another work directory). ``verl-prm label``, ``verl-prm train`` and the RL loop also
 resume inside a stage that was interrupted.
+
+Reproducibility. The numbers are a function of the settings, the package versions and the machine's float
+kernels: the recipe runs torch on a fixed number of threads (``Scale.threads``, 1 by default, part of every
+stage's settings; ``--threads`` overrides it), seeds Python's, numpy's and torch's generators at the start of
+every stage (a stage gives the same outputs whether it runs after the others in one process or alone in a
+resumed run), and every ``DONE.json`` and ``results.json`` records the environment (:func:`environment`:
+python, torch, transformers, tokenizers, numpy, verl, ... versions, torch threads, CPU). Skipping a stage
+that was made under another environment is logged with the differences.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-
-import numpy as np
+import platform
 import random
 import sys
 import time
+import zlib
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
+
+import numpy as np
 
 from verl_prm.recipes.arithmetic.model import ModelConfig, SFTConfig
 from verl_prm.recipes.arithmetic.rl import RLConfig
 from verl_prm.recipes.arithmetic.task import STEP_REGEX, TaskConfig
 
-__all__ = ["Scale", "SCALES", "STAGES", "run", "main"]
+__all__ = ["Scale", "SCALES", "STAGES", "environment", "run", "main", "seed_everything"]
 
 DATA_SOURCE_NAME = "arithmetic_mod"
 STAGES = ("data", "sft", "label", "pav", "rl_grpo", "rl_pav", "evaluate")
@@ -79,6 +89,18 @@ class Scale:
     samples_per_beam: int = 2
     search_alpha: float = 0.5
     device: str = "cpu"
+    # torch intra-op threads for every stage: how a float reduction is split may depend on it, so it is a
+    # setting, not the machine's core count (1: no split, and the fastest on a shared machine, where a second
+    # thread waits for a core)
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
+            raise ValueError(f"threads (--threads) must be an integer >= 1, got {self.threads!r}")
+        for name in ("pav_lr", "search_alpha"):
+            value = getattr(self, name)
+            if not np.isfinite(value):
+                raise ValueError(f"{name} must be finite, got {value!r}")
 
     @property
     def max_new_tokens(self) -> int:
@@ -112,6 +134,18 @@ SCALES: dict[str, Scale] = {
         rl=RLConfig(steps=2, prompts_per_step=2, group_size=2, eval_every=1, eval_samples=1),
         eval_samples=1, search_problems=2, best_of_n=(1, 2), beam_widths=(1,), samples_per_beam=2,
     ),
+    # The test suite's pinned run (tests/test_arithmetic.py asserts its numbers): one operation mod 5, a
+    # model that starts to learn in 150 SFT steps, so that the labels, the critic and RL see both outcomes.
+    "tiny": Scale(
+        task=TaskConfig(min_ops=1, max_ops=1, modulus=5, max_operand=4, slip_rate=0.3),
+        sft_problems=40, rl_problems=8, label_problems=4, test_problems=12,
+        model=ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                          num_key_value_heads=2, max_position_embeddings=64),
+        sft=SFTConfig(steps=150, batch_size=16, lr=1e-2, warmup_steps=5),
+        n_cov=2, n_mc=2, label_batch_size=16, pav_steps=2, pav_batch_size=4, pav_warmup=1,
+        rl=RLConfig(steps=2, prompts_per_step=4, group_size=4, lr=1e-3, eval_every=1, eval_samples=2),
+        eval_samples=2, search_problems=4, best_of_n=(1, 2), beam_widths=(1,), samples_per_beam=2,
+    ),
     # One H100/H200: a ~25 M parameter model on a harder task; the RL stages run in verl (run_gpu.sh).
     "gpu": Scale(
         task=TaskConfig(min_ops=3, max_ops=6, modulus=97, max_operand=96, slip_rate=0.3),
@@ -126,6 +160,67 @@ SCALES: dict[str, Scale] = {
         samples_per_beam=3, device="cuda",
     ),
 }
+
+
+ENVIRONMENT_PACKAGES = ("torch", "transformers", "tokenizers", "numpy", "verl", "verl-prm", "accelerate",
+                        "safetensors", "pandas", "pyarrow")
+
+
+def environment() -> dict:
+    """What the recipe's numbers depend on besides its settings: package versions, torch's thread count and
+    float-kernel back ends, the Python build and the CPU."""
+    from importlib import metadata
+
+    import torch
+
+    versions = {}
+    for name in ENVIRONMENT_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"python": platform.python_version(), "packages": versions, "torch_threads": torch.get_num_threads(),
+            "torch_mkldnn": bool(torch.backends.mkldnn.is_available()),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine(),
+            "cpu": cpu, "system": platform.system()}
+
+
+def environment_differences(recorded: dict | None, current: dict) -> list[str]:
+    """``key: recorded -> current`` for every entry (packages one by one) that differs."""
+    if not recorded:
+        return ["no environment recorded"]
+    out = []
+    for key in sorted(set(recorded) | set(current)):
+        old, new = recorded.get(key), current.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            out += [f"{key}.{name}: {old.get(name)} -> {new.get(name)}" for name in sorted(set(old) | set(new))
+                    if old.get(name) != new.get(name)]
+        elif old != new:
+            out.append(f"{key}: {old} -> {new}")
+    return out
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's and torch's global generators (a stage then does not depend on what ran before
+    it in the process)."""
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def stage_seed(name: str) -> int:
+    """A fixed seed per stage name (crc32: the same in every Python process, unlike ``hash``)."""
+    return zlib.crc32(f"arithmetic-stage-{name}".encode())
 
 
 def _jsonable(value):
@@ -149,8 +244,9 @@ class Stage:
                              f"(recorded {recorded.get('settings')}, now {self.settings})")
         return True
 
-    def finish(self, outputs: dict, seconds: float) -> dict:
-        record = {"settings": self.settings, "outputs": _jsonable(outputs), "seconds": round(seconds, 1)}
+    def finish(self, outputs: dict, seconds: float, env: dict | None = None) -> dict:
+        record = {"settings": self.settings, "outputs": _jsonable(outputs), "seconds": round(seconds, 1),
+                  "environment": env if env is not None else environment()}
         tmp = self.marker.with_suffix(".tmp")
         tmp.write_text(json.dumps(record, indent=2))
         tmp.replace(self.marker)
@@ -321,7 +417,7 @@ def stage_evaluate(stage: Stage, scale: Scale, root: Path, policy: Path, critic:
                              max_steps=scale.task.max_ops + 2, seed=seed)
     results = {"policies": policies, "curves": curves, "critic": critic_result, "search": search,
                "sample_efficiency": ev.sample_efficiency(curves["grpo"], curves["pav_grpo"]),
-               "settings": _jsonable(scale)}
+               "settings": _jsonable(scale), "environment": environment()}
     table = ev.write_table(results, stage.path / "results.md", stage.path / "results.json")
     plots = ev.plot_all(results, stage.path)
     return {"table": table, "plots": plots, "results": str(stage.path / "results.json")}
@@ -334,7 +430,7 @@ def stages_of(scale: Scale, root: Path) -> dict[str, Stage]:
     """Every stage's directory and settings (a stage's settings include those of the stages it reads)."""
     d = Stage(root, "data", {"task": scale.task, "n": [scale.sft_problems, scale.rl_problems, scale.test_problems],
                              "seed": scale.sft.seed})
-    s = Stage(root, "policy", {"data": d.settings, "model": scale.model, "sft": scale.sft})
+    s = Stage(root, "policy", {"data": d.settings, "model": scale.model, "sft": scale.sft, "threads": scale.threads})
     lab = Stage(root, "labels", {"policy": s.settings, "prompts": scale.label_problems, "n": [scale.n_cov, scale.n_mc],
                                  "backend": scale.label_backend, "max_new_tokens": scale.max_new_tokens})
     pav = Stage(root, "pav", {"labels": lab.settings, "steps": scale.pav_steps, "batch": scale.pav_batch_size,
@@ -387,16 +483,24 @@ def import_verl_run(scale: Scale, work_dir: str | Path, estimator: str, run_dir:
 
 def run(scale: Scale, work_dir: str | Path, stages: Sequence[str] = STAGES, *, progress: bool = True,
         log=print) -> dict:
-    """Run the requested stages (skipping complete ones); returns every stage's record."""
+    """Run the requested stages (skipping complete ones) on ``scale.threads`` torch threads (the caller's
+    thread count is restored afterwards); returns every stage's record."""
     import torch
 
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise ValueError(f"unknown stages {unknown}; choose from {STAGES}")
-    root = Path(work_dir)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(scale.threads)
+    try:
+        return _run(scale, Path(work_dir), stages, progress, log)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run(scale: Scale, root: Path, stages: Sequence[str], progress: bool, log) -> dict:
     root.mkdir(parents=True, exist_ok=True)
-    if scale.device == "cpu":
-        torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
+    env = environment()
     named = stages_of(scale, root)
     d, s, lab, pav = named["data"], named["sft"], named["label"], named["pav"]
     rl_stages = {"grpo": named["rl_grpo"], "pav_grpo": named["rl_pav"]}
@@ -404,16 +508,26 @@ def run(scale: Scale, work_dir: str | Path, stages: Sequence[str] = STAGES, *, p
     records: dict = {}
 
     def do(name: str, stage: Stage, fn) -> dict:
+        from verl_prm.locking import DirectoryLock
+
+        # one writer per stage directory; re-entrant, so the label/train CLIs run inside on it in this process
+        with DirectoryLock(stage.path, f"arithmetic recipe stage {name}"):
+            return do_locked(name, stage, fn)
+
+    def do_locked(name: str, stage: Stage, fn) -> dict:
         if stage.done():
-            log(f"[arithmetic] {name}: complete, skipped ({stage.path})")
             records[name] = json.loads(stage.marker.read_text())
+            differences = environment_differences(records[name].get("environment"), env)
+            note = f"; made under another environment ({'; '.join(differences)})" if differences else ""
+            log(f"[arithmetic] {name}: complete, skipped ({stage.path}){note}")
             return records[name]["outputs"]
         if name not in stages:
             raise RuntimeError(f"stage {name} is needed but not complete and not requested (--stages)")
         log(f"[arithmetic] {name}: running -> {stage.path}")
         started = time.perf_counter()
+        seed_everything(stage_seed(name))
         outputs = fn()
-        records[name] = stage.finish(outputs, time.perf_counter() - started)
+        records[name] = stage.finish(outputs, time.perf_counter() - started, env)
         log(f"[arithmetic] {name}: done in {records[name]['seconds']} s")
         return outputs
 
@@ -448,12 +562,14 @@ def scale_from_args(args: argparse.Namespace) -> Scale:
     scale = SCALES[args.scale]
     if args.rl_steps is not None:
         scale = replace(scale, rl=replace(scale.rl, steps=args.rl_steps))
-    overrides = {"label_problems": args.label_problems, "n_mc": args.n_mc, "pav_steps": args.pav_steps}
+    overrides = {"label_problems": args.label_problems, "n_mc": args.n_mc, "pav_steps": args.pav_steps,
+                 "threads": args.threads}
     return replace(scale, **{key: value for key, value in overrides.items() if value is not None})
 
 
 def recipe_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m verl_prm.recipes.arithmetic", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="verl-prm recipe arithmetic",
+                                     description=__doc__.split("\n\n")[0] + " (also: python -m verl_prm.recipes.arithmetic)")
     parser.add_argument("--scale", choices=sorted(SCALES), default="cpu")
     parser.add_argument("--work-dir", required=True, help="outputs of every stage; rerun to resume")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
@@ -461,6 +577,9 @@ def recipe_parser() -> argparse.ArgumentParser:
     parser.add_argument("--label-problems", type=int, default=None, help="override the problems labelled")
     parser.add_argument("--n-mc", type=int, default=None, help="override the prover continuations per prefix")
     parser.add_argument("--pav-steps", type=int, default=None, help="override the PAV training steps")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for every stage (default 1; the measured numbers are for 1: float "
+                             "reductions may differ with another count)")
     parser.add_argument("--import-verl-run", default=None, metavar="ESTIMATOR=RUN_DIR",
                         help="record a finished verl main_ppo run (run_gpu.sh) as the grpo or pav_grpo RL stage")
     parser.add_argument("--no-progress", action="store_true")

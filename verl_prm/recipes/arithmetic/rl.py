@@ -55,6 +55,16 @@ class RLConfig:
     loss_agg_mode: str = "token-mean"
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        for name in ("alpha", "lr", "temperature"):
+            value = getattr(self, name)
+            if not np.isfinite(value) or value < 0:
+                raise ValueError(f"RLConfig.{name} must be finite and >= 0, got {value!r}")
+        for name in ("best_of_k", "steps", "prompts_per_step", "group_size", "max_new_tokens", "eval_every",
+                     "eval_samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RLConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+
 
 def algorithm_config(config: RLConfig):
     """verl's ``algorithm`` section for the run (what the trainer hook passes to the estimator)."""

@@ -1,0 +1,220 @@
+"""MkDocs hook: the parts of the docs that come from the code, rendered at build time so they cannot drift.
+
+A page asks for generated text with an HTML comment on a line of its own (invisible where it is not rendered,
+e.g. on GitHub); an unknown directive fails the build:
+
+    <!-- gen:cli -->                 `verl-prm --help` (the list of commands)
+    <!-- gen:cli WORDS -->           `verl-prm WORDS --help`, e.g. <!-- gen:cli bench gpu -->
+    <!-- gen:cli-all -->             every command's help, one section each
+    <!-- gen:config algorithm.pav --> the estimator knobs (``verl_prm.config.PavConfig``)
+    <!-- gen:config verl_prm -->     the hook's settings (``verl_prm.config.hook.HookConfig``)
+    <!-- gen:layout -->              the package map: each module's first docstring line, and which import verl
+
+The config tables read each dataclass field's default from ``dataclasses.fields`` and its meaning from the
+``#`` comment lines right above the field in the source (where the project documents its knobs). A field
+without such a comment is an error that names it: the docs must not list a knob without saying what it does.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import io
+import json
+import os
+import re
+import textwrap
+from pathlib import Path
+from typing import Any
+
+DIRECTIVE = re.compile(r"^<!-- gen:(?P<kind>[\w-]+)(?P<arg>[^>]*?)\s*-->\s*$", re.M)
+HELP_COLUMNS = "100"  # argparse wraps help at $COLUMNS: fixed, so the pages do not depend on the terminal
+
+
+# ------------------------------------------------------------------------------------------------ CLI help
+def cli_help(words: tuple[str, ...] = ()) -> str:
+    """The text ``verl-prm WORDS --help`` prints (``verl-prm --help`` for no words), run in this process."""
+    from verl_prm.cli import COMMANDS, usage
+
+    if not words:
+        return usage().rstrip("\n")
+    if words not in COMMANDS:
+        raise ValueError(f"gen:cli: no command 'verl-prm {' '.join(words)}'; known: "
+                         + ", ".join(" ".join(w) for w in COMMANDS))
+    module_name, function_name = COMMANDS[words][0].split(":")
+    function = getattr(importlib.import_module(module_name), function_name)
+    buffer = io.StringIO()
+    previous = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = HELP_COLUMNS
+    try:
+        with contextlib.redirect_stdout(buffer):
+            function(["--help"])
+    except SystemExit as exit_:
+        if exit_.code not in (0, None):
+            raise RuntimeError(f"verl-prm {' '.join(words)} --help exited with {exit_.code}") from None
+    finally:
+        if previous is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = previous
+    text = buffer.getvalue().rstrip("\n")
+    if not text.startswith("usage:"):
+        raise RuntimeError(f"verl-prm {' '.join(words)} --help printed no usage: {text[:200]!r}")
+    return text
+
+
+def cli_block(words: tuple[str, ...]) -> str:
+    command = " ".join(("verl-prm", *words, "--help"))
+    return f"```text\n$ {command}\n{cli_help(words)}\n```"
+
+
+def cli_all() -> str:
+    from verl_prm.cli import COMMANDS
+
+    parts = []
+    for words, (_, summary) in COMMANDS.items():
+        parts.append(f"## verl-prm {' '.join(words)}\n\n{summary[0].upper() + summary[1:]}.\n\n{cli_block(words)}")
+    return "\n\n".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------ config tables
+def field_comments(cls: type) -> dict[str, str]:
+    """The ``#`` comment lines right above each annotated field of a class, joined into one text per field."""
+    lines, _ = inspect.getsourcelines(cls)
+    source = textwrap.dedent("".join(lines))
+    body = ast.parse(source).body[0]
+    source_lines = source.splitlines()
+    comments = {}
+    for node in body.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            collected = []
+            row = node.lineno - 2  # 0-based index of the line above the field
+            while row >= 0 and source_lines[row].strip().startswith("#"):
+                collected.insert(0, source_lines[row].strip().lstrip("#").strip())
+                row -= 1
+            if collected:
+                comments[node.target.id] = " ".join(collected)
+    return comments
+
+
+def format_default(value: Any) -> str:
+    """A default as a user writes it in verl's YAML/Hydra config."""
+    if value is None:
+        return "`null`"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, str):
+        return f"`{json.dumps(value)}`"
+    if isinstance(value, dict):
+        return f"`{json.dumps(value)}`"
+    return f"`{value!r}`"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def config_rows(cls: type, prefix: str) -> list[tuple[str, str, str]]:
+    """(key, default, meaning) for every field of a config dataclass; nested dataclasses become dotted keys."""
+    comments = field_comments(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        key = f"{prefix}.{f.name}"
+        if dataclasses.is_dataclass(default):
+            rows += config_rows(type(default), key)
+            continue
+        meaning = comments.get(f.name)
+        if not meaning:
+            raise ValueError(
+                f"{cls.__module__}.{cls.__name__}.{f.name} ({key}) has no comment: document it with '#' lines right "
+                "above the field, where the docs' config reference reads it"
+            )
+        rows.append((key, format_default(default), meaning))
+    return rows
+
+
+CONFIG_SECTIONS = {
+    "algorithm.pav": ("verl_prm.config", "PavConfig"),
+    "verl_prm": ("verl_prm.config.hook", "HookConfig"),
+}
+
+
+def config_table(section: str) -> str:
+    if section not in CONFIG_SECTIONS:
+        raise ValueError(f"gen:config: unknown section {section!r}; known: {', '.join(CONFIG_SECTIONS)}")
+    module_name, class_name = CONFIG_SECTIONS[section]
+    cls = getattr(importlib.import_module(module_name), class_name)
+    rows = config_rows(cls, section)
+    out = ["| key | default | meaning |", "|---|---|---|"]
+    out += [f"| `{key}` | {_cell(default)} | {_cell(meaning)} |" for key, default, meaning in rows]
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------------ package map
+def _imports_verl(tree: ast.AST) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name == "verl" or a.name.startswith("verl.") for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and (
+                node.module == "verl" or node.module.startswith("verl.")):
+            return True
+    return False
+
+
+def _summary(tree: ast.Module) -> str:
+    doc = ast.get_docstring(tree) or ""
+    first = doc.strip().split("\n\n")[0].replace("\n", " ")
+    return first
+
+
+def package_map(package: str = "verl_prm", max_depth: int = 2) -> str:
+    """A table of the package's modules (down to ``max_depth`` dots below it): what each is (its docstring's
+    first paragraph) and whether it imports verl (the glue does; the math must not). Read from the source
+    files, importing nothing."""
+    root = Path(importlib.util.find_spec(package).origin).parent
+    rows = []
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root).with_suffix("").parts
+        is_package = relative[-1] == "__init__"
+        parts = relative[:-1] if is_package else relative
+        if any(part.startswith("_") for part in parts) or "__pycache__" in relative or len(parts) > max_depth:
+            continue
+        if not is_package and not (path.parent / "__init__.py").is_file() and path.parent != root:
+            continue  # a script in a data folder, not a module
+        name = ".".join((package, *parts)) + ("/" if is_package and parts else "")
+        if not parts:
+            continue  # the package itself
+        tree = ast.parse(path.read_text())
+        rows.append((name, _summary(tree), "yes" if _imports_verl(tree) else ""))
+    rows.sort(key=lambda row: row[0].rstrip("/"))
+    out = ["| module | what it is | imports verl |", "|---|---|---|"]
+    out += [f"| `{name}` | {_cell(summary)} | {verl} |" for name, summary, verl in rows]
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------------ the hook
+def render(markdown: str) -> str:
+    """Replace every ``<!-- gen:... -->`` line of a page with the generated text."""
+
+    def replace(match: re.Match) -> str:
+        kind, arg = match.group("kind"), match.group("arg").strip()
+        if kind == "cli":
+            return cli_block(tuple(arg.split())) if arg else f"```text\n$ verl-prm --help\n{cli_help()}\n```"
+        if kind == "cli-all":
+            return cli_all()
+        if kind == "config":
+            return config_table(arg)
+        if kind == "layout":
+            return package_map()
+        raise ValueError(f"unknown docs directive <!-- gen:{kind} {arg} -->; see tools/docs_hooks.py")
+
+    return DIRECTIVE.sub(replace, markdown)
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:  # noqa: ARG001  (MkDocs hook signature)
+    return render(markdown)

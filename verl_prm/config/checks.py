@@ -1,0 +1,46 @@
+"""The one check of a float knob: a finite number in its range, with the key named in the error.
+
+Used by the typed configs (``algorithm.pav.*``, ``verl_prm.*``) and by the command line's argparse type
+(``verl_prm.cli_types.finite_float``), so a NaN or an infinity is rejected at startup wherever it is typed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+__all__ = ["check_number", "range_text"]
+
+
+def range_text(low: Optional[float] = None, high: Optional[float] = None, *, low_open: bool = False,
+               high_open: bool = False) -> str:
+    """``"in (0, 1]"``, ``">= 0"``, ``"< 1"`` or ``""`` (no bound) for the error messages."""
+    if low is not None and high is not None:
+        return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    if low is not None:
+        return f"{'>' if low_open else '>='} {low:g}"
+    if high is not None:
+        return f"{'<' if high_open else '<='} {high:g}"
+    return ""
+
+
+def check_number(key: str, value: Any, low: Optional[float] = None, high: Optional[float] = None, *,
+                 low_open: bool = False, high_open: bool = False) -> float:
+    """``float(value)`` if it is a finite real number within the bounds; else ``ValueError`` naming ``key``:
+    ``"algorithm.pav.alpha must be >= 0 (a finite number), got nan"``.
+
+    ``low``/``high`` are inclusive unless ``low_open``/``high_open``. Booleans and strings are not numbers.
+    """
+    bounds = range_text(low, high, low_open=low_open, high_open=high_open)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key} must be a number{' ' + bounds if bounds else ''}, got {value!r}")
+    wanted = f"{bounds} (a finite number)" if bounds else "a finite number"
+    number = float(value)
+    in_range = math.isfinite(number)
+    if in_range and low is not None:
+        in_range = number > low if low_open else number >= low
+    if in_range and high is not None:
+        in_range = number < high if high_open else number <= high
+    if not in_range:
+        raise ValueError(f"{key} must be {wanted}, got {number!r}")
+    return number

@@ -104,21 +104,31 @@ print("PLATFORM", get_platform().device_name)
 print("FIXES", list(installed_fixes()))
 print("DEFAULTS", distributed.initialize_global_process_group_ray.__defaults__)
 print("CPU_ENGINE", "cpu" in engines)
+import verl.models.transformers.monkey_patch as monkey_patch  # the TRL import fix applies on every platform
+from verl_prm.platform.fixes import trl_has_value_head
+print("TRL_FIX", monkey_patch.is_trl_available() is False or trl_has_value_head())
 """
 
 
 @pytest.mark.slow
 def test_nothing_of_the_cpu_platform_is_active_on_a_gpu_platform():
     """A fresh process on the nvidia platform (VERL_PLATFORM=nvidia; this host has no GPU): the plugin registers
-    the cpu platform name, but no fix is applied and verl's functions and engine registry are untouched."""
+    the cpu platform name, but no CPU fix is applied and verl's functions and engine registry are untouched."""
     env = dict(os.environ, VERL_PLATFORM="nvidia")
     result = subprocess.run([sys.executable, "-c", GPU_PLATFORM_SCRIPT], env=env, capture_output=True, text=True,
                             timeout=240, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "PLATFORM cuda" in result.stdout
-    assert "FIXES []" in result.stdout
+    import importlib.util
+
+    from verl_prm.platform.fixes import trl_has_value_head
+
+    # The one fix that is not about the CPU: verl's TRL import, needed on any device when TRL lacks the class.
+    trl_fix = importlib.util.find_spec("trl") is not None and not trl_has_value_head()
+    assert f"FIXES {['trl_value_head_import'] if trl_fix else []}" in result.stdout
     assert "DEFAULTS (None, None)" in result.stdout
     assert "CPU_ENGINE False" in result.stdout
+    assert "TRL_FIX True" in result.stdout
 
 
 def test_flops_counter_runs_on_the_cpu_platform(monkeypatch):

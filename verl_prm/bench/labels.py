@@ -38,9 +38,9 @@ def synthetic_labels(rows: int, steps: int, seed: int = 0) -> pa.Table:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=100_000)
-    parser.add_argument("--steps", type=int, default=8)
+    parser = argparse.ArgumentParser(prog="verl-prm bench labels", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=100_000, help="synthetic rollouts in the shard")
+    parser.add_argument("--steps", type=int, default=8, help="steps per rollout")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as directory:
         pq.write_table(synthetic_labels(args.rows, args.steps), Path(directory) / "shard-00000.parquet")

@@ -102,7 +102,8 @@ def _when_cpu(fix):
 
 def install_cpu_fixes() -> None:
     """Attach the fixes to the import of the verl modules they fix (now for one already imported). Each runs
-    after its module has executed, and only if the CPU platform is this process's platform. Idempotent."""
+    after its module has executed, and only if the CPU platform is this process's platform, except the TRL
+    import fix, which verl needs on every device once TRL >= 1.x is installed. Idempotent."""
     if getattr(install_cpu_fixes, "_done", False):
         return
     install_cpu_fixes._done = True
@@ -110,4 +111,6 @@ def install_cpu_fixes() -> None:
 
     register_when_imported(DISTRIBUTED_MODULE, _when_cpu(_fix_process_group_backend))
     register_when_imported(ENGINE_MODULE, _when_cpu(_fix_engine_registry))
-    register_when_imported(MONKEY_PATCH_MODULE, _when_cpu(_fix_trl_value_head_import))
+    # Not a CPU matter: with TRL >= 1.x installed, every FSDP model build of verl 0.9.1 fails on any device, so
+    # this one applies on every platform (and only where the installed TRL lacks the class).
+    register_when_imported(MONKEY_PATCH_MODULE, _fix_trl_value_head_import)

@@ -274,6 +274,15 @@ def test_step_rewards_go_to_the_true_last_token_of_interrupted_steps():
     assert adv.rewards_to_go(rewards).tolist() == [[3.0, 3.0, 3.0, 3.0, 2.0, 2.0, 0.0], [3.0] + [0.0] * 6]
 
 
+def test_out_of_range_step_ids_are_clamped_within_their_own_row():
+    """With check_inputs=false nothing validates step ids: like process_advantage, the step-end placement clamps
+    them into [-1, S-1], so a bad id stays in its own row (never an out-of-bounds scatter)."""
+    bad = torch.tensor([[0, 0, 7, 1], [0, -5, 1, 1]])
+    clamped = bad.clamp(-1, 2)
+    assert torch.equal(adv.step_end_positions(bad, 3), adv.step_end_positions(clamped, 3))
+    assert adv.step_end_positions(bad, 3).tolist() == [[1, 3, 2], [0, 3, -1]]
+
+
 def test_masked_whiten_equals_verls():
     from verl.utils.torch_functional import masked_whiten
 

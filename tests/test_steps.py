@@ -709,6 +709,19 @@ def test_same_tokenizer_fast_path_does_not_encode(bpe_large, monkeypatch):
             assert enc.step_ends == (3 + position_in_response).tolist()
 
 
+def test_same_tokenizer_ignores_padding_and_truncation_settings(bpe_small):
+    """A padded, truncated call stores its settings in the backend tokenizer; they do not change what ids mean,
+    so a fresh copy of the same vocabulary still counts as the same tokenizer (no re-tokenisation)."""
+    fresh = copy.deepcopy(bpe_small)
+    used = copy.deepcopy(bpe_small)
+    used(["a b", "a b c d e f"], padding="max_length", truncation=True, max_length=4)
+    assert used.backend_tokenizer.padding is not None or used.backend_tokenizer.truncation is not None
+    assert same_tokenizer(fresh, used)
+    other = copy.deepcopy(bpe_small)
+    other.add_tokens(["<new-token>"])
+    assert not same_tokenizer(fresh, other)
+
+
 def test_same_tokenizer_with_prompt_texts(bpe_small):
     ids, mask = batch(bpe_small, CASES[:3])
     split = split_steps(ids, mask, bpe_small)

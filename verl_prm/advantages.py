@@ -488,7 +488,8 @@ def check_step_inputs(
 
 def step_end_positions(step_ids: torch.Tensor, max_steps: int) -> torch.Tensor:
     """Position of the last token of each step: ``ends[i, h] = max{t : step_ids[i, t] = h}``, -1 for a step with
-    no token (and for h >= H). Exact when a step's tokens are interrupted by tokens in no step.
+    no token (and for h >= H). Exact when a step's tokens are interrupted by tokens in no step. Ids outside
+    ``[-1, S-1]`` are clamped into it (they pass unchecked only with ``check_inputs=false``).
 
     Args:
         step_ids: [B, T] step of each token, -1 for none; max_steps: S.
@@ -500,7 +501,10 @@ def step_end_positions(step_ids: torch.Tensor, max_steps: int) -> torch.Tensor:
     positions = torch.arange(length, device=step_ids.device).expand(batch, length)
     # column 0 collects the tokens in no step (-1) and is dropped
     ends = torch.full((batch, max_steps + 1), -1, dtype=torch.long, device=step_ids.device)
-    ends = ends.scatter_reduce(1, step_ids.long() + 1, positions, reduce="amax", include_self=True)
+    # ids outside [-1, S-1] (possible only with check_inputs=false) are clamped, as in process_advantage: a bad
+    # id then lands in its own row, never out of bounds
+    columns = step_ids.long().clamp(-1, max_steps - 1) + 1
+    ends = ends.scatter_reduce(1, columns, positions, reduce="amax", include_self=True)
     return ends[:, 1:]
 
 

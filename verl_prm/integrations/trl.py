@@ -29,7 +29,6 @@ rule ``verl_prm.config.hook.StepsSection``), the critic ``verl_prm.critic.Prover
 
 from __future__ import annotations
 
-import copy
 import inspect
 import time
 from dataclasses import asdict, fields
@@ -94,23 +93,6 @@ def _step_rule(steps: StepsSection | Mapping[str, Any] | None) -> StepsSection:
                         f"got {type(steps).__name__}")
     section = asdict(steps) if isinstance(steps, StepsSection) else (dict(steps) if steps is not None else None)
     return read_hook_config({"steps": section} if section is not None else None).steps
-
-
-def _same_vocabulary(policy_tokenizer, critic_tokenizer) -> bool:
-    """``verl_prm.steps.same_tokenizer`` on copies without padding and truncation settings: a padded call (TRL
-    pads with the policy tokenizer) stores them in the tokenizer's backend, and ``same_tokenizer`` would then
-    count two identical vocabularies as different and re-tokenise every batch."""
-    if policy_tokenizer is critic_tokenizer:
-        return True
-    copies = []
-    for tokenizer in (policy_tokenizer, critic_tokenizer):
-        tokenizer = copy.deepcopy(tokenizer)
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None:
-            backend.no_padding()
-            backend.no_truncation()
-        copies.append(tokenizer)
-    return same_tokenizer(*copies)
 
 
 def truncated_completions(completion_ids: torch.Tensor, completion_mask: torch.Tensor, eos_token_ids) -> torch.Tensor:
@@ -184,7 +166,7 @@ class PavGRPOTrainer(GRPOTrainer):
             critic = ProverCritic.from_pretrained(critic, device=self.accelerator.device)
         self.critic = critic
         # None: the critic reads the policy's ids as they are; else the text is re-tokenised for the critic.
-        self._critic_policy_tokenizer = None if _same_vocabulary(self.processing_class, critic.tokenizer) else \
+        self._critic_policy_tokenizer = None if same_tokenizer(self.processing_class, critic.tokenizer) else \
             self.processing_class
         self._pav_rewards_per_func: torch.Tensor | None = None
 

@@ -3,6 +3,8 @@ identity (`same_tokenizer`) and the alignment of a policy batch to a critic (`al
 
 from __future__ import annotations
 
+import json
+
 import weakref
 from typing import Any, Sequence
 
@@ -142,7 +144,12 @@ def _tokenizer_fingerprint(tokenizer: Any) -> str:
         return cached
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
-        fingerprint = backend.to_str()
+        # Padding and truncation are call settings that a padded call stores in the backend, not part of what
+        # the ids mean: two copies of one vocabulary must match whatever calls were made on them.
+        serialised = json.loads(backend.to_str())
+        serialised.pop("padding", None)
+        serialised.pop("truncation", None)
+        fingerprint = json.dumps(serialised, sort_keys=True)
     else:
         fingerprint = repr(sorted(tokenizer.get_vocab().items())) + repr(sorted(_special_ids(tokenizer)))
     fingerprint = f"{len(tokenizer)}:{fingerprint}"

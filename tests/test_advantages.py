@@ -707,3 +707,19 @@ def test_bench_advantages_runs_and_reports(capsys):
     for label in ("grpo_vectorized (verl)", "pav_grpo", "pav_rloo", "pav_grpo, compile=never"):
         assert re.search(rf"^{re.escape(label)} +[\d.]+ +[\d.]+ +[\d.]+ +\d+$", report, re.M), (label, report)
     assert re.search(r"pav_grpo / grpo_vectorized = [\d.]+ \(target <= 2\).*(meets|MISSES) the target", report)
+
+
+def test_zero_signal_groups_against_a_loop():
+    from verl_prm.advantages import group_ids, zero_signal_groups
+
+    generator = torch.Generator().manual_seed(3)
+    scores = torch.randint(0, 2, (64,), generator=generator).float()
+    labels = [f"u{int(i)}" for i in torch.randint(0, 20, (64,), generator=generator)]
+    groups, count = group_ids(labels)
+    got = zero_signal_groups(scores, groups, count)
+    for g in range(count):
+        members = [float(scores[i]) for i in range(64) if int(groups[i]) == g]
+        assert bool(got[g]) == (max(members) == min(members)), g
+    assert zero_signal_groups(torch.tensor([1.0, 1.0]), torch.tensor([0, 0]), 2).tolist() == [True, True]
+    with pytest.raises(ValueError, match="one entry per response"):
+        zero_signal_groups(scores, groups[:3], count)

@@ -84,6 +84,43 @@ def test_sft_slips_have_the_documented_rate_and_fail():
     assert len(set(steps)) == config.max_ops  # slips land on every step position
 
 
+def test_per_step_slips_have_the_documented_rate_fail_and_never_repair():
+    """step_slip_rate: each operation slips independently, so (1 - q)^ops of the solutions are right; a solution
+    with slips always fails (a later slip never writes the true value back), and its prefix is wrong from the
+    first slip on."""
+    config = TaskConfig(min_ops=5, max_ops=5, modulus=5, max_operand=4, slip_rate=0.0, step_slip_rate=0.25)
+    rng = random.Random(0)
+    problems = generate_problems(4000, config, seed=5)
+    examples = [(sft_example(p, rng, 0.0, config.step_slip_rate), p) for p in problems]
+    clean = sum(slip < 0 for (_, slip), _ in examples) / len(examples)
+    assert abs(clean - 0.75 ** 5) < 0.03  # binomial std 0.0075
+    for (text, slip), problem in examples:
+        assert compute_score(DATA_SOURCE, text, problem.answer) == float(slip < 0)
+        correct = prefix_correctness(problem, text)
+        assert correct == [slip < 0 or h < slip for h in range(len(correct))]
+    with pytest.raises(ValueError, match="either slip_rate"):
+        TaskConfig(slip_rate=0.3, step_slip_rate=0.1)
+    with pytest.raises(ValueError, match=r"step_slip_rate must be in \[0, 1\)"):
+        TaskConfig(slip_rate=0.0, step_slip_rate=1.0)
+
+
+def test_sweep_statistics_against_their_definitions():
+    import numpy as np
+
+    from verl_prm.recipes.arithmetic.sweep import group_statistics, step_accuracy
+
+    outcomes = np.array([[0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 0, 0], [0, 0, 0, 0]])
+    assert group_statistics(outcomes) == {"success": 5 / 16, "zero_signal_groups": 0.75, "all_fail_groups": 0.5,
+                                          "group_size": 4}
+    with pytest.raises(ValueError, match="G >= 2"):
+        group_statistics(np.zeros((3, 1)))
+    problem = Problem(3, (("+", 2), ("*", 3)), 7)  # 3+2=5, 5*3=1
+    texts = ["3+2=5 *3\n5*3=1\nanswer 1", "3+2=5 *3\n5*3=2\nanswer 2", "3+2=6 *3\n6*3=4\nanswer 4"]
+    result = step_accuracy([problem], texts, [0, 0, 0])
+    # step 0: right in 2 of 3; step 1 (after a right step 0): right in 1 of 2
+    assert result["step_accuracy_by_step"] == [2 / 3, 1 / 2] and result["step_accuracy"] == pytest.approx(3 / 5)
+
+
 def test_generator_is_deterministic_distinct_and_excludes():
     a = generate_problems(300, TaskConfig(), seed=1)
     assert a == generate_problems(300, TaskConfig(), seed=1)
@@ -215,35 +252,44 @@ def test_micro_run_of_the_whole_recipe(micro_run):
     from verl_prm.labeling.format import read_labels
 
     work, records = micro_run
-    assert set(records) == {"data", "sft", "label", "pav", "rl_grpo", "rl_pav", "evaluate"}
+    assert set(records) == {"data", "sft", "prover", "label", "pav", "rl", "evaluate"}
     # (a) the policy in Hugging Face format with safetensors and its tokenizer
     assert (work / "policy" / "model.safetensors").exists() and (work / "policy" / "tokenizer.json").exists()
     model = AutoModelForCausalLM.from_pretrained(work / "policy", trust_remote_code=False)
     assert type(model).__name__ == "Qwen2ForCausalLM"
-    # (b) Monte-Carlo labels of `verl-prm label`: the prover is the policy, raw counts kept
+    # (b) the exact prover's p: the SFT policy's per-step accuracy, a probability
+    prover = records["prover"]["outputs"]
+    assert 0 < prover["step_accuracy"] <= 1 and 0 <= prover["zero_signal_groups"] <= 1
+    # (c) Monte-Carlo labels of `verl-prm label`: the prover is the policy, raw counts kept
     labels = read_labels(work / "labels")
     assert len(labels) == 3 and all(len(q) == len(n) for q, n in zip(labels["q"], labels["n_mc"]))
-    # (c) a value-head PAV of `verl-prm train`
+    # (d) a value-head PAV of `verl-prm train`
     checkpoint = Path(records["pav"]["outputs"]["checkpoint"])
     assert (checkpoint / "model.safetensors").exists()
-    # (d) both RL runs with the same budget, their metrics one line per iteration plus evaluations
-    for name in ("rl_grpo", "rl_pav_grpo"):
-        lines = [json.loads(x) for x in (work / name / "metrics.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in lines if "batch_accuracy" in r] == [1, 2]
-        assert [r["step"] for r in lines if "eval_accuracy" in r] == [0, 1, 2]
-        assert (work / name / "final" / "model.safetensors").exists()
-    pav_lines = [json.loads(x) for x in (work / "rl_pav_grpo" / "metrics.jsonl").read_text().splitlines()]
-    assert all("mean_abs_progress" in r for r in pav_lines if "batch_accuracy" in r)
-    # (e) the table and the three plots
+    # (e) RL through verl's own main_ppo (PAV-GRPO with the exact prover): verl's file logger has the held-out
+    # accuracy before training and after each step, the pav/* metrics of every step; the merged final policy
+    run = records["rl"]["outputs"]["pav_exact_seed0"]
+    assert [point[0] for point in run["curve"]] == [0, 1, 2]
+    assert [t["step"] for t in run["training"]] == [1, 2]
+    assert all(0 <= t["zero_signal_groups"] <= 1 for t in run["training"])
+    metrics = [json.loads(x) for x in (work / "rl" / "pav_exact_seed0" / "metrics.jsonl").read_text().splitlines()]
+    trained = [m["data"] for m in metrics if "actor/pg_loss" in m["data"]]
+    assert len(trained) == 2 and all(m["pav/process_term/std"] == m["pav/process_term/std"] for m in trained)
+    assert (work / "rl" / "pav_exact_seed0" / "final" / "model.safetensors").exists()
+    command = (work / "rl" / "pav_exact_seed0" / "command.sh").read_text()
+    assert "verl.trainer.main_ppo" in command and "verl_prm.critic.format=exact" in command
+    # (f) the table and the plots
     results = json.loads((work / "results" / "results.json").read_text())
-    assert {r["method"] for r in results["search"]} == {"best_of_n", "beam_pav"}
-    assert set(results["policies"]) == {"base", "grpo", "pav_grpo"}
-    assert "PAV-GRPO" in (work / "results" / "results.md").read_text()
-    for png in ("accuracy_vs_rl_steps.png", "accuracy_vs_rl_samples.png", "search_accuracy_vs_compute.png"):
+    assert set(results["search"]) == {"learned", "exact"}
+    assert all({r["method"] for r in rows} == {"best_of_n", "beam_pav"} for rows in results["search"].values())
+    assert set(results["arms"]) == {"pav_exact"} and results["arms"]["pav_exact"]["seeds"] == [0]
+    assert "PAV-GRPO, exact prover" in (work / "results" / "results.md").read_text()
+    for png in ("accuracy_vs_rl_steps.png", "accuracy_vs_rl_samples.png", "zero_signal_groups.png",
+                "search_accuracy_vs_compute.png"):
         assert (work / "results" / png).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_rerun_skips_complete_stages_and_refuses_other_settings(micro_run):
+def test_rerun_skips_complete_stages_and_says_which_setting_changed(micro_run):
     from dataclasses import replace
 
     from verl_prm.recipes.arithmetic.pipeline import SCALES, run
@@ -255,53 +301,85 @@ def test_rerun_skips_complete_stages_and_refuses_other_settings(micro_run):
     assert sum("complete, skipped" in m for m in messages) == 7
     assert {p: p.stat().st_mtime_ns for p in work.rglob("DONE.json")} == before
     other = replace(SCALES["micro"], sft=replace(SCALES["micro"].sft, steps=5))
-    with pytest.raises(ValueError, match="other settings"):
+    with pytest.raises(ValueError, match=r"other settings \(model.*sft.steps: 4 -> 5\)|other settings \(sft.steps: 4 -> 5\)"):
         run(other, work, progress=False, log=lambda *_: None)
 
 
-def test_rl_resumes_from_its_state(micro_run, tmp_path):
-    """An interrupted RL run (state after iteration 1 of 2) resumes and ends with the uninterrupted run's curve."""
-    import shutil
-    from dataclasses import replace
+def test_settings_differences_name_each_changed_leaf():
+    from verl_prm.recipes.arithmetic.pipeline import settings_differences
 
-    from verl_prm.recipes.arithmetic.pipeline import SCALES, _problems
-    from verl_prm.recipes.arithmetic.rl import run_rl
-
-    work, records = micro_run
-    scale = SCALES["micro"]
-    _, rl, _, test = _problems(scale)
-    config = replace(scale.rl, estimator="pav_grpo", max_new_tokens=scale.max_new_tokens)
-    critic = records["pav"]["outputs"]["checkpoint"]
-    first = run_rl(work / "policy", critic, rl, test, replace(config, steps=1), tmp_path / "one", progress=False)
-    # the state of a 1-step run is the state a 2-step run saves after its first iteration
-    (tmp_path / "two").mkdir()
-    state = torch.load(tmp_path / "one" / "state.pt", weights_only=False)
-    state["config"] = json.loads(json.dumps({**state["config"], "steps": 2}))
-    torch.save(state, tmp_path / "two" / "state.pt")
-    resumed = run_rl(work / "policy", critic, rl, test, replace(config, steps=2), tmp_path / "two", progress=False)
-    reference = json.loads((work / "rl_pav_grpo" / "DONE.json").read_text())["outputs"]["curve"]
-    as_lists = lambda curve: [list(point) for point in curve]  # noqa: E731
-    assert as_lists(first["eval_curve"]) == as_lists(reference[:2])
-    assert as_lists(resumed["eval_curve"]) == as_lists(reference)
-    # the resumed run ends with the uninterrupted run's weights
-    from safetensors.torch import load_file
-
-    ours = load_file(tmp_path / "two" / "final" / "model.safetensors")
-    theirs = load_file(work / "rl_pav_grpo" / "final" / "model.safetensors")
-    base = load_file(work / "policy" / "model.safetensors")
-    assert ours.keys() == theirs.keys()
-    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
-    assert not all(torch.equal(ours[k], base[k]) for k in ours)  # RL changed the policy
-    shutil.rmtree(tmp_path / "one")
+    recorded = {"rl": {"steps": 40, "lr": 2e-4}, "arms": ["grpo", "pav_exact"], "seed": 0}
+    current = {"rl": {"steps": 60, "lr": 2e-4}, "arms": ["grpo", "pav_learned"], "seed": 0, "new": 1}
+    assert settings_differences(recorded, current) == [
+        "arms[1]: 'pav_exact' -> 'pav_learned'", "new: None -> 1", "rl.steps: 40 -> 60"]
 
 
-# ------------------------------------------------------------------------------------------- GPU launcher
+# ------------------------------------------------------------------------------------------- verl commands
+
+
+def _compose(overrides):
+    import verl
+    from hydra import compose, initialize_config_dir
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    config_dir = str(Path(verl.__file__).resolve().parent / "trainer" / "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        config = compose("ppo_trainer", overrides=overrides)
+    validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    return config
+
+
+@pytest.mark.parametrize("device,scale_name", [("cpu", "cpu"), ("cuda", "gpu")])
+def test_main_ppo_commands_of_every_arm_compose_and_differ_only_in_the_critic(tmp_path, device, scale_name):
+    """The recipe's verl command (CPU and GPU the same function): each arm composes with verl's config and passes
+    verl's and the plugin's startup validation; the arms differ only in estimator, critic and run names."""
+    from verl_prm.config.hook import validate_run_config
+    from verl_prm.recipes.arithmetic.pipeline import SCALES
+    from verl_prm.recipes.arithmetic.task import STEP_REGEX
+    from verl_prm.recipes.arithmetic.verl_rl import ARMS, RunPaths, main_ppo_command
+    from verl_prm.training.trainer import latest_checkpoint  # noqa: F401  (the learned critic's layout)
+
+    scale = SCALES[scale_name]
+    critic = tmp_path / "critic"
+    critic.mkdir()
+    (critic / "config.json").write_text("{}")
+    (critic / "model.safetensors").write_bytes(b"")
+    paths = RunPaths(policy=tmp_path / "policy", train_file=tmp_path / "train.parquet",
+                     val_file=tmp_path / "test.parquet", learned_critic=critic, step_accuracy=0.8125)
+    commands = {}
+    for arm in ARMS:
+        command = main_ppo_command(scale, arm, 1, paths, tmp_path / arm, device=device)
+        assert command[1:3] == ["-m", "verl.trainer.main_ppo"]
+        config = _compose(command[3:])
+        hook, pav = validate_run_config(config)
+        assert hook.steps.regex == STEP_REGEX
+        assert config.algorithm.adv_estimator == ARMS[arm].estimator
+        assert (pav.alpha, pav.best_of_k) == (scale.rl.alpha, scale.rl.best_of_k)
+        assert config.data.train_batch_size == scale.rl.prompts_per_step
+        assert config.actor_rollout_ref.rollout.n == scale.rl.group_size
+        assert config.actor_rollout_ref.actor.ppo_mini_batch_size == scale.rl.prompts_per_step
+        assert config.data.max_response_length >= scale.max_new_tokens
+        assert config.trainer.total_training_steps == scale.rl.steps and config.trainer.test_freq == scale.rl.eval_every
+        assert (config.data.seed, config.actor_rollout_ref.rollout.seed) == (1, 1)
+        assert config.actor_rollout_ref.rollout.name == ("hf" if device == "cpu" else "vllm")
+        if ARMS[arm].critic == "exact":
+            assert hook.critic.format == "exact"
+            assert dict(hook.critic.options) == {"data_source": "arithmetic_mod", "step_accuracy": 0.8125}
+        else:
+            assert (hook.critic.format, hook.critic.path) == ("value_head", str(critic))
+        commands[arm] = set(command[3:])
+    run_names = ("trainer.experiment_name=", "trainer.default_local_dir=")
+    for a, b, allowed in (("grpo", "pav_exact", ("algorithm.adv_estimator=",)),
+                          ("pav_exact", "pav_learned", ("verl_prm.critic.", "+verl_prm.critic."))):
+        differing = sorted(commands[a] ^ commands[b])
+        assert differing and all(x.startswith(allowed + run_names) for x in differing), differing
 
 
 def _run_launcher(script: Path, tmp_path: Path, env_extra: dict[str, str]) -> list[list[str]]:
     """Run a launcher with fake `python3` first on PATH; return each call's argv, in order."""
     bin_dir, capture = tmp_path / "bin", tmp_path / "calls"
-    bin_dir.mkdir()
+    bin_dir.mkdir(parents=True)
     capture.mkdir()
     fake = bin_dir / "python3"
     fake.write_text("#!/usr/bin/env bash\n"
@@ -313,60 +391,36 @@ def _run_launcher(script: Path, tmp_path: Path, env_extra: dict[str, str]) -> li
     return [(capture / f).read_bytes().decode().split("\0")[:-1] for f in sorted(os.listdir(capture))]
 
 
-def test_gpu_launcher_overrides_compose_with_verls_config(micro_run, tmp_path):
-    import verl
-    from hydra import compose, initialize_config_dir
-    from verl.trainer.ppo.utils import need_critic, need_reference_policy
-    from verl.utils.config import validate_config
+def test_gpu_launcher_runs_the_recipe_at_gpu_scale(tmp_path):
+    calls = _run_launcher(EXAMPLE / "run_gpu.sh", tmp_path, {"WORK_DIR": str(tmp_path / "w")})
+    assert calls == [["python3", "-m", "verl_prm.recipes.arithmetic", "--scale", "gpu", "--work-dir",
+                      str(tmp_path / "w")]]
+    calls = _run_launcher(EXAMPLE / "run_cpu.sh", tmp_path / "cpu", {})
+    assert calls[0][:5] == ["python3", "-m", "verl_prm.recipes.arithmetic", "--scale", "cpu"]
 
-    from verl_prm.config.hook import validate_run_config
+
+def test_read_run_takes_the_curves_from_verls_file_logger(tmp_path):
     from verl_prm.recipes.arithmetic.pipeline import SCALES
-    from verl_prm.recipes.arithmetic.task import STEP_REGEX
+    from verl_prm.recipes.arithmetic.verl_rl import read_run
 
-    work, records = micro_run
-    calls = _run_launcher(EXAMPLE / "run_gpu.sh", tmp_path, {"WORK_DIR": str(work)})
-    ppo_calls = [c for c in calls if c[1:3] == ["-m", "verl.trainer.main_ppo"]]
-    assert len(ppo_calls) == 2  # GRPO, then PAV-GRPO
-    config_dir = str(Path(verl.__file__).resolve().parent / "trainer" / "config")
-    composed = {}
-    for call in ppo_calls:
-        with initialize_config_dir(config_dir=config_dir, version_base=None):
-            config = compose("ppo_trainer", overrides=call[3:])
-        validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
-        hook, pav = validate_run_config(config)
-        assert hook.steps.regex == STEP_REGEX  # the launcher's regex reaches the hook unchanged
-        assert config.actor_rollout_ref.rollout.name == "vllm"
-        assert config.actor_rollout_ref.model.path == str(work / "policy")
-        assert config.reward.custom_reward_function.path == str(RECIPE / "score.py")
-        assert config.verl_prm.critic.path == records["pav"]["outputs"]["checkpoint"]
-        # the longest solution of the GPU scale fits verl's response budget
-        assert config.data.max_response_length >= SCALES["gpu"].max_new_tokens
-        composed[config.algorithm.adv_estimator] = call[3:]
-    assert set(composed) == {"grpo", "pav_grpo"}
-    differing = sorted(set(composed["grpo"]) ^ set(composed["pav_grpo"]))
-    assert all(x.startswith(("algorithm.adv_estimator=", "trainer.experiment_name=", "trainer.default_local_dir="))
-               for x in differing), differing
-
-
-def test_import_verl_run_records_the_validation_curve(micro_run, tmp_path):
-    """GPU path glue: a verl main_ppo run (file-logger metrics + merged model) becomes the RL stage."""
-    import shutil
-
-    from verl_prm.recipes.arithmetic.pipeline import SCALES, import_verl_run, stages_of
-
-    work, _ = micro_run
-    run_dir = tmp_path / "verl_rl_pav_grpo"
-    shutil.copytree(work / "rl_pav_grpo" / "final", run_dir / "final")
-    lines = [{"step": 0, "data": {"val-core/arithmetic_mod/acc/mean@4": 0.5}},
-             {"step": 1, "data": {"actor/pg_loss": 0.1}},
-             {"step": 5, "data": {"val-core/arithmetic_mod/acc/mean@4": 0.75, "val-aux/arithmetic_mod/acc/std@4": 0.1}}]
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    outputs = import_verl_run(SCALES["micro"], tmp_path / "work", "pav_grpo", run_dir)
-    per_step = SCALES["micro"].rl.prompts_per_step * SCALES["micro"].rl.group_size
-    assert [list(x) for x in outputs["curve"]] == [[0, 0, 0.5], [5, 5 * per_step, 0.75]]
-    assert stages_of(SCALES["micro"], tmp_path / "work")["rl_pav"].done()
-    with pytest.raises(ValueError, match="grpo or pav_grpo"):
-        import_verl_run(SCALES["micro"], tmp_path / "work", "gae", run_dir)
+    scale = SCALES["micro"]
+    key = f"val-core/arithmetic_mod/acc/mean@{scale.rl.eval_samples}"
+    lines = [{"step": 0, "data": {key: 0.5}},
+             {"step": 1, "data": {"critic/score/mean": 0.25, "pav/outcome_zero_signal_groups": 0.5,
+                                  "pav/process_term/std": 0.1, "timing_s/step": 3.0}},
+             {"step": 2, "data": {"critic/score/mean": 0.5, "pav/outcome_zero_signal_groups": 0.0,
+                                  "pav/process_term/std": 0.2, "timing_s/step": 2.0, key: 0.75}}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"step": 3, "da')
+    run = read_run(tmp_path, scale)
+    per_step = scale.rl.prompts_per_step * scale.rl.group_size
+    assert run["curve"] == [(0, 0, 0.5), (2, 2 * per_step, 0.75)]
+    assert [t["zero_signal_groups"] for t in run["training"]] == [0.5, 0.0]
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "da\n' + json.dumps(lines[0]) + "\n")
+    with pytest.raises(ValueError, match="metrics.jsonl:1 is not JSON"):
+        read_run(tmp_path, scale)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(lines[1]) + "\n")
+    with pytest.raises(ValueError, match="has no val-core/arithmetic_mod/acc/mean@1 metric"):
+        read_run(tmp_path, scale)
 
 
 def test_command_line_overrides_reach_the_scale():
@@ -392,45 +446,32 @@ PINNED_TINY = {
                  [100, 0.5023809397220611], [125, 0.4898651480674744], [150, 0.48760770916938784]],
     "label_rollouts": 8, "label_steps": 16, "label_q_mean": 0.1875, "label_seed_accuracy": 0.25,
     "pav_mse": 0.22745072162529287, "pav_auroc": 0.125,
-    # (step, batch accuracy or held-out accuracy, loss or None)
-    "rl": {"rl_grpo": [[0, 0.0833333358168602, None], [1, 0.25, 4.058188451949718e-09], [1, 0.0833333358168602, None],
-                       [2, 0.3125, -1.7384687467369986e-08], [2, 0.0833333358168602, None]],
-           "rl_pav_grpo": [[0, 0.0833333358168602, None], [1, 0.25, 0.0020765638910233974],
-                           [1, 0.0833333358168602, None], [2, 0.3125, -0.001676391577348113],
-                           [2, 0.0833333358168602, None]]},
-    "accuracy": {"base": 0.125, "grpo": 0.125, "pav_grpo": 0.125},
-    "critic": {"steps_scored": 23, "wrong_step_share": 1.0, "mean_value_drop_at_first_wrong_step": 0.0487905020515124},
-    "search": [["best_of_n", 1, 0.0, 15.0], ["best_of_n", 2, 0.0, 32.25], ["beam_pav", 1, 0.25, 29.0]],
+    # the prover stage: the SFT policy on the label prompts
+    "prover": {"success": 0.3125, "zero_signal_groups": 0.25, "step_accuracy": 0.2},
 }
 
 
 
-def _with_kernel_floats(sft_loss, pav_mse, pav_grpo_losses, value_drop) -> dict:
+def _with_kernel_floats(sft_loss, pav_mse) -> dict:
     """PINNED_TINY with the floats that torch's CPU kernel level moves (the discrete numbers stay)."""
     import copy
 
     pinned = copy.deepcopy(PINNED_TINY)
     pinned.update(sft_loss=sft_loss, pav_mse=pav_mse)
-    rows = [row for row in pinned["rl"]["rl_pav_grpo"] if row[2] is not None]
-    for row, loss in zip(rows, pav_grpo_losses, strict=True):
-        row[2] = loss
-    pinned["critic"]["mean_value_drop_at_first_wrong_step"] = value_drop
     return pinned
 
 
 # The same run with torch's other x86 kernel levels (measured on the same machine with ATEN_CPU_CAPABILITY=avx2
-# and =default): the float rounding of the kernels moves the losses in the 6th digit and the RL/critic floats in
-# the 3rd-4th; every count and accuracy is the same.
+# and =default): the float rounding of the kernels moves the losses in the 6th digit; every count and accuracy
+# is the same.
 PINNED_BY_KERNELS = {
     ("x86_64", "AVX512"): PINNED_TINY,
     ("x86_64", "AVX2"): _with_kernel_floats(
         [[25, 2.873386263847351], [50, 0.7472287249565125], [75, 0.5118833935260773], [100, 0.5023816525936127],
-         [125, 0.4898658812046051], [150, 0.4876088213920593]], 0.2274514110693775,
-        [0.0020723326597362757, -0.0016807307256385684], 0.04879657179117203),
+         [125, 0.4898658812046051], [150, 0.4876088213920593]], 0.2274514110693775),
     ("x86_64", "DEFAULT"): _with_kernel_floats(
         [[25, 2.8733741092681884], [50, 0.7472591614723205], [75, 0.5118884479999543], [100, 0.5023774135112763],
-         [125, 0.4898615169525147], [150, 0.4876021468639374]], 0.22744718201663852,
-        [0.002097981981933117, -0.0016540507785975933], 0.04875607540210088),
+         [125, 0.4898615169525147], [150, 0.4876021468639374]], 0.22744718201663852),
 }
 
 
@@ -447,22 +488,14 @@ def recipe_numbers(work: Path) -> dict:
     q = [float(v) for values in labels["q"] for v in values if v == v]
     sft = [json.loads(x) for x in (work / "policy" / "sft_metrics.jsonl").read_text().splitlines()]
     pav = outputs("pav")["eval_metrics"]
-    rl = {}
-    for name in ("rl_grpo", "rl_pav_grpo"):
-        lines = [json.loads(x) for x in (work / name / "metrics.jsonl").read_text().splitlines()]
-        rl[name] = [[r["step"], r.get("batch_accuracy", r.get("eval_accuracy")), r.get("loss")] for r in lines]
-    results = json.loads((work / "results" / "results.json").read_text())
+    prover = outputs("prover")
     return {
         "sft_slip_share": outputs("data")["sft_slip_share"],
         "sft_loss": [[r["step"], r["loss"]] for r in sft],
         "label_rollouts": len(labels), "label_steps": len(q), "label_q_mean": float(np.mean(q)),
         "label_seed_accuracy": outputs("labels")["seed_accuracy"],
         "pav_mse": pav["eval/mse"], "pav_auroc": pav["eval/auroc"],
-        "rl": rl,
-        "accuracy": {k: v["accuracy"] for k, v in results["policies"].items()},
-        "critic": {k: results["critic"][k] for k in ("steps_scored", "wrong_step_share",
-                                                     "mean_value_drop_at_first_wrong_step")},
-        "search": [[r["method"], r["n"], r["accuracy"], r["generated_tokens"]] for r in results["search"]],
+        "prover": {k: prover[k] for k in ("success", "zero_signal_groups", "step_accuracy")},
     }
 
 
@@ -490,7 +523,7 @@ def test_moved_reports_what_differs():
 
 
 def test_tiny_recipe_reproduces_its_pinned_numbers_when_resumed_stage_by_stage(tmp_path):
-    """The tiny scale end to end gives the pinned numbers of this machine's kernel kind (to rel 1e-5; on a kind
+    """The tiny scale up to the PAV (the RL stages are verl runs, checked by the micro run) gives the pinned numbers of this machine's kernel kind (to rel 1e-5; on a kind
     not pinned, the counts and accuracies exactly and the floats to rel 2e-2, the spread between the pinned
     kinds), also when its stages run in two calls with the global generators disturbed and the thread count
     changed in between (each stage seeds itself and sets its threads); records the environment and settings."""
@@ -505,10 +538,10 @@ def test_tiny_recipe_reproduces_its_pinned_numbers_when_resumed_stage_by_stage(t
     scale = SCALES["tiny"]
     threads = torch.get_num_threads()
     try:
-        run(scale, tmp_path, ["data", "sft", "label"], progress=False, log=lambda *_: None)
+        run(scale, tmp_path, ["data", "sft", "prover"], progress=False, log=lambda *_: None)
         random.seed(99), np.random.seed(99), torch.manual_seed(99), torch.rand(7)
         torch.set_num_threads(2)
-        records = run(scale, tmp_path, progress=False, log=lambda *_: None)
+        records = run(scale, tmp_path, ["label", "pav"], progress=False, log=lambda *_: None)
         assert torch.get_num_threads() == 2  # the caller's thread count is restored
     finally:
         torch.set_num_threads(threads)
@@ -519,15 +552,12 @@ def test_tiny_recipe_reproduces_its_pinned_numbers_when_resumed_stage_by_stage(t
                        f"measured: {json.dumps(measured)}")
     # every stage records the environment it ran in (1 torch thread) and its settings
     current = environment()
-    for name in ("data", "policy", "labels", "pav", "rl_grpo", "rl_pav_grpo", "results"):
+    for name in ("data", "policy", "prover", "labels", "pav"):
         record = json.loads((tmp_path / name / "DONE.json").read_text())
         assert record["environment"]["packages"] == current["packages"]
         assert record["environment"]["torch_threads"] == 1
         assert record["settings"]
     assert records["sft"]["settings"]["threads"] == 1
-    results = json.loads((tmp_path / "results" / "results.json").read_text())
-    assert results["environment"]["packages"]["torch"] == torch.__version__
-    assert results["settings"]["threads"] == 1 and results["settings"]["sft"]["seed"] == 0
 
 
 def test_skipping_a_stage_made_under_other_versions_says_so(micro_run):
@@ -603,3 +633,55 @@ def test_value_head_init_reports_only_unexpected_keys(micro_run, tmp_path, capfd
     save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
     with pytest.warns(UserWarning, match="up_proj"):
         value_head_from_init(str(broken))
+
+
+def test_steps_to_reach_interpolates_and_summaries_compare_against_grpo():
+    from verl_prm.recipes.arithmetic.evaluate import mean_curve, steps_to_reach, summarise_arms
+
+    curve = [(0, 0, 0.2), (10, 160, 0.4), (20, 320, 0.6)]
+    assert steps_to_reach(curve, 0.5) == pytest.approx(15.0)
+    assert steps_to_reach(curve, 0.1) == 0.0 and steps_to_reach(curve, 0.61) is None
+    mean, se = mean_curve([curve, [(0, 0, 0.4), (10, 160, 0.6), (20, 320, 0.8)]])
+    assert [m[2] for m in mean] == pytest.approx([0.3, 0.5, 0.7]) and se == pytest.approx([0.1, 0.1, 0.1])
+
+    def run(values):
+        return {"curve": [(10 * i, 160 * i, v) for i, v in enumerate(values)], "training": [
+            {"step": 1, "zero_signal_groups": 0.5}], "final": {"accuracy": values[-1]}}
+
+    runs = {"grpo": {0: run([0.2, 0.3, 0.4]), 1: run([0.2, 0.3, 0.4])},
+            "pav_exact": {0: run([0.2, 0.4, 0.5]), 1: run([0.2, 0.4, 0.5])}}
+    arms = summarise_arms(runs, bootstrap=50)
+    # GRPO reaches its final 0.4 at step 20, PAV at step 10: 2x; identical seeds -> no bootstrap spread
+    assert arms["grpo"]["speedup"] == pytest.approx(1.0) and arms["pav_exact"]["speedup"] == pytest.approx(2.0)
+    assert arms["pav_exact"]["speedup_se"] == pytest.approx(0.0) and arms["pav_exact"]["speedup_never_share"] == 0
+    assert arms["pav_exact"]["final_accuracy"] == 0.5 and arms["pav_exact"]["final_accuracy_se"] == 0.0
+    runs["pav_exact"] = {0: run([0.2, 0.25, 0.3]), 1: run([0.2, 0.25, 0.3])}
+    never = summarise_arms(runs, bootstrap=50)["pav_exact"]
+    assert never["steps_to_target"] is None and never["speedup_never_share"] == 1.0
+
+
+def test_exact_label_rows_hold_the_exact_provers_values_and_pass_the_label_checks(tmp_path):
+    import pandas as pd
+
+    from verl_prm.labeling.format import read_labels
+    from verl_prm.labeling.store import ShardStore
+    from verl_prm.recipes.arithmetic.critic_study import exact_label_rows
+    from verl_prm.recipes.arithmetic.model import build_tokenizer, render
+    from verl_prm.recipes.arithmetic.prover import prefix_value
+
+    problem = Problem(3, (("+", 2), ("*", 3)), 7)  # 3+2=5, 5*3=1
+    prompt = render(build_tokenizer(), problem.prompt_text)
+    rows = []
+    for i, response in enumerate(["3+2=5 *3\n5*3=1\nanswer 1", "3+2=6 *3\n6*3=4\nanswer 4"]):
+        ends = [5, 14, len(response)] if i == 0 else [5, 14, len(response)]
+        rows.append({"prompt_index": 0, "rollout_index": i, "data_source": DATA_SOURCE, "prompt": prompt,
+                     "ground_truth": "1", "response": response, "step_starts": [0, 5, 14], "step_ends": ends,
+                     "q": [0.5, 0.5, 0.0], "n_success": [1, 1, 0], "n_mc": [2, 2, 2], "first_pit": -1,
+                     "prompt_value": 0.5, "prompt_n_success": 1, "prompt_n_mc": 2, "outcome": float(i == 0),
+                     "score": float(i == 0), "finished": True, "strategy": "every", "source": "test"})
+    exact = exact_label_rows(pd.DataFrame(rows), step_accuracy=0.8)
+    assert exact[0]["q"] == [0.8, 1.0, 1.0] and exact[0]["prompt_value"] == pytest.approx(0.64)
+    assert exact[1]["q"] == [0.0, 0.0, 0.0] and exact[1]["first_pit"] == 0
+    assert exact[0]["q"][0] == prefix_value(problem, rows[0]["response"][:5], 0.8)
+    ShardStore(tmp_path).write_shard(exact)  # the writer validates the rows
+    assert read_labels(tmp_path)["q"].map(list).tolist() == [[0.8, 1.0, 1.0], [0.0, 0.0, 0.0]]

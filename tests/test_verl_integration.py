@@ -124,9 +124,14 @@ def test_yaml_defaults_equal_the_typed_configs():
 
 
 def test_critic_formats_match_the_critic_module():
+    """The config's formats are the checkpoint formats of verl_prm.critic.formats plus the exact critic's."""
+    from verl_prm.config.hook import CHECKPOINT_CRITIC_FORMATS, EXACT_CRITIC_FORMAT
+    from verl_prm.critic.exact import EXACT_FORMAT
     from verl_prm.critic.formats import FORMATS
 
-    assert set(CRITIC_FORMATS) == set(FORMATS)
+    assert set(CHECKPOINT_CRITIC_FORMATS) == set(FORMATS)
+    assert EXACT_CRITIC_FORMAT == EXACT_FORMAT and EXACT_FORMAT not in FORMATS
+    assert CRITIC_FORMATS == CHECKPOINT_CRITIC_FORMATS + (EXACT_FORMAT,)
 
 
 def test_code_step_rules_match_the_code_module():
@@ -345,6 +350,29 @@ def test_launcher_overrides_compose_and_pass_verl_validation(launcher_calls, cri
         assert hook.steps.delimiter == "\n\n"  # the launcher's '\n\n' reaches the hook as two newlines
 
 
+def test_launcher_with_an_exact_critic_composes_and_passes_verl_validation(launcher_calls):
+    """The PAV-GRPO launcher with the critic path replaced by an exact prover critic (README: "Exact prover
+    critics") composes with verl's config, passes verl's and the plugin's startup checks, and the critic worker
+    gets the data source and the prover's options."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    from verl_prm.trainer import critic_worker_kwargs
+
+    launcher = verl_overrides(launcher_calls["run_qwen2_5_0_5b_gsm8k_pav_grpo.sh"][-1])
+    kept = [o for o in launcher if not o.startswith("verl_prm.critic.path=")]
+    assert len(kept) == len(launcher) - 1
+    exact = ["verl_prm.critic.format=exact", "+verl_prm.critic.options.data_source=arithmetic_mod",
+             "+verl_prm.critic.options.step_accuracy=0.8"]
+    config = compose_verl(kept + exact)
+    validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    hook, _ = validate_run_config(config)
+    assert hook.critic.format == "exact" and hook.critic.path is None
+    assert critic_worker_kwargs(hook) == {"format": "exact", "data_source": "arithmetic_mod", "step_accuracy": 0.8}
+    with pytest.raises(ConfigError, match="verl_prm.critic.options.step_accuracy: step_accuracy must be a finite"):
+        validate_run_config(compose_verl(kept + exact[:2] + ["+verl_prm.critic.options.step_accuracy=1.5"]))
+
+
 def test_baseline_differs_from_pav_grpo_only_in_the_estimator(launcher_calls):
     pav = verl_overrides(launcher_calls["run_qwen2_5_0_5b_gsm8k_pav_grpo.sh"][-1])
     base = verl_overrides(launcher_calls["run_qwen2_5_0_5b_gsm8k_grpo_baseline.sh"][-1])
@@ -406,6 +434,9 @@ def main_ppo_runs(critic_dir) -> dict[str, subprocess.CompletedProcess]:
                                                              "algorithm.adv_estimator=pav_grop"], {}),
         "critic_path_is_a_file": (main_ppo + PLUGIN_OVERRIDES + [f"verl_prm.critic.path={critic_dir}/config.json"],
                                   {}),
+        "exact_bad_step_accuracy": (main_ppo + PLUGIN_OVERRIDES + [
+            "verl_prm.critic.format=exact", "+verl_prm.critic.options.data_source=arithmetic_mod",
+            "+verl_prm.critic.options.step_accuracy=1.5"], {}),
     }
     processes = {
         name: subprocess.Popen(command, env=dict(os.environ, **env_extra), stdout=subprocess.PIPE,
@@ -443,6 +474,8 @@ def test_main_ppo_startup_check_rejects_a_bad_config_before_ray(main_ppo_runs):
     ("unknown_estimator", "verl-prm startup check failed: algorithm.adv_estimator='pav_grop' is not a registered "
                           "advantage estimator (did you mean 'pav_grpo'?)"),
     ("critic_path_is_a_file", "verl-prm startup check failed: verl_prm.critic.path: critic checkpoint "),
+    ("exact_bad_step_accuracy", "verl-prm startup check failed: verl_prm.critic.options.step_accuracy: "
+                                "step_accuracy must be a finite number in (0, 1], got 1.5"),
 ])
 def test_main_ppo_startup_check_catches_nan_knobs_unknown_estimators_and_bad_critics(main_ppo_runs, run, message):
     """Real `python -m verl.trainer.main_ppo` argument parsing: the check fails the run while Hydra builds its
@@ -628,15 +661,18 @@ def put_trajectories(tq, tokenizer, samples, partition="train") -> tuple[list[st
     return keys, tags, prompts
 
 
-def make_hook_trainer(policy_dir, critic_dir, policy_tokenizer, pool_prefix):
+def make_hook_trainer(policy_dir, critic_dir, policy_tokenizer, pool_prefix, critic_overrides=None,
+                      steps_overrides=("verl_prm.steps.delimiter='\\n'",)):
     """The registered trainer, built by verl's constructor, with its critic worker group on a CPU resource pool
-    (verl's ResourcePoolManager only makes GPU pools, so the pool is the one verl's _setup would hand over)."""
+    (verl's ResourcePoolManager only makes GPU pools, so the pool is the one verl's _setup would hand over).
+    ``critic_overrides`` replace ``verl_prm.critic.path=<critic_dir>`` (e.g. an exact critic)."""
     from verl.single_controller.ray import RayResourcePool, ResourcePoolManager
     from verl.trainer.ppo.v1 import get_trainer_cls
 
-    config = compose_verl(PLUGIN_OVERRIDES + [
-        f"verl_prm.critic.path={critic_dir}", f"actor_rollout_ref.model.path={policy_dir}", "trainer.device=cpu",
-        "verl_prm.steps.delimiter='\\n'", "algorithm.pav.alpha=2.0", "algorithm.pav.clip=0.5",
+    critic = list(critic_overrides) if critic_overrides is not None else [f"verl_prm.critic.path={critic_dir}"]
+    config = compose_verl(PLUGIN_OVERRIDES + critic + list(steps_overrides) + [
+        f"actor_rollout_ref.model.path={policy_dir}", "trainer.device=cpu",
+        "algorithm.pav.alpha=2.0", "algorithm.pav.clip=0.5",
         "actor_rollout_ref.rollout.n=3", "data.train_batch_size=2",
     ])
     trainer = get_trainer_cls(config.trainer.v1.trainer_mode)(config)
@@ -669,29 +705,75 @@ def test_hook_trainer_is_sync_everywhere_verl_checks(hook_trainer):
 def test_hook_advantage_phase_equals_the_pieces(hook_trainer, transfer_queue, gsm8k_rows, critic_dir, bpe_small):
     """trainer._compute_advantage (TransferQueue in and out, critic worker group) == split_steps + ProverCritic +
     compute_advantage_with_steps called directly; metrics from the same values."""
-    check_advantage_phase(hook_trainer, transfer_queue, gsm8k_rows, critic_dir, bpe_small, critic_reads_policy_ids=True)
+    from verl_prm.critic import ProverCritic
+
+    critic = ProverCritic.from_pretrained(str(critic_dir), format="value_head", device="cpu")
+    # same vocabulary: the critic reads the policy ids as they are
+    check_advantage_phase(hook_trainer, transfer_queue, responses_for(gsm8k_rows[:2], bpe_small), bpe_small,
+                          lambda *batch: critic.score_policy_batch(*batch, None), {"delimiter": "\n"})
 
 
 @pytest.mark.ray
 def test_hook_with_a_critic_of_another_vocabulary(transfer_queue, policy_dir, critic_dir_other_vocab, gsm8k_rows,
                                                   bpe_small):
     """The critic re-reads the split's text in its own vocabulary: the hook sends where the steps end in the text."""
+    from verl_prm.critic import ProverCritic
+
     trainer = make_hook_trainer(policy_dir, critic_dir_other_vocab, bpe_small, "pav_test_pool_other_vocab")
-    check_advantage_phase(trainer, transfer_queue, gsm8k_rows, critic_dir_other_vocab, bpe_small,
-                          critic_reads_policy_ids=False)
+    critic = ProverCritic.from_pretrained(str(critic_dir_other_vocab), format="value_head", device="cpu")
+    # another vocabulary: it re-reads the split's text
+    check_advantage_phase(trainer, transfer_queue, responses_for(gsm8k_rows[:2], bpe_small), bpe_small,
+                          lambda *batch: critic.score_policy_batch(*batch, bpe_small), {"delimiter": "\n"})
 
 
-def check_advantage_phase(hook_trainer, transfer_queue, gsm8k_rows, critic_dir, bpe_small, critic_reads_policy_ids):
+def arithmetic_responses_for(problems, tokenizer) -> list[tuple[dict, str, list[int]]]:
+    """Per arithmetic problem (a verl row): the reference solution (EOS), one with a slip (EOS) and the first
+    half of the reference (no EOS), as responses_for."""
+    from verl_prm.recipes.arithmetic.task import solution_lines, verl_row
+
+    out = []
+    for i, problem in enumerate(problems):
+        correct = "\n".join(solution_lines(problem))
+        slipped = "\n".join(solution_lines(problem, 1, (problem.values[1] + 1) % problem.modulus))
+        for text, eos in ((correct, True), (slipped, True), (correct[: len(correct) // 2], False)):
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if eos else [])
+            out.append((verl_row(problem, "train", i), text, ids))
+    return out
+
+
+@pytest.mark.ray
+def test_hook_with_an_exact_critic(transfer_queue, policy_dir, bpe_small):
+    """format=exact: the worker group starts without a checkpoint (the policy's tokenizer reads the text), and
+    the advantage phase equals split_steps + the arithmetic prover on the texts + the estimator."""
+    from verl_prm.critic.exact import ExactCritic
+    from verl_prm.recipes.arithmetic.task import STEP_REGEX, Problem
+
+    exact = ["verl_prm.critic.format=exact", "+verl_prm.critic.options.data_source=arithmetic_mod",
+             "+verl_prm.critic.options.step_accuracy=0.8"]
+    steps = ["verl_prm.steps.delimiter=null", f"verl_prm.steps.regex='{STEP_REGEX}'"]
+    trainer = make_hook_trainer(policy_dir, None, bpe_small, "pav_test_pool_exact", critic_overrides=exact,
+                                steps_overrides=steps)
+    assert trainer.hook_config.steps.regex == STEP_REGEX
+    assert trainer._policy_tokenizer_path() == str(policy_dir)
+    problems = [Problem(5, (("+", 7), ("*", 3), ("-", 4)), 13), Problem(2, (("*", 5), ("+", 9), ("*", 2)), 11)]
+    critic = ExactCritic.from_options("arithmetic_mod", step_accuracy=0.8)
+    check_advantage_phase(trainer, transfer_queue, arithmetic_responses_for(problems, bpe_small), bpe_small,
+                          lambda *batch: critic.score_policy_batch(*batch, bpe_small), {"regex": STEP_REGEX,
+                                                                                      "delimiter": None})
+
+
+def check_advantage_phase(hook_trainer, transfer_queue, samples, bpe_small, score, split_kwargs):
+    """``hook_trainer._compute_advantage`` on ``samples`` (triples: rewards 1, 0, 0; the third truncated) ==
+    ``split_steps(**split_kwargs)`` + ``score(prompts, responses, attention, split)`` (the critic called
+    directly) + ``compute_advantage_with_steps``; metrics from the same values."""
     from transfer_queue import KVBatchMeta
     from verl import DataProto
 
-    from verl_prm.critic import ProverCritic
     from verl_prm.estimators import compute_advantage_with_steps
     from verl_prm.steps import split_steps
     from verl_prm.trainer import pav_metrics, truncated_responses
 
     tq = transfer_queue
-    samples = responses_for(gsm8k_rows[:2], bpe_small)
     keys, tags, prompts = put_trajectories(tq, bpe_small, samples)
     metrics: dict = {}
     hook_trainer._compute_advantage(KVBatchMeta(partition_id="train", keys=keys, tags=tags), metrics)
@@ -715,11 +797,8 @@ def check_advantage_phase(hook_trainer, transfer_queue, gsm8k_rows, critic_dir, 
         prompt_tensor[i, width_p - len(p):] = torch.tensor(p)
         attention[i, width_p - len(p):width_p] = 1
     attention[:, width_p:] = response_mask
-    split = split_steps(responses, response_mask, tokenizer, "\n")
-    critic = ProverCritic.from_pretrained(str(critic_dir), format="value_head", device="cpu")
-    # same vocabulary: the critic reads the policy ids as they are; another: it re-reads the split's text
-    scores = critic.score_policy_batch(prompt_tensor, responses, attention, split,
-                                       None if critic_reads_policy_ids else bpe_small)
+    split = split_steps(responses, response_mask, tokenizer, **split_kwargs)
+    scores = score(prompt_tensor, responses, attention, split)
     truncated = truncated_responses(responses, torch.tensor(lengths), tokenizer.eos_token_id)
     rm_scores = torch.zeros(len(samples), width)
     rm_scores[torch.arange(len(samples)), torch.tensor(lengths) - 1] = torch.tensor(
@@ -748,6 +827,12 @@ def check_advantage_phase(hook_trainer, transfer_queue, gsm8k_rows, critic_dir, 
             assert metrics[name] == pytest.approx(value, abs=1e-5), name
     assert metrics["pav/truncated_share"] == pytest.approx(1 / 3)
     assert metrics["pav/critic_seconds"] > 0
+    # groups (uid) whose outcomes are all equal: GRPO's advantage is zero there
+    outcomes: dict = {}
+    for uid, reward in zip(data.non_tensor_batch["uid"], rm_scores.sum(dim=1).tolist()):
+        outcomes.setdefault(uid, []).append(reward)
+    same = [len(set(rewards)) == 1 for rewards in outcomes.values()]
+    assert metrics["pav/outcome_zero_signal_groups"] == pytest.approx(sum(same) / len(same))
     tq.kv_clear(keys=keys, partition_id="train")
 
 

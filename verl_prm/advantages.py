@@ -53,6 +53,7 @@ __all__ = [
     "step_progress",
     "step_scores_per_token",
     "valid_steps",
+    "zero_signal_groups",
 ]
 
 MIN_NORMALIZE_STD = 1e-3
@@ -210,6 +211,21 @@ def group_normalized_outcome(
     std = torch.where(single, torch.ones_like(std), std)
     centered = scores - mean[groups]
     return centered / (std[groups] + epsilon) if norm_by_std else centered
+
+
+def zero_signal_groups(scores: torch.Tensor, groups: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """[G] bool: groups whose outcome scores are all equal, ``max_{i in g} R_i == min_{i in g} R_i``.
+
+    Such a group has a zero group-relative outcome advantage on every response (GRPO and RLOO learn nothing
+    from it); only a process term gives its responses a signal. ``scores`` [B], ``groups`` [B] ids in [0, G).
+    A group id without responses counts as no signal.
+    """
+    _check_per_response(groups, scores.shape[0], _GROUPS)
+    high = torch.full((num_groups,), -torch.inf, dtype=scores.dtype, device=scores.device)
+    low = torch.full((num_groups,), torch.inf, dtype=scores.dtype, device=scores.device)
+    high = high.scatter_reduce(0, groups, scores, reduce="amax")
+    low = low.scatter_reduce(0, groups, scores, reduce="amin")
+    return (high <= low) | torch.isinf(high)
 
 
 def leave_one_out_outcome(scores: torch.Tensor, groups: torch.Tensor, num_groups: int) -> torch.Tensor:

@@ -43,7 +43,13 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.debug import marked_timer
 from verl.workers.utils.padding import response_to_nested
 
-from verl_prm.config.hook import HOOK_TRAINER_NAME, STEP_ESTIMATORS, HookConfig, validate_run_config
+from verl_prm.config.hook import (
+    EXACT_CRITIC_FORMAT,
+    HOOK_TRAINER_NAME,
+    STEP_ESTIMATORS,
+    HookConfig,
+    validate_run_config,
+)
 from verl_prm.critic.worker import ProverCriticWorker, compute_step_values
 from verl_prm.estimators import compute_advantage_with_steps
 
@@ -54,6 +60,7 @@ __all__ = [
     "CRITIC_POOL_NAME",
     "PavSyncTrainer",
     "critic_worker_kwargs",
+    "outcome_zero_signal_share",
     "pav_metrics",
     "register_trainer_hook",
     "truncated_responses",
@@ -120,13 +127,32 @@ def pav_metrics(
     }
 
 
+def outcome_zero_signal_share(rm_scores, uids, real_rows: torch.Tensor) -> float:
+    """Share of the batch's prompt groups (``uid``) whose outcome rewards are all equal: groups where GRPO's
+    advantage is zero everywhere (``verl_prm.advantages.zero_signal_groups``); padding rows are left out."""
+    from verl_prm.advantages import group_ids, zero_signal_groups
+
+    scores = rm_scores.to_padded_tensor(padding=0.0) if rm_scores.is_nested else rm_scores
+    outcomes = scores.float().sum(dim=-1)
+    labels = [str(uid) for uid in (uids.tolist() if hasattr(uids, "tolist") else list(uids))]
+    keep = real_rows if real_rows.any() else torch.ones(len(labels), dtype=torch.bool)
+    kept = [label for label, k in zip(labels, keep.tolist()) if k]
+    if not kept:
+        return 0.0
+    groups, count = group_ids(np.array(kept, dtype=object))
+    return zero_signal_groups(outcomes[keep], groups, count).float().mean().item()
+
+
 def critic_worker_kwargs(hook: HookConfig) -> dict[str, Any]:
     """``ProverCritic.from_pretrained`` keyword arguments from ``verl_prm.critic``.
 
     Best-of-K stays 1 here: the estimators apply ``algorithm.pav.best_of_k`` to the raw values (applying it in
-    the critic too would transform twice).
+    the critic too would transform twice). With format "exact": the format and ``verl_prm.critic.options``
+    (``data_source`` and the prover's options; ``ExactCritic.from_options``), nothing else.
     """
     critic = hook.critic
+    if critic.format == EXACT_CRITIC_FORMAT:
+        return {"format": critic.format, **dict(critic.options)}
     kwargs: dict[str, Any] = {
         "format": critic.format,
         "best_of_k": 1,
@@ -194,16 +220,19 @@ class PavSyncTrainer(PPOTrainerSync):
         return self.resource_pool_manager.resource_pool_dict[name]
 
     def _policy_tokenizer_path(self) -> str | None:
-        """The policy tokenizer's path when the critic's tokenizer differs from it, else None."""
+        """The policy tokenizer's path when the critic's tokenizer differs from it, else None. An exact critic
+        (format "exact") always gets it: it reads the response text."""
         from transformers import AutoTokenizer
         from verl.utils.fs import copy_to_local
 
+        model = self.config.actor_rollout_ref.model
+        if self.hook_config.critic.format == EXACT_CRITIC_FORMAT:
+            return copy_to_local(model.get("tokenizer_path", None) or model.path)
         critic_tokenizer = AutoTokenizer.from_pretrained(
             copy_to_local(self.hook_config.critic.path), trust_remote_code=False
         )
         if critic_tokenizer.get_vocab() == self.tokenizer.get_vocab():
             return None
-        model = self.config.actor_rollout_ref.model
         return copy_to_local(model.get("tokenizer_path", None) or model.path)
 
     def _init_prover_critic(self):
@@ -212,7 +241,8 @@ class PavSyncTrainer(PPOTrainerSync):
 
         worker_cls = RayClassWithInitArgs(
             cls=ray.remote(ProverCriticWorker),
-            model_path=copy_to_local(self.hook_config.critic.path),
+            model_path=None if self.hook_config.critic.format == EXACT_CRITIC_FORMAT
+            else copy_to_local(self.hook_config.critic.path),
             critic_kwargs=critic_worker_kwargs(self.hook_config),
             policy_tokenizer_path=self._policy_tokenizer_path(),
         )
@@ -320,6 +350,7 @@ class PavSyncTrainer(PPOTrainerSync):
             )
         )
         metrics["pav/merged_steps_share"] = (step_tensors.pop("merged_steps")[real_rows] > 0).float().mean().item() if real_rows.any() else 0.0
+        metrics["pav/outcome_zero_signal_groups"] = outcome_zero_signal_share(raw["rm_scores"], raw["uid"], real_rows)
         if not step_estimator:
             # outcome-only estimator (the grpo baseline): verl's advantages, unchanged; metrics only
             return super()._compute_advantage(batch, metrics)

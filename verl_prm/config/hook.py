@@ -29,7 +29,9 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from verl_prm.config import PavConfig, read_pav_config
 
 __all__ = [
+    "CHECKPOINT_CRITIC_FORMATS",
     "CRITIC_FORMATS",
+    "EXACT_CRITIC_FORMAT",
     "ConfigError",
     "CriticSection",
     "HOOK_TRAINER_NAME",
@@ -50,7 +52,11 @@ HOOK_TRAINER_NAME = "pav_sync"
 STEP_ESTIMATORS = ("pav_grpo", "pav_rloo", "pav_reinforce", "prm_aggregate", "pav_pure", "pav_prime")
 # Checkpoint formats a prover critic can be read from (DESIGN.md section 4; verl_prm.critic.formats.FORMATS,
 # which a test holds equal to this tuple: the config check must not import torch models).
-CRITIC_FORMATS = ("value_head", "qwen_prm", "math_shepherd", "value_head_lm")
+CHECKPOINT_CRITIC_FORMATS = ("value_head", "qwen_prm", "math_shepherd", "value_head_lm")
+# No checkpoint: the values of an exact prover (verl_prm.critic.exact.EXACT_FORMAT, held equal by a test),
+# chosen by verl_prm.critic.options.data_source.
+EXACT_CRITIC_FORMAT = "exact"
+CRITIC_FORMATS = CHECKPOINT_CRITIC_FORMATS + (EXACT_CRITIC_FORMAT,)
 TRUNCATIONS = ("error", "left_prompt")
 # verl_prm.code.steps.CODE_STEP_RULES without "delimiter" (the text rules cover it); a test holds them equal.
 CODE_STEP_RULES = ("line", "block", "indent")
@@ -67,13 +73,17 @@ class ConfigError(ValueError):
 class CriticSection:
     """``verl_prm.critic``: the prover critic that scores the steps."""
 
-    # Hugging Face checkpoint directory (or hub id) of the prover critic. Required when the hook runs.
+    # Hugging Face checkpoint directory (or hub id) of the prover critic. Required when the hook runs, except
+    # with format "exact" (then it must stay null).
     path: Optional[str] = None
     # Checkpoint format: "value_head" (the native one: token-classification head, num_labels=1, as
     # `verl-prm train` writes), "qwen_prm" (separator token with a two-class head, Qwen2.5-Math-PRM style),
-    # "math_shepherd" ("+"/"-" logits of the LM head at a tag token), "value_head_lm" (Skywork-style value head).
+    # "math_shepherd" ("+"/"-" logits of the LM head at a tag token), "value_head_lm" (Skywork-style value head);
+    # "exact": no checkpoint, the closed-form values of the exact prover of options.data_source
+    # (verl_prm.critic.exact; e.g. {data_source: arithmetic_mod, step_accuracy: 0.8}).
     format: str = "value_head"
-    # Options of the format, e.g. {separator: "<extra_0>"} (qwen_prm), {tag: "ки"} (math_shepherd).
+    # Options of the format, e.g. {separator: "<extra_0>"} (qwen_prm), {tag: "ки"} (math_shepherd),
+    # {data_source: ..., <the prover's options>} (exact).
     options: dict[str, Any] = field(default_factory=dict)
     # Token budget of one critic micro-batch (sequences are packed or length-bucketed up to it).
     max_tokens_per_batch: int = 16384
@@ -196,6 +206,8 @@ def _check_ranges(config: HookConfig) -> None:
     critic, steps, placement = config.critic, config.steps, config.placement
     if critic.format not in CRITIC_FORMATS:
         raise ConfigError(f"verl_prm.critic.format must be one of {CRITIC_FORMATS}, got {critic.format!r}")
+    if critic.format == EXACT_CRITIC_FORMAT:
+        _check_exact_critic_section(critic)
     if critic.max_tokens_per_batch < 1:
         raise ConfigError(f"verl_prm.critic.max_tokens_per_batch must be >= 1, got {critic.max_tokens_per_batch}")
     if critic.truncation not in TRUNCATIONS:
@@ -249,6 +261,40 @@ def _check_ranges(config: HookConfig) -> None:
             "verl_prm.placement.pool=own needs n_gpus_per_node >= 1 and nnodes >= 1, got "
             f"{placement.n_gpus_per_node} x {placement.nnodes}"
         )
+
+
+def _check_exact_critic_section(critic: CriticSection) -> None:
+    """format=exact: no checkpoint path, and a data source naming the exact prover (built by
+    ``_check_exact_prover`` at startup; here only what needs no prover registry)."""
+    if critic.path is not None and str(critic.path).strip() != "":
+        raise ConfigError(
+            f"verl_prm.critic.path={critic.path!r} is unused with verl_prm.critic.format=exact (the values come "
+            "from the exact prover of verl_prm.critic.options.data_source, not a checkpoint): set "
+            "verl_prm.critic.path=null"
+        )
+    data_source = critic.options.get("data_source")
+    if not isinstance(data_source, str) or not data_source:
+        raise ConfigError(
+            "verl_prm.critic.format=exact needs verl_prm.critic.options.data_source, the verl data_source whose "
+            f"exact prover gives the values (got {data_source!r}): add "
+            "+verl_prm.critic.options.data_source=NAME (e.g. arithmetic_mod; verl_prm.critic.exact.EXACT_PROVERS "
+            "lists the registered ones)"
+        )
+
+
+def _check_exact_prover(critic: CriticSection) -> None:
+    """Build the exact prover of ``verl_prm.critic.options`` once, so that an unknown data source or a bad
+    prover option fails at startup; errors name the option's key."""
+    from verl_prm.critic.exact import ProverOptionError, build_exact_prover
+
+    options = dict(critic.options)
+    data_source = options.pop("data_source")
+    try:
+        build_exact_prover(data_source, options)
+    except ProverOptionError as error:
+        raise ConfigError(f"verl_prm.critic.options.{error.option}: {error}") from None
+    except ValueError as error:
+        raise ConfigError(f"verl_prm.critic.options.data_source: {error}") from None
 
 
 def _select(config: Any, dotted: str, default: Any = None) -> Any:
@@ -327,7 +373,9 @@ def validate_run_config(config: Any) -> tuple[HookConfig, PavConfig]:
     that neither verl nor the plugin registers; a step estimator (pav_*, prm_aggregate) without
     ``trainer.v1.trainer_mode=pav_sync`` (the hook); the hook without ``verl_prm.critic.path``, or with a path
     that does not exist, is a file, has no weights or only pickle weights (``verl_prm.critic.allow_pickle``), or
-    is a hub id that is not cached while offline; out-of-range step, critic and placement settings.
+    is a hub id that is not cached while offline; with ``verl_prm.critic.format=exact``: a path set, no
+    ``options.data_source``, an unknown data source or a bad prover option (the prover is built once);
+    out-of-range step, critic and placement settings.
     """
     hook = read_hook_config(_select(config, "verl_prm"))
     algorithm = _select(config, "algorithm")
@@ -349,5 +397,8 @@ def validate_run_config(config: Any) -> tuple[HookConfig, PavConfig]:
             "(or add +verl_prm=pav with hydra.searchpath=[pkg://verl_prm.config], which sets it)"
         )
     if hook_selected and (estimator in STEP_ESTIMATORS or hook.score_outcome_estimators):
-        _check_critic_path(hook.critic.path, hook.critic.allow_pickle)
+        if hook.critic.format == EXACT_CRITIC_FORMAT:
+            _check_exact_prover(hook.critic)
+        else:
+            _check_critic_path(hook.critic.path, hook.critic.allow_pickle)
     return hook, pav

@@ -46,17 +46,21 @@ OUTPUT_KEYS = ("prompt_values", "step_values", "num_steps")
 
 
 class ProverCriticWorker(Worker):
-    """A verl worker holding one ``ProverCritic`` replica.
+    """A verl worker holding one ``ProverCritic`` replica (or an ``ExactCritic``: ``format="exact"``).
 
     Args:
-        model_path: critic checkpoint.
+        model_path: critic checkpoint; None with ``format="exact"`` (no checkpoint).
         critic_kwargs: keyword arguments of ``ProverCritic.from_pretrained`` (format, best_of_k, dtype, ...);
             ``device`` defaults to the worker's accelerator (``cuda`` when a GPU is visible, else ``cpu``).
+            With ``format="exact"``: ``data_source`` and the exact prover's options
+            (``ExactCritic.from_options``).
         policy_tokenizer_path: the policy's tokenizer when it differs from the critic's (then responses are
             re-tokenised for the critic with ``align_to_critic``); None when the critic reads the policy's ids.
+            Required with ``format="exact"``: the exact critic reads the text (at the split's
+            ``step_char_ends``).
     """
 
-    def __init__(self, model_path: str, critic_kwargs: dict[str, Any] | None = None,
+    def __init__(self, model_path: str | None, critic_kwargs: dict[str, Any] | None = None,
                  policy_tokenizer_path: str | None = None):
         super().__init__()
         self.model_path = model_path
@@ -68,11 +72,21 @@ class ProverCriticWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict[str, Any]:
         """Load the critic replica on this worker's device; returns a short description (rank, device)."""
+        from verl_prm.critic.exact import EXACT_FORMAT, ExactCritic
         from verl_prm.critic.scorer import ProverCritic
 
         kwargs = dict(self.critic_kwargs)
-        kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
-        self.critic = ProverCritic.from_pretrained(self.model_path, **kwargs)
+        if kwargs.get("format") == EXACT_FORMAT:
+            if self.policy_tokenizer_path is None:
+                raise ValueError(
+                    "ProverCriticWorker: format 'exact' reads the response text, so it needs policy_tokenizer_path "
+                    "(the trainer passes the policy's tokenizer)"
+                )
+            kwargs.pop("format")
+            self.critic = ExactCritic.from_options(**kwargs)
+        else:
+            kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+            self.critic = ProverCritic.from_pretrained(self.model_path, **kwargs)
         if self.policy_tokenizer_path is not None:
             from transformers import AutoTokenizer
 

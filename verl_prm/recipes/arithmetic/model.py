@@ -59,12 +59,18 @@ class SFTConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     seed: int = 0
+    # The first curriculum_steps steps draw only the shortest problems (the task's min_ops operations): a model
+    # from scratch learns the format and the arithmetic there (longer problems from the start kept it on the
+    # loss plateau of a model that cannot copy yet: see docs/arithmetic.md), then all lengths.
+    curriculum_steps: int = 0
 
     def __post_init__(self) -> None:
         for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"SFTConfig.{name} must be finite and >= 0, got {value!r}")
+        if not 0 <= self.curriculum_steps <= self.steps:
+            raise ValueError(f"SFTConfig.curriculum_steps must be in [0, steps={self.steps}], got {self.curriculum_steps}")
         if self.steps < 1 or self.batch_size < 1 or self.warmup_steps < 0:
             raise ValueError(f"SFTConfig needs steps >= 1, batch_size >= 1, warmup_steps >= 0; got {self.steps}, "
                              f"{self.batch_size}, {self.warmup_steps}")
@@ -134,8 +140,11 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 def train_sft(model, examples: Sequence[tuple[list[int], int]], config: SFTConfig, pad_token_id: int,
               *, progress: bool = True, log: Callable[[dict], None] | None = None,
-              device: torch.device | str = "cpu") -> list[float]:
-    """Train ``model`` (already on ``device``) in place; returns the loss of every step."""
+              device: torch.device | str = "cpu", short: Sequence[int] | None = None) -> list[float]:
+    """Train ``model`` (already on ``device``) in place; returns the loss of every step. ``short``: indices of the
+    examples the first ``config.curriculum_steps`` steps draw from (required when curriculum_steps > 0)."""
+    if config.curriculum_steps and not short:
+        raise ValueError("train_sft: SFTConfig.curriculum_steps > 0 needs the indices of the short examples (short=)")
     from tqdm.auto import tqdm
 
     rng = random.Random(f"sft-{config.seed}")
@@ -150,7 +159,11 @@ def train_sft(model, examples: Sequence[tuple[list[int], int]], config: SFTConfi
     losses = []
     bar = tqdm(range(config.steps), desc="SFT", unit="step", disable=not progress)
     for step in bar:
-        batch = sft_batch([examples[rng.randrange(len(examples))] for _ in range(config.batch_size)], pad_token_id)
+        if step < config.curriculum_steps:
+            chosen = [examples[short[rng.randrange(len(short))]] for _ in range(config.batch_size)]
+        else:
+            chosen = [examples[rng.randrange(len(examples))] for _ in range(config.batch_size)]
+        batch = sft_batch(chosen, pad_token_id)
         batch = {k: v.to(device) for k, v in batch.items()}
         loss = model(**batch).loss
         optimizer.zero_grad(set_to_none=True)

@@ -6,18 +6,21 @@ Stages (``--stages``, default all, in this order), each writing under ``--work-d
 
 ==========  ===========================================================================================
 data        ``data/``: verl parquet rows (``rl_train``, ``test``; the label stage adds its prompts) and the SFT solutions
-            (``sft.jsonl``, ``slip_rate`` of them with one slip)
+            (``sft.jsonl``, with slips)
 sft         ``policy/``: a tiny Qwen2 causal LM trained from scratch (HF format, safetensors, tokenizer)
+prover      ``prover/``: the SFT policy measured on the label prompts: success, groups with no outcome signal and
+            its per-step accuracy p, the exact prover's parameter (:mod:`.prover`)
 label       ``labels/``: ``verl-prm label`` (Monte-Carlo values of step prefixes; the prover is the policy,
             raw success counts kept so that the Best-of-K prover's values follow)
 pav         ``pav/``: ``verl-prm train`` (a value-head PAV initialised from the policy)
-rl_grpo     ``rl_grpo/``: GRPO (CPU loop of :mod:`.rl`, or verl's ``main_ppo`` on GPU: ``run_gpu.sh``)
-rl_pav      ``rl_pav_grpo/``: PAV-GRPO, the same seeds, prompts and budget
-evaluate    ``results/``: ``results.md``, ``results.json`` and three PNG plots
+rl          ``rl/<arm>_seed<seed>/``: every arm (GRPO, PAV-GRPO with the exact prover, PAV-GRPO with the learned
+            PAV) with every seed through ``python -m verl.trainer.main_ppo`` (:mod:`.verl_rl`), the same prompts,
+            seeds and budget; on CPU with the plugin's CPU platform, on GPU with vLLM
+evaluate    ``results/``: ``results.md``, ``results.json`` and the plots
 ==========  ===========================================================================================
 
-At ``--scale gpu`` the RL stages run in verl (``examples/arithmetic/run_gpu.sh``); ``--import-verl-run
-ESTIMATOR=RUN_DIR`` records such a run (verl's file-logger curve and the merged model) as the stage.
+The command of a verl run is built by ``verl_rl.main_ppo_command`` for the scale's device, so the CPU run and
+the GPU run (``examples/arithmetic/run_gpu.sh``: ``--scale gpu``) differ only in scale and device settings.
 
 A stage is skipped when its ``DONE.json`` marker exists and records the same settings; a marker with other
 settings is an error (use another work directory). ``verl-prm label``, ``verl-prm train`` and the RL loop also
@@ -43,7 +46,7 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -54,7 +57,7 @@ from verl_prm.recipes.arithmetic.task import STEP_REGEX, TaskConfig
 __all__ = ["Scale", "SCALES", "STAGES", "environment", "run", "main", "seed_everything"]
 
 DATA_SOURCE_NAME = "arithmetic_mod"
-STAGES = ("data", "sft", "label", "pav", "rl_grpo", "rl_pav", "evaluate")
+STAGES = ("data", "sft", "prover", "label", "pav", "rl", "evaluate")
 SCORE_FILE = Path(__file__).with_name("score.py")
 
 
@@ -63,6 +66,10 @@ class Scale:
     """Every setting of one run of the recipe."""
 
     task: TaskConfig = field(default_factory=TaskConfig)
+    # The RL, label and test problems have exactly this many operations (None: the task's range, as the SFT
+    # data). SFT on a range of lengths, RL on long problems: the SFT policy learns the arithmetic on the short
+    # ones and rarely solves the long ones, where outcome-only RL has few groups with a signal.
+    rl_num_ops: Optional[int] = None
     sft_problems: int = 20000
     rl_problems: int = 2000
     label_problems: int = 384
@@ -79,8 +86,12 @@ class Scale:
     pav_batch_size: int = 32
     pav_lr: float = 2e-4
     pav_warmup: int = 10
-    # RL (both runs)
+    # RL through verl's main_ppo: every arm (verl_rl.ARMS) with every seed, the same settings otherwise
     rl: RLConfig = field(default_factory=RLConfig)
+    rl_arms: tuple[str, ...] = ("grpo", "pav_exact", "pav_learned")
+    rl_seeds: tuple[int, ...] = (0, 1, 2)
+    # main_ppo processes at once (a CPU run spends ~40% of a step waiting on verl's replay-buffer poll)
+    rl_parallel: int = 2
     # evaluation
     eval_samples: int = 4
     search_problems: int = 64
@@ -95,8 +106,19 @@ class Scale:
     threads: int = 1
 
     def __post_init__(self) -> None:
+        if self.rl_num_ops is not None and not 1 <= self.rl_num_ops:
+            raise ValueError(f"rl_num_ops must be >= 1 or None, got {self.rl_num_ops}")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise ValueError(f"threads (--threads) must be an integer >= 1, got {self.threads!r}")
+        from verl_prm.recipes.arithmetic.verl_rl import ARMS
+
+        unknown = [arm for arm in self.rl_arms if arm not in ARMS]
+        if unknown or not self.rl_arms:
+            raise ValueError(f"rl_arms must name arms of {tuple(ARMS)}, got {self.rl_arms}")
+        if not self.rl_seeds or len(set(self.rl_seeds)) != len(self.rl_seeds):
+            raise ValueError(f"rl_seeds must be distinct seeds, got {self.rl_seeds}")
+        if isinstance(self.rl_parallel, bool) or not isinstance(self.rl_parallel, int) or self.rl_parallel < 1:
+            raise ValueError(f"rl_parallel must be an integer >= 1, got {self.rl_parallel!r}")
         for name in ("pav_lr", "search_alpha"):
             value = getattr(self, name)
             if not np.isfinite(value):
@@ -109,19 +131,39 @@ class Scale:
         from verl_prm.recipes.arithmetic.task import Problem, solution_lines
 
         top = self.task.modulus - 1
-        worst = Problem(top, tuple((self.task.ops[0], self.task.max_operand) for _ in range(self.task.max_ops)),
+        worst = Problem(top, tuple((self.task.ops[0], self.task.max_operand) for _ in range(self.rl_task.max_ops)),
                         self.task.modulus)
         longest = sum(len(line.replace(str(worst.values[h] if h < len(worst.values) else top), str(top))) + 1
                       for h, line in enumerate(solution_lines(worst)))
-        return longest + len(str(top)) * self.task.max_ops + 8
+        return longest + len(str(top)) * self.rl_task.max_ops + 8
+
+    @property
+    def rl_task(self) -> TaskConfig:
+        """The task of the RL, label and test problems: ``task`` with ``rl_num_ops`` operations."""
+        if self.rl_num_ops is None:
+            return self.task
+        return replace(self.task, min_ops=self.rl_num_ops, max_ops=self.rl_num_ops)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest rendered prompt (per-character tokenizer: its length in characters) plus slack."""
+        from verl_prm.recipes.arithmetic.model import build_tokenizer, render
+        from verl_prm.recipes.arithmetic.task import Problem
+
+        top = self.task.modulus - 1
+        worst = Problem(top, tuple((self.task.ops[0], self.task.max_operand) for _ in range(self.rl_task.max_ops)),
+                        self.task.modulus)
+        return len(render(build_tokenizer(), worst.prompt_text)) + 8
 
 
 SCALES: dict[str, Scale] = {
     # The default CPU recipe: ~0.9 M parameters, a few minutes per stage on 2 cores. Three operations mod 7
     # with single-digit operands: the smallest setting that a model this size learns in ~1000 SFT steps.
     "cpu": Scale(
-        task=TaskConfig(min_ops=3, max_ops=3, modulus=7, max_operand=6, slip_rate=0.3),
-        sft=SFTConfig(steps=1200, batch_size=32, lr=2e-3, warmup_steps=20),
+        task=TaskConfig(min_ops=3, max_ops=6, modulus=7, max_operand=6, slip_rate=0.0, step_slip_rate=0.25),
+        rl_num_ops=6,
+        sft=SFTConfig(steps=2200, batch_size=32, lr=2e-3, warmup_steps=20, curriculum_steps=1200),
+        rl=RLConfig(steps=30, prompts_per_step=16, group_size=8, lr=5e-5, eval_every=5, eval_samples=1),
     ),
     # The test suite's micro run: every stage for real, a few optimisation steps each.
     "micro": Scale(
@@ -132,6 +174,7 @@ SCALES: dict[str, Scale] = {
         sft=SFTConfig(steps=4, batch_size=8, warmup_steps=1),
         n_cov=1, n_mc=2, label_batch_size=16, pav_steps=2, pav_batch_size=4, pav_warmup=1,
         rl=RLConfig(steps=2, prompts_per_step=2, group_size=2, eval_every=1, eval_samples=1),
+        rl_arms=("pav_exact",), rl_seeds=(0,), rl_parallel=1,
         eval_samples=1, search_problems=2, best_of_n=(1, 2), beam_widths=(1,), samples_per_beam=2,
     ),
     # The test suite's pinned run (tests/test_arithmetic.py asserts its numbers): one operation mod 5, a
@@ -146,18 +189,19 @@ SCALES: dict[str, Scale] = {
         rl=RLConfig(steps=2, prompts_per_step=4, group_size=4, lr=1e-3, eval_every=1, eval_samples=2),
         eval_samples=2, search_problems=4, best_of_n=(1, 2), beam_widths=(1,), samples_per_beam=2,
     ),
-    # One H100/H200: a ~25 M parameter model on a harder task; the RL stages run in verl (run_gpu.sh).
+    # One H100/H200: a ~25 M parameter model on a harder task (examples/arithmetic/run_gpu.sh).
     "gpu": Scale(
-        task=TaskConfig(min_ops=3, max_ops=6, modulus=97, max_operand=96, slip_rate=0.3),
+        task=TaskConfig(min_ops=3, max_ops=8, modulus=97, max_operand=96, slip_rate=0.0, step_slip_rate=0.2),
+        rl_num_ops=8,
         sft_problems=400_000, rl_problems=20_000, label_problems=2000, test_problems=1024,
         model=ModelConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                           num_key_value_heads=8, max_position_embeddings=512),
-        sft=SFTConfig(steps=6000, batch_size=256, lr=1e-3, warmup_steps=200),
+        sft=SFTConfig(steps=6000, batch_size=256, lr=1e-3, warmup_steps=200, curriculum_steps=2000),
         n_cov=4, n_mc=16, label_backend="vllm", label_batch_size=1024,
         pav_steps=2000, pav_batch_size=64, pav_lr=2e-4, pav_warmup=100,
         rl=RLConfig(steps=200, prompts_per_step=128, group_size=8, lr=1e-5, eval_every=10, eval_samples=4),
         eval_samples=4, search_problems=512, best_of_n=(1, 2, 4, 8, 16, 32), beam_widths=(1, 2, 4, 8),
-        samples_per_beam=3, device="cuda",
+        samples_per_beam=3, device="cuda", rl_parallel=1,
     ),
 }
 
@@ -223,6 +267,21 @@ def stage_seed(name: str) -> int:
     return zlib.crc32(f"arithmetic-stage-{name}".encode())
 
 
+def settings_differences(recorded, current, key: str = "") -> list[str]:
+    """``key: recorded -> current`` for every leaf setting that differs (dotted keys, list items by index)."""
+    if isinstance(recorded, dict) and isinstance(current, dict):
+        out = []
+        for name in sorted(set(recorded) | set(current), key=str):
+            out += settings_differences(recorded.get(name), current.get(name), f"{key}.{name}" if key else str(name))
+        return out
+    if isinstance(recorded, list) and isinstance(current, list) and len(recorded) == len(current):
+        out = []
+        for i, (old, new) in enumerate(zip(recorded, current)):
+            out += settings_differences(old, new, f"{key}[{i}]")
+        return out
+    return [] if recorded == current else [f"{key or 'settings'}: {recorded!r} -> {current!r}"]
+
+
 def _jsonable(value):
     return json.loads(json.dumps(value, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)))
 
@@ -240,8 +299,9 @@ class Stage:
             return False
         recorded = json.loads(self.marker.read_text())
         if recorded.get("settings") != self.settings:
-            raise ValueError(f"{self.path} was completed with other settings; use another --work-dir or delete it "
-                             f"(recorded {recorded.get('settings')}, now {self.settings})")
+            changed = "; ".join(settings_differences(recorded.get("settings"), self.settings)[:8])
+            raise ValueError(f"{self.path} was completed with other settings ({changed}); use another --work-dir "
+                             "or delete it")
         return True
 
     def finish(self, outputs: dict, seconds: float, env: dict | None = None) -> dict:
@@ -263,11 +323,11 @@ def _problems(scale: Scale):
     """(sft, rl, label, test) problems; test prompts appear in no other split."""
     from verl_prm.recipes.arithmetic.task import generate_problems
 
-    test = generate_problems(scale.test_problems, scale.task, seed=1)
+    test = generate_problems(scale.test_problems, scale.rl_task, seed=1)
     held = [p.prompt_text for p in test]
-    rl = generate_problems(scale.rl_problems, scale.task, seed=2, exclude=held)
+    rl = generate_problems(scale.rl_problems, scale.rl_task, seed=2, exclude=held)
     sft = generate_problems(scale.sft_problems, scale.task, seed=3, exclude=held)
-    label = generate_problems(scale.label_problems, scale.task, seed=4, exclude=held)
+    label = generate_problems(scale.label_problems, scale.rl_task, seed=4, exclude=held)
     return sft, rl, label, test
 
 
@@ -287,7 +347,7 @@ def stage_data(stage: Stage, scale: Scale) -> dict:
     slips = 0
     with open(stage.path / "sft.jsonl", "w") as f:
         for p in sft:
-            text, slip = sft_example(p, rng, scale.task.slip_rate)
+            text, slip = sft_example(p, rng, scale.task.slip_rate, scale.task.step_slip_rate)
             slips += slip >= 0
             f.write(json.dumps({"prompt": p.prompt_text, "response": text, "slip_step": slip}) + "\n")
     files["sft"] = str(stage.path / "sft.jsonl")
@@ -311,8 +371,11 @@ def stage_sft(stage: Stage, scale: Scale, data_dir: Path, progress: bool) -> dic
         with open(log_path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
+    # the curriculum's short problems: the task's fewest operations (a prompt holds one space per operation
+    # before "mod")
+    short = [i for i, r in enumerate(rows) if r["prompt"].split(" mod ")[0].count(" ") == scale.task.min_ops]
     losses = train_sft(model, examples, scale.sft, tokenizer.pad_token_id, progress=progress, log=log,
-                       device=torch.device(scale.device))
+                       device=torch.device(scale.device), short=short)
     save_policy(model.to("cpu"), tokenizer, stage.path)
     return {"parameters": sum(p.numel() for p in model.parameters()), "final_loss": sum(losses[-20:]) / len(losses[-20:]),
             "path": str(stage.path)}
@@ -367,26 +430,84 @@ def stage_pav(stage: Stage, scale: Scale, labels: Path, policy: Path, progress: 
             "eval_metrics": metrics}
 
 
-def stage_rl(stage: Stage, scale: Scale, estimator: str, policy: Path, critic: str | None, progress: bool) -> dict:
-    from verl_prm.recipes.arithmetic.rl import run_rl
+def stage_prover(stage: Stage, scale: Scale, policy: Path) -> dict:
+    """The SFT policy measured on the label problems (none is a test problem): success, groups without an outcome
+    signal, and its per-step accuracy, which becomes the exact prover's p (``prover.ArithmeticProver``).
 
-    if scale.device != "cpu":
-        raise RuntimeError("at this scale the RL stages run in verl (python -m verl.trainer.main_ppo with vLLM): "
-                           "bash examples/arithmetic/run_gpu.sh")
-    sft, rl, label, test = _problems(scale)
-    config = replace(scale.rl, estimator=estimator, max_new_tokens=scale.max_new_tokens)
-    summary = run_rl(policy, critic if estimator != "grpo" else None, rl, test, config, stage.path, progress=progress)
-    return {"final_eval_accuracy": summary["final_eval_accuracy"], "curve": summary["eval_curve"],
-            "final_policy": summary["final_policy"]}
+    p is at least 1 / modulus, a uniform guess among the residues: the scripted prover of an untrained policy
+    (the test suite's micro scale, or a step accuracy that no prefix reached) still has values in (0, 1]. Both
+    the measured accuracy and the p used are recorded."""
+    from verl_prm.recipes.arithmetic.sweep import measure_policy
+
+    _, _, label, _ = _problems(scale)
+    stage.path.mkdir(parents=True, exist_ok=True)
+    measured = measure_policy(policy, label, group_size=max(2, scale.rl.group_size),
+                              max_new_tokens=scale.max_new_tokens, seed=stage_seed("prover"))
+    measured["measured_step_accuracy"] = measured["step_accuracy"]
+    chance = 1.0 / scale.task.modulus
+    if not measured["step_accuracy"] >= chance:  # also NaN: no step was reached with a right prefix
+        measured["step_accuracy"] = chance
+    return measured
 
 
-def stage_evaluate(stage: Stage, scale: Scale, root: Path, policy: Path, critic: str, pav_metrics: dict,
-                   curves: dict, final_policies: dict) -> dict:
+def rl_run_stages(scale: Scale, root: Path, settings: dict) -> dict[tuple[str, int], Stage]:
+    """The sub-stage (directory ``rl/<arm>_seed<seed>`` and settings) of every RL run."""
+    out = {}
+    # seed by seed, every arm of a seed together: an interrupted stage leaves complete comparisons
+    for seed in scale.rl_seeds:
+        for arm in scale.rl_arms:
+            critic = settings["critic"] if arm == "pav_learned" else settings["prover"]
+            out[(arm, seed)] = Stage(root / "rl", f"{arm}_seed{seed}", {
+                "policy": settings["policy"], "critic": critic, "rl": scale.rl, "arm": arm, "seed": seed,
+                "max_new_tokens": scale.max_new_tokens, "device": scale.device})
+    return out
+
+
+def stage_rl(stage: Stage, scale: Scale, root: Path, settings: dict, data_dir: Path, policy: Path,
+             learned_critic: str | None, step_accuracy: float, log) -> dict:
+    """Every arm x seed through ``python -m verl.trainer.main_ppo`` (``verl_rl``), ``scale.rl_parallel`` at once;
+    a finished run is recorded in its own ``DONE.json``, so an interrupted stage resumes with the rest."""
+    from verl_prm.recipes.arithmetic.verl_rl import RunPaths, read_run, run_arms
+
+    runs = rl_run_stages(scale, root, settings)
+    paths = RunPaths(policy=policy.resolve(), train_file=(data_dir / "rl_train.parquet").resolve(),
+                     val_file=(data_dir / "test.parquet").resolve(),
+                     learned_critic=Path(learned_critic).resolve() if learned_critic else None,
+                     step_accuracy=float(step_accuracy))
+    todo = []
+    for (arm, seed), run_stage in runs.items():
+        if run_stage.done():
+            log(f"[arithmetic] rl {arm} seed {seed}: complete, skipped ({run_stage.path})")
+            continue
+        # an interrupted run resumes from its verl checkpoints only under the same settings
+        started = run_stage.path / "SETTINGS.json"
+        if started.exists():
+            changed = settings_differences(json.loads(started.read_text()), run_stage.settings)
+            if changed:
+                raise ValueError(f"{run_stage.path} holds an interrupted run with other settings "
+                                 f"({'; '.join(changed[:8])}); delete it or use another --work-dir")
+        run_stage.path.mkdir(parents=True, exist_ok=True)
+        started.write_text(json.dumps(run_stage.settings, indent=2))
+        todo.append((arm, seed, run_stage.path.resolve()))
+
+    def finished(arm: str, seed: int, run_dir: Path, seconds: float) -> None:
+        outputs = {**read_run(run_dir, scale), "final_policy": str(run_dir / "final"), "run_dir": str(run_dir)}
+        runs[(arm, seed)].finish(outputs, seconds)
+        log(f"[arithmetic] rl {arm} seed {seed}: done in {seconds:.0f} s, held-out accuracy "
+            f"{outputs['curve'][0][2]:.3f} -> {outputs['curve'][-1][2]:.3f}")
+
+    run_arms(scale, todo, paths, parallel=scale.rl_parallel, log=log, on_done=finished)
+    return {f"{arm}_seed{seed}": run_stage.outputs() for (arm, seed), run_stage in runs.items()}
+
+
+def stage_evaluate(stage: Stage, scale: Scale, policy: Path, critic: str, pav_metrics: dict, prover: dict,
+                   rl_runs: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from verl_prm.critic import ProverCritic
     from verl_prm.recipes.arithmetic import evaluate as ev
     from verl_prm.recipes.arithmetic.model import render
+    from verl_prm.recipes.arithmetic.prover import ArithmeticProver
 
     sft, rl, label, test = _problems(scale)
     stage.path.mkdir(parents=True, exist_ok=True)
@@ -395,13 +516,14 @@ def stage_evaluate(stage: Stage, scale: Scale, root: Path, policy: Path, critic:
         return [render(tokenizer, p.prompt_text) for p in problems]
 
     seed = 12345
-    policies = {}
-    for name, path in (("base", policy), ("grpo", final_policies["grpo"]), ("pav_grpo", final_policies["pav_grpo"])):
-        policies[name] = ev.policy_accuracy(path, texts_of, test, samples=scale.eval_samples,
-                                            max_new_tokens=scale.max_new_tokens, seed=seed, device=scale.device)
-        policies[name]["path"] = str(path)
-        policies[name]["steps"] = 0 if name == "base" else curves[name][-1][0]
-        policies[name]["samples"] = 0 if name == "base" else curves[name][-1][1]
+    policies = {"base": ev.policy_accuracy(policy, texts_of, test, samples=scale.eval_samples,
+                                           max_new_tokens=scale.max_new_tokens, seed=seed, device=scale.device)}
+    runs: dict = {}
+    for name, outputs in sorted(rl_runs.items()):
+        arm, _, seed_text = name.rpartition("_seed")
+        final = ev.policy_accuracy(outputs["final_policy"], texts_of, test, samples=scale.eval_samples,
+                                   max_new_tokens=scale.max_new_tokens, seed=seed, device=scale.device)
+        runs.setdefault(arm, {})[int(seed_text)] = {**outputs, "final": final}
     tokenizer = AutoTokenizer.from_pretrained(str(policy), trust_remote_code=False)
     model = AutoModelForCausalLM.from_pretrained(str(policy), trust_remote_code=False).to(scale.device).eval()
     critic_model = ProverCritic.from_pretrained(critic, format="value_head", device=scale.device)
@@ -410,13 +532,19 @@ def stage_evaluate(stage: Stage, scale: Scale, root: Path, policy: Path, critic:
     critic_result["label_auroc"] = float(pav_metrics.get("eval/auroc", float("nan")))
     critic_result["label_mse"] = float(pav_metrics.get("eval/mse", float("nan")))
     search_set = test[: scale.search_problems]
-    search = ev.search_sweep(model, tokenizer, critic_model, texts_of(tokenizer, search_set), search_set,
-                             best_of_n=scale.best_of_n, beam_widths=scale.beam_widths,
-                             samples_per_beam=scale.samples_per_beam, alpha=scale.search_alpha,
-                             best_of_k=scale.rl.best_of_k, max_new_tokens=scale.max_new_tokens,
-                             max_steps=scale.task.max_ops + 2, seed=seed)
-    results = {"policies": policies, "curves": curves, "critic": critic_result, "search": search,
-               "sample_efficiency": ev.sample_efficiency(curves["grpo"], curves["pav_grpo"]),
+    search = {}
+    for critic_name, prefix_critic in (
+        ("learned", ev.learned_prefix_critic(critic_model, texts_of(tokenizer, search_set))),
+        ("exact", ev.exact_prefix_critic(ArithmeticProver(step_accuracy=prover["step_accuracy"]),
+                                         texts_of(tokenizer, search_set))),
+    ):
+        search[critic_name] = ev.search_sweep(
+            model, tokenizer, prefix_critic, texts_of(tokenizer, search_set), search_set,
+            best_of_n=scale.best_of_n, beam_widths=scale.beam_widths, samples_per_beam=scale.samples_per_beam,
+            alpha=scale.search_alpha, best_of_k=scale.rl.best_of_k, max_new_tokens=scale.max_new_tokens,
+            max_steps=scale.rl_task.max_ops + 2, seed=seed)
+    results = {"policies": policies, "runs": runs, "arms": ev.summarise_arms(runs, reference="grpo"),
+               "prover": prover, "critic": critic_result, "search": search,
                "settings": _jsonable(scale), "environment": environment()}
     table = ev.write_table(results, stage.path / "results.md", stage.path / "results.json")
     plots = ev.plot_all(results, stage.path)
@@ -429,56 +557,21 @@ def stage_evaluate(stage: Stage, scale: Scale, root: Path, policy: Path, critic:
 def stages_of(scale: Scale, root: Path) -> dict[str, Stage]:
     """Every stage's directory and settings (a stage's settings include those of the stages it reads)."""
     d = Stage(root, "data", {"task": scale.task, "n": [scale.sft_problems, scale.rl_problems, scale.test_problems],
-                             "seed": scale.sft.seed})
+                             "seed": scale.sft.seed, **({"rl_num_ops": scale.rl_num_ops} if scale.rl_num_ops else {})})
     s = Stage(root, "policy", {"data": d.settings, "model": scale.model, "sft": scale.sft, "threads": scale.threads})
+    prover = Stage(root, "prover", {"policy": s.settings, "prompts": scale.label_problems,
+                                    "group_size": max(2, scale.rl.group_size), "max_new_tokens": scale.max_new_tokens})
     lab = Stage(root, "labels", {"policy": s.settings, "prompts": scale.label_problems, "n": [scale.n_cov, scale.n_mc],
                                  "backend": scale.label_backend, "max_new_tokens": scale.max_new_tokens})
     pav = Stage(root, "pav", {"labels": lab.settings, "steps": scale.pav_steps, "batch": scale.pav_batch_size,
                               "lr": scale.pav_lr, "warmup": scale.pav_warmup})
-    rl_settings = {"policy": s.settings, "critic": pav.settings, "rl": scale.rl, "max_new_tokens": scale.max_new_tokens}
-    grpo = Stage(root, "rl_grpo", {**rl_settings, "estimator": "grpo", "critic": None})
-    pav_grpo = Stage(root, "rl_pav_grpo", {**rl_settings, "estimator": "pav_grpo"})
-    ev = Stage(root, "results", {"rl": [grpo.settings, pav_grpo.settings], "eval_samples": scale.eval_samples,
+    rl = Stage(root, "rl", {"policy": s.settings, "prover": prover.settings, "critic": pav.settings, "rl": scale.rl,
+                            "arms": scale.rl_arms, "seeds": scale.rl_seeds, "max_new_tokens": scale.max_new_tokens,
+                            "device": scale.device})
+    ev = Stage(root, "results", {"rl": rl.settings, "eval_samples": scale.eval_samples,
                                  "search": [scale.search_problems, scale.best_of_n, scale.beam_widths,
                                             scale.samples_per_beam, scale.search_alpha]})
-    return {"data": d, "sft": s, "label": lab, "pav": pav, "rl_grpo": grpo, "rl_pav": pav_grpo, "evaluate": ev}
-
-
-def import_verl_run(scale: Scale, work_dir: str | Path, estimator: str, run_dir: str | Path) -> dict:
-    """Record a finished ``verl.trainer.main_ppo`` run (GPU scale, ``run_gpu.sh``) as the ``rl_grpo`` /
-    ``rl_pav`` stage: the validation curve from verl's file logger (``run_dir/metrics.jsonl``, the metric
-    ``val-core/arithmetic_mod/acc/mean@N``) and the merged Hugging Face model ``run_dir/final``."""
-    import shutil
-
-    run_dir = Path(run_dir)
-    name = {"grpo": "rl_grpo", "pav_grpo": "rl_pav"}.get(estimator)
-    if name is None:
-        raise ValueError(f"--import-verl-run: estimator must be grpo or pav_grpo, got {estimator!r}")
-    stage = stages_of(scale, Path(work_dir))[name]
-    if stage.done():
-        return stage.outputs()
-    final = run_dir / "final"
-    if not (final / "config.json").exists():
-        raise FileNotFoundError(f"{final} holds no merged model: run verl's model merger first (run_gpu.sh does)")
-    policy = stages_of(scale, Path(work_dir))["sft"].path
-    for tokenizer_file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        if (policy / tokenizer_file).exists() and not (final / tokenizer_file).exists():
-            shutil.copy(policy / tokenizer_file, final / tokenizer_file)
-    per_step = scale.rl.prompts_per_step * scale.rl.group_size
-    curve = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        keys = [k for k in record["data"] if k.startswith(f"val-core/{DATA_SOURCE_NAME}/acc/mean@")]
-        if keys:
-            curve.append((int(record["step"]), int(record["step"]) * per_step, float(record["data"][keys[0]])))
-    if not curve:
-        raise ValueError(f"{run_dir}/metrics.jsonl has no val-core/{DATA_SOURCE_NAME}/acc/mean@N metric: was the run "
-                         "started with trainer.logger including 'file' and a test_freq?")
-    stage.path.mkdir(parents=True, exist_ok=True)
-    outputs = {"final_eval_accuracy": curve[-1][2], "curve": curve, "final_policy": str(final),
-               "verl_run": str(run_dir)}
-    stage.finish(outputs, 0.0)
-    return outputs
+    return {"data": d, "sft": s, "prover": prover, "label": lab, "pav": pav, "rl": rl, "evaluate": ev}
 
 
 def run(scale: Scale, work_dir: str | Path, stages: Sequence[str] = STAGES, *, progress: bool = True,
@@ -502,17 +595,14 @@ def _run(scale: Scale, root: Path, stages: Sequence[str], progress: bool, log) -
     root.mkdir(parents=True, exist_ok=True)
     env = environment()
     named = stages_of(scale, root)
-    d, s, lab, pav = named["data"], named["sft"], named["label"], named["pav"]
-    rl_stages = {"grpo": named["rl_grpo"], "pav_grpo": named["rl_pav"]}
-    ev = named["evaluate"]
     records: dict = {}
 
-    def do(name: str, stage: Stage, fn) -> dict:
+    def do(name: str, fn) -> dict:
         from verl_prm.locking import DirectoryLock
 
         # one writer per stage directory; re-entrant, so the label/train CLIs run inside on it in this process
-        with DirectoryLock(stage.path, f"arithmetic recipe stage {name}"):
-            return do_locked(name, stage, fn)
+        with DirectoryLock(named[name].path, f"arithmetic recipe stage {name}"):
+            return do_locked(name, named[name], fn)
 
     def do_locked(name: str, stage: Stage, fn) -> dict:
         if stage.done():
@@ -533,28 +623,27 @@ def _run(scale: Scale, root: Path, stages: Sequence[str], progress: bool, log) -
 
     # Every stage up to the last requested one runs in order; one that was not requested must be complete.
     needed = set(STAGES[: max(STAGES.index(x) for x in stages) + 1])
-    pav_out: dict = {}
-    if "data" in needed:
-        do("data", d, lambda: stage_data(d, scale))
-    if "sft" in needed:
-        do("sft", s, lambda: stage_sft(s, scale, d.path, progress))
-    if "label" in needed:
-        do("label", lab, lambda: stage_label(lab, scale, d.path, s.path, progress))
-    if "pav" in needed:
-        pav_out = do("pav", pav, lambda: stage_pav(pav, scale, lab.path, s.path, progress))
-    outs = {}
-    for key, name in (("grpo", "rl_grpo"), ("pav_grpo", "rl_pav")):
+    d, s = named["data"], named["sft"]
+    out: dict = {}
+    for name, fn in (
+        ("data", lambda: stage_data(d, scale)),
+        ("sft", lambda: stage_sft(s, scale, d.path, progress)),
+        ("prover", lambda: stage_prover(named["prover"], scale, s.path)),
+        ("label", lambda: stage_label(named["label"], scale, d.path, s.path, progress)),
+        ("pav", lambda: stage_pav(named["pav"], scale, named["label"].path, s.path, progress)),
+        ("rl", lambda: stage_rl(named["rl"], scale, root, {"policy": s.settings, "prover": named["prover"].settings,
+                                                          "critic": named["pav"].settings},
+                                d.path, s.path, out["pav"]["checkpoint"], out["prover"]["step_accuracy"], log)),
+        ("evaluate", lambda: stage_evaluate(named["evaluate"], scale, s.path, out["pav"]["checkpoint"],
+                                            out["pav"]["eval_metrics"], out["prover"], out["rl"])),
+    ):
         if name in needed:
-            outs[key] = do(name, rl_stages[key],
-                           lambda key=key: stage_rl(rl_stages[key], scale, key, s.path, pav_out["checkpoint"], progress))
-    if "evaluate" in needed:
-        curves = {k: v["curve"] for k, v in outs.items()}
-        finals = {k: v["final_policy"] for k, v in outs.items()}
-        result = do("evaluate", ev, lambda: stage_evaluate(ev, scale, root, s.path, pav_out["checkpoint"],
-                                                            pav_out["eval_metrics"], curves, finals))
-        log(result["table"])
-        log("plots: " + ", ".join(result["plots"]))
+            out[name] = do(name, fn)
+    if "evaluate" in out:
+        log(out["evaluate"]["table"])
+        log("plots: " + ", ".join(out["evaluate"]["plots"]))
     return records
+
 
 
 def scale_from_args(args: argparse.Namespace) -> Scale:
@@ -563,7 +652,9 @@ def scale_from_args(args: argparse.Namespace) -> Scale:
     if args.rl_steps is not None:
         scale = replace(scale, rl=replace(scale.rl, steps=args.rl_steps))
     overrides = {"label_problems": args.label_problems, "n_mc": args.n_mc, "pav_steps": args.pav_steps,
-                 "threads": args.threads}
+                 "threads": args.threads, "rl_parallel": args.rl_parallel,
+                 "rl_arms": tuple(a.strip() for a in args.rl_arms.split(",")) if args.rl_arms else None,
+                 "rl_seeds": tuple(int(x) for x in args.rl_seeds.split(",")) if args.rl_seeds else None}
     return replace(scale, **{key: value for key, value in overrides.items() if value is not None})
 
 
@@ -574,14 +665,15 @@ def recipe_parser() -> argparse.ArgumentParser:
     parser.add_argument("--work-dir", required=True, help="outputs of every stage; rerun to resume")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     parser.add_argument("--rl-steps", type=int, default=None, help="override the RL iterations of the scale")
+    parser.add_argument("--rl-arms", default=None, help="override the RL arms (comma-separated: grpo,pav_exact,pav_learned)")
+    parser.add_argument("--rl-seeds", default=None, help="override the RL seeds (comma-separated integers)")
+    parser.add_argument("--rl-parallel", type=int, default=None, help="main_ppo runs at once (default 2)")
     parser.add_argument("--label-problems", type=int, default=None, help="override the problems labelled")
     parser.add_argument("--n-mc", type=int, default=None, help="override the prover continuations per prefix")
     parser.add_argument("--pav-steps", type=int, default=None, help="override the PAV training steps")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for every stage (default 1; the measured numbers are for 1: float "
                              "reductions may differ with another count)")
-    parser.add_argument("--import-verl-run", default=None, metavar="ESTIMATOR=RUN_DIR",
-                        help="record a finished verl main_ppo run (run_gpu.sh) as the grpo or pav_grpo RL stage")
     parser.add_argument("--no-progress", action="store_true")
     return parser
 
@@ -589,10 +681,6 @@ def recipe_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = recipe_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     scale = scale_from_args(args)
-    if args.import_verl_run:
-        estimator, _, run_dir = args.import_verl_run.partition("=")
-        print(json.dumps(import_verl_run(scale, args.work_dir, estimator, run_dir)))
-        return 0
     run(scale, args.work_dir, [s.strip() for s in args.stages.split(",") if s.strip()], progress=not args.no_progress)
     return 0
 

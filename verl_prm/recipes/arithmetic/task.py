@@ -75,6 +75,10 @@ class TaskConfig:
         max_operand: operands c are uniform in [1, max_operand] (``max_operand < p`` keeps every op a bijection).
         ops: the operations used, a subset of "+-*".
         slip_rate: fraction of supervised solutions with one slip (a wrong result at a random step).
+        step_slip_rate: instead, every operation step of a supervised solution slips independently with this
+            probability (0 < q < 1; then ``slip_rate`` must be 0). A policy that learns it writes a step right
+            with probability about 1 - q whatever came before, so its success falls as (1 - q)^ops with the
+            number of operations: the knob that makes outcome-only RL slow (few groups with a correct sample).
     """
 
     min_ops: int = 2
@@ -83,6 +87,7 @@ class TaskConfig:
     max_operand: int = 12
     ops: str = "+-*"
     slip_rate: float = 0.3
+    step_slip_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if not is_prime(self.modulus):
@@ -95,6 +100,11 @@ class TaskConfig:
             raise ValueError(f"ops must be a non-empty subset of {''.join(OPS)!r}, got {self.ops!r}")
         if not 0.0 <= self.slip_rate <= 1.0:
             raise ValueError(f"slip_rate must be in [0, 1], got {self.slip_rate}")
+        if not 0.0 <= self.step_slip_rate < 1.0:
+            raise ValueError(f"step_slip_rate must be in [0, 1), got {self.step_slip_rate}")
+        if self.step_slip_rate > 0 and self.slip_rate > 0:
+            raise ValueError("set either slip_rate (one slip per solution) or step_slip_rate (independent slips "
+                             f"per step), not both: got slip_rate={self.slip_rate}, step_slip_rate={self.step_slip_rate}")
 
 
 def apply_op(x: int, op: str, c: int, modulus: int) -> int:
@@ -164,7 +174,8 @@ def remaining_ops(ops: Sequence[tuple[str, int]], depth: int) -> str:
     return "".join(f" {op}{c}" for op, c in ops[depth:])
 
 
-def solution_lines(problem: Problem, slip_step: int | None = None, slip_value: int | None = None) -> list[str]:
+def solution_lines(problem: Problem, slip_step: int | None = None, slip_value: int | None = None,
+                   slips: dict[int, int] | None = None) -> list[str]:
     """The solution's lines: one per operation, then ``answer N``.
 
     Line h computes operation h on the value so far and carries the remaining operations along:
@@ -173,24 +184,45 @@ def solution_lines(problem: Problem, slip_step: int | None = None, slip_value: i
     every step is a local computation plus a copy.
 
     With ``slip_step = h`` (0-based operation index) the value written at step h is ``slip_value`` (it must
-    differ from the true value) and later steps compute from it; the answer line is then wrong.
+    differ from the true value) and later steps compute from it; the answer line is then wrong. ``slips``
+    ({step: value}) gives several such steps (each value must differ from that step's result computed from the
+    value written before it).
     """
+    slips = dict(slips or {})
+    if slip_step is not None:
+        slips[slip_step] = slip_value
     lines, x = [], problem.start
     for h, (op, c) in enumerate(problem.ops):
         y = apply_op(x, op, c, problem.modulus)
-        if h == slip_step:
-            if slip_value is None or slip_value == y or not 0 <= slip_value < problem.modulus:
-                raise ValueError(f"slip_value must be a wrong result in [0, {problem.modulus}), got {slip_value} (true {y})")
-            y = slip_value
+        if h in slips:
+            value = slips[h]
+            if value is None or value == y or not 0 <= value < problem.modulus:
+                raise ValueError(f"slip value at step {h} must be a wrong result in [0, {problem.modulus}), got "
+                                 f"{value} (true {y})")
+            y = value
         lines.append(f"{x}{op}{c}={y}{remaining_ops(problem.ops, h + 1)}")
         x = y
     lines.append(f"answer {x}")
     return lines
 
 
-def sft_example(problem: Problem, rng: random.Random, slip_rate: float) -> tuple[str, int]:
-    """One supervised solution text and its slip step (-1: no slip). With probability ``slip_rate`` one
-    uniformly random operation step gets a uniformly random wrong result."""
+def sft_example(problem: Problem, rng: random.Random, slip_rate: float,
+                step_slip_rate: float = 0.0) -> tuple[str, int]:
+    """One supervised solution text and its first slip step (-1: no slip). With probability ``slip_rate`` one
+    uniformly random operation step gets a uniformly random wrong result; with ``step_slip_rate`` every operation
+    step independently gets a uniformly random wrong result (neither the result computed from the line before nor
+    the true result)."""
+    if step_slip_rate > 0:
+        slips, x = {}, problem.start
+        for h, (op, c) in enumerate(problem.ops):
+            y = apply_op(x, op, c, problem.modulus)
+            if rng.random() < step_slip_rate:
+                # never the true value either: a later slip must not repair an earlier one (the outcome stays
+                # wrong after any slip, as with one slip)
+                y = rng.choice([v for v in range(problem.modulus) if v not in (y, problem.values[h])])
+                slips[h] = y
+            x = y
+        return "\n".join(solution_lines(problem, slips=slips)), min(slips, default=-1)
     if rng.random() < slip_rate:
         h = rng.randrange(len(problem.ops))
         wrong = [v for v in range(problem.modulus) if v != problem.values[h]]

@@ -1,0 +1,341 @@
+"""Exact prover critics: the values of a prover known in closed form, in place of a learned critic.
+
+A learned prover critic estimates ``V(prefix)`` = the probability that a fixed prover, continuing from the
+prefix, ends with a correct answer. For a task whose prover is scripted (e.g. the arithmetic recipe's prover,
+which writes each remaining result correctly with probability p), that probability can be computed exactly.
+With an exact critic, PAV runs with the true progress values, which separates "does progress help?" from
+"can we learn the critic?".
+
+Pieces:
+
+- ``EXACT_PROVERS``: verl ``data_source`` name -> ``"module:attr"`` of the prover class (lazy strings, so the
+  startup config check imports nothing heavy); ``register_exact_prover`` adds one, ``build_exact_prover``
+  builds one from its options (``verl_prm.critic.options`` minus ``data_source``).
+- ``ExactProver``: the protocol a prover implements (``from_options`` and ``values``).
+- ``ExactCritic``: what a ``ProverCriticWorker`` holds for ``verl_prm.critic.format=exact``; it has the
+  ``ProverCritic`` entry points ``score_policy_batch`` and ``score_texts`` and returns ``CriticScores``.
+- ``ExactPrefixCritic``: the search's ``PrefixCritic`` (``verl_prm.search``: best-of-N, beam search).
+
+Config of a verl run::
+
+    verl_prm.critic.format=exact +verl_prm.critic.options.data_source=arithmetic_mod
+    +verl_prm.critic.options.step_accuracy=0.8
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Any, Mapping, Protocol, Sequence
+
+import torch
+
+from verl_prm.critic.scorer import CriticScores
+
+__all__ = [
+    "EXACT_FORMAT",
+    "EXACT_PROVERS",
+    "ExactCritic",
+    "ExactPrefixCritic",
+    "ExactProver",
+    "ProverOptionError",
+    "build_exact_prover",
+    "register_exact_prover",
+    "step_texts_at_char_ends",
+]
+
+# The value of ``verl_prm.critic.format`` that selects an exact critic (not a checkpoint format of
+# ``verl_prm.critic.formats.FORMATS``).
+EXACT_FORMAT = "exact"
+
+# verl data_source -> "module:attr" of its exact prover class.
+EXACT_PROVERS: dict[str, Any] = {
+    "arithmetic_mod": "verl_prm.recipes.arithmetic.prover:ArithmeticProver",
+}
+
+
+class ProverOptionError(ValueError):
+    """An option of an exact prover is missing, unknown or out of range; ``option`` names it."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(message)
+        self.option = option
+
+
+class ExactProver(Protocol):
+    """An exact prover of one data source.
+
+    ``from_options(options)`` builds it from ``verl_prm.critic.options`` (without ``data_source``) and raises
+    ``ProverOptionError`` naming a bad option. ``values(prompt_text, step_texts, sample, complete=True)``
+    returns ``[v_0, ..., v_H]``: v_0 the value of the prompt, v_h the value after step h, i.e. of the prefix
+    ``"".join(step_texts[:h])``; ``complete``: the last step ends the response (its value is the outcome).
+    Errors are ValueErrors naming ``sample``.
+    """
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> "ExactProver": ...
+
+    def values(self, prompt_text: str, step_texts: Sequence[str], sample: int, complete: bool = True) -> list[float]: ...
+
+
+def register_exact_prover(data_source: str, target: Any) -> None:
+    """Register the exact prover of ``data_source``: ``target`` is a ``"module:attr"`` string (imported when a
+    run builds it) or the class itself; the class implements ``ExactProver`` (``from_options``, ``values``)."""
+    if not isinstance(data_source, str) or not data_source:
+        raise ValueError(f"register_exact_prover: data_source must be a non-empty string, got {data_source!r}")
+    if isinstance(target, str) and target.count(":") != 1:
+        raise ValueError(f"register_exact_prover: target must be 'module:attr' or a class, got {target!r}")
+    EXACT_PROVERS[data_source] = target
+
+
+def _resolve(data_source: str, target: Any) -> Any:
+    if not isinstance(target, str):
+        return target
+    module_name, attr = target.split(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"the exact prover of data source {data_source!r} ({target!r}) cannot be imported: {error}") from None
+
+
+def build_exact_prover(data_source: str, options: Mapping[str, Any] | None = None) -> ExactProver:
+    """The exact prover of ``data_source``, built by its class's ``from_options(options)``.
+
+    Raises:
+        ValueError: an unknown data source (naming the known ones and how to register one), a target that
+            cannot be imported or has no ``from_options``.
+        ProverOptionError: a bad option (raised by the prover class; names the option).
+    """
+    if data_source not in EXACT_PROVERS:
+        raise ValueError(
+            f"no exact prover for data source {data_source!r}; known: {sorted(EXACT_PROVERS)}. Register one with "
+            "verl_prm.critic.exact.register_exact_prover(data_source, 'module:ProverClass') in a module the run "
+            "imports (e.g. a verl plugin), or add it to EXACT_PROVERS"
+        )
+    cls = _resolve(data_source, EXACT_PROVERS[data_source])
+    if not callable(getattr(cls, "from_options", None)):
+        raise ValueError(f"the exact prover of data source {data_source!r} ({cls!r}) has no from_options(options)")
+    return cls.from_options(dict(options or {}))
+
+
+def check_step_accuracy(value: Any) -> float:
+    """``step_accuracy`` as a float: a real number (no bool), finite, in (0, 1]; else ``ProverOptionError``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProverOptionError("step_accuracy", f"step_accuracy must be a number in (0, 1], got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or not 0.0 < value <= 1.0:
+        raise ProverOptionError("step_accuracy", f"step_accuracy must be a finite number in (0, 1], got {value}")
+    return value
+
+
+def step_texts_at_char_ends(text: str, char_ends: Sequence[int], sample: int) -> list[str]:
+    """The step texts of ``text`` whose steps end (exclusive) at ``char_ends``: step h is
+    ``text[char_ends[h-1]:char_ends[h]]`` (from 0 for h = 0); the last step runs to the end of ``text`` (text
+    after the last step end, e.g. whitespace, belongs to it). Ends must not decrease and lie in the text."""
+    previous = 0
+    for h, end in enumerate(char_ends):
+        if not previous <= end <= len(text):
+            raise ValueError(
+                f"sample {sample}: step {h} ends at character {end}, outside [{previous}, {len(text)}] of the "
+                "response text; step_char_ends must be the split's (verl_prm.steps.split_steps)"
+            )
+        previous = end
+    starts = [0] + list(char_ends[:-1])
+    steps = [text[s:e] for s, e in zip(starts, char_ends)]
+    if steps:
+        steps[-1] = text[starts[-1]:]
+    return steps
+
+
+def _decode_prompt_texts(tokenizer, prompts: torch.Tensor, prompt_mask: torch.Tensor) -> list[str]:
+    """The policy prompts as text: unmasked ids decoded with special tokens kept (as ``scorer._decode_prompts``)."""
+    keep = prompt_mask.cpu() != 0
+    rows = prompts.cpu().tolist()
+    return [
+        tokenizer.decode([t for t, k in zip(row, krow) if k], skip_special_tokens=False,
+                         clean_up_tokenization_spaces=False)
+        for row, krow in zip(rows, keep.tolist())
+    ]
+
+
+class ExactCritic:
+    """A critic whose values come from an exact prover (``verl_prm.critic.format=exact``): no checkpoint, no
+    forward pass. It reads text: the steps of each response as the step split found them.
+
+    Attributes mirror ``ProverCritic`` where the worker and the search read them: ``device`` (cpu),
+    ``best_of_k`` (1: the estimators apply Best-of-K), ``packing`` ("none"), ``tokenizer`` (None: there are no
+    critic tokens).
+    """
+
+    def __init__(self, prover: ExactProver, data_source: str | None = None):
+        if not callable(getattr(prover, "values", None)):
+            raise ValueError(f"ExactCritic needs a prover with values(prompt_text, step_texts, sample), got {prover!r}")
+        self.prover = prover
+        self.data_source = data_source
+        self.device = torch.device("cpu")
+        self.best_of_k = 1
+        self.packing = "none"
+        self.tokenizer = None
+
+    @classmethod
+    def from_options(cls, data_source: str | None = None, **options: Any) -> "ExactCritic":
+        """The exact critic of ``data_source`` (``build_exact_prover(data_source, options)``)."""
+        if data_source is None:
+            raise ValueError(
+                "ExactCritic.from_options needs data_source (verl_prm.critic.options.data_source); known: "
+                f"{sorted(EXACT_PROVERS)}"
+            )
+        return cls(build_exact_prover(data_source, options), data_source=data_source)
+
+    # ------------------------------------------------------------------ entry points
+    def score_steps(
+        self,
+        prompt_texts: Sequence[str],
+        step_texts: Sequence[Sequence[str]],
+        *,
+        num_step_slots: int | None = None,
+        sample_offset: int = 0,
+    ) -> CriticScores:
+        """Values of responses given as step texts (each response complete: its last step ends it).
+
+        Returns CriticScores (fp32): prompt_values [B], step_values [B, S] (S = ``num_step_slots``, default the
+        largest H), num_steps [B] = ``len(step_texts[b])``.
+        """
+        if len(prompt_texts) != len(step_texts):
+            raise ValueError(f"ExactCritic: {len(prompt_texts)} prompts but {len(step_texts)} responses")
+        rows = [
+            self._values(prompt, steps, sample_offset + b, complete=True)
+            for b, (prompt, steps) in enumerate(zip(prompt_texts, step_texts))
+        ]
+        num_steps = torch.tensor([len(steps) for steps in step_texts], dtype=torch.long)
+        width = int(num_steps.max()) if len(rows) else 0
+        if num_step_slots is not None:
+            if num_step_slots < width:
+                raise ValueError(f"num_step_slots={num_step_slots} is smaller than the largest step count {width}")
+            width = num_step_slots
+        prompt_values = torch.tensor([row[0] for row in rows], dtype=torch.float32)
+        step_values = torch.zeros(len(rows), width, dtype=torch.float32)
+        for b, row in enumerate(rows):
+            step_values[b, : len(row) - 1] = torch.tensor(row[1:], dtype=torch.float32)
+        return CriticScores(prompt_values, step_values, num_steps)
+
+    def score_policy_batch(
+        self,
+        prompts: torch.Tensor,
+        responses: torch.Tensor,
+        attention_mask: torch.Tensor,
+        split,
+        policy_tokenizer=None,
+        *,
+        prompt_texts: Sequence[str] | None = None,
+        sample_offset: int = 0,
+    ) -> CriticScores:
+        """Score a verl rollout batch (the ``ProverCritic.score_policy_batch`` signature).
+
+        The response texts and step ends are ``split.texts`` / ``split.step_char_ends`` when the split carries
+        them (``split_steps`` fills them), else the responses are decoded with the policy tokenizer and step h
+        ends after the last character of token ``split.step_ends[b, h]``. Prompt texts: ``prompt_texts``, else
+        the policy prompts decoded with special tokens kept. ``num_steps`` equals ``split.num_steps``;
+        ``step_values`` is [B, S] with S = ``split.step_ends.shape[1]``.
+        """
+        batch = responses.shape[0]
+        prompt_len = prompts.shape[1]
+        num_steps = [int(n) for n in split.num_steps.cpu().tolist()]
+        has_text = len(split.texts) == batch and tuple(split.step_char_ends.shape[:1]) == (batch,)
+        if not has_text or prompt_texts is None:
+            if policy_tokenizer is None:
+                raise ValueError(
+                    "ExactCritic.score_policy_batch reads text: pass policy_tokenizer (and/or a split with texts "
+                    "and step_char_ends plus prompt_texts)"
+                )
+        if has_text:
+            texts = list(split.texts)
+            char_ends = split.step_char_ends.cpu()
+        else:
+            from verl_prm.steps import decode_with_char_ends
+
+            decoded = decode_with_char_ends(policy_tokenizer, responses, attention_mask[:, prompt_len:])
+            texts = decoded.texts
+            ends = split.step_ends.cpu().clamp(min=0)
+            char_ends = decoded.char_ends.gather(1, ends) if ends.shape[1] else ends
+        if prompt_texts is None:
+            prompt_texts = _decode_prompt_texts(policy_tokenizer, prompts, attention_mask[:, :prompt_len])
+        if len(prompt_texts) != batch:
+            raise ValueError(f"ExactCritic: {len(prompt_texts)} prompt texts for {batch} responses")
+        step_texts = [
+            step_texts_at_char_ends(texts[b], char_ends[b, : num_steps[b]].tolist(), sample_offset + b)
+            for b in range(batch)
+        ]
+        return self.score_steps(list(prompt_texts), step_texts, num_step_slots=int(split.step_ends.shape[1]),
+                                sample_offset=sample_offset)
+
+    def score_texts(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        delimiter: str = "\n\n",
+        regex: str | None = None,
+        max_steps: int | None = None,
+    ) -> CriticScores:
+        """Score complete responses given as text; steps by ``verl_prm.steps.step_char_spans`` (``delimiter``
+        or ``regex``, as ``ProverCritic.score_texts``)."""
+        from verl_prm.steps import step_char_spans
+
+        if len(prompts) != len(responses):
+            raise ValueError(f"score_texts: {len(prompts)} prompts but {len(responses)} responses")
+        step_texts = [
+            [response[s:e] for s, e in step_char_spans(response, delimiter, regex=regex, max_steps=max_steps)]
+            for response in responses
+        ]
+        return self.score_steps(list(prompts), step_texts)
+
+    # ------------------------------------------------------------------ internals
+    def _values(self, prompt_text: str, steps: Sequence[str], sample: int, complete: bool) -> list[float]:
+        values = self.prover.values(prompt_text, list(steps), sample, complete=complete)
+        return checked_values(values, len(steps), sample)
+
+
+def checked_values(values: Sequence[float], num_steps: int, sample: int) -> list[float]:
+    """A prover's ``[v_0..v_H]`` as floats, checked: H + 1 entries, each finite and in [0, 1]."""
+    values = [float(v) for v in values]
+    if len(values) != num_steps + 1:
+        raise ValueError(
+            f"sample {sample}: the exact prover returned {len(values)} values for {num_steps} steps "
+            f"(expected v_0..v_H, {num_steps + 1})"
+        )
+    for h, v in enumerate(values):
+        if not (math.isfinite(v) and 0.0 <= v <= 1.0):
+            where = "the prompt" if h == 0 else f"step {h - 1}"
+            raise ValueError(f"sample {sample}: the exact prover's value at {where} is {v}, not a probability in [0, 1]")
+    return values
+
+
+class ExactPrefixCritic:
+    """An exact prover as the search's prefix critic (``verl_prm.search.nodes.PrefixCritic``)::
+
+        critic = CachedCritic(ExactPrefixCritic(ExactCritic.from_options("arithmetic_mod", step_accuracy=0.8),
+                                                prompt_texts))
+
+    ``score_nodes(nodes)`` returns ``[v_0..v_H]`` per node (``node.steps`` are step texts; a finished node's
+    last step ends the response) and 0 critic tokens per node (no model reads anything).
+
+    Args:
+        critic_or_prover: an ``ExactCritic`` or an exact prover (``values``).
+        prompts: the prompt text of each problem (index = ``node.problem``).
+    """
+
+    def __init__(self, critic_or_prover, prompts: Sequence[str]) -> None:
+        self.prover = getattr(critic_or_prover, "prover", critic_or_prover)
+        if not callable(getattr(self.prover, "values", None)):
+            raise ValueError(f"ExactPrefixCritic needs an ExactCritic or a prover with values(), got {critic_or_prover!r}")
+        self.prompts = list(prompts)
+
+    def score_nodes(self, nodes) -> tuple[list[list[float]], list[int]]:
+        values = []
+        for node in nodes:
+            if not 0 <= node.problem < len(self.prompts):
+                raise ValueError(f"problem {node.problem}: no prompt text (ExactPrefixCritic has {len(self.prompts)})")
+            steps = [str(step) for step in node.steps]
+            raw = self.prover.values(self.prompts[node.problem], steps, node.problem, complete=bool(node.finished))
+            values.append(checked_values(raw, len(steps), node.problem))
+        return values, [0] * len(nodes)

@@ -1,0 +1,197 @@
+"""How good can the learned PAV get? Variants of the recipe's critic, each measured the same way.
+
+The recipe's learned PAV is a value head on the SFT policy trained by ``verl-prm train`` on Monte-Carlo labels
+of ``verl-prm label`` (the ``pav`` stage). This study trains variants on the same labelled rollouts and measures
+each on base-policy samples of the held-out test problems: the step AUROC of its raw value against the truth of
+the prefix (every line right so far, ``task.prefix_is_correct``), and the mean value drop at the first wrong step.
+
+Variants (``--variants``, comma-separated):
+
+- ``mc``: the recipe's PAV as trained (its ``pav`` stage; not retrained);
+- ``mc_long``: the same labels, ``--long-steps`` optimisation steps (default 4x the recipe's);
+- ``exact``: the same rollouts and step ends, labelled with the exact prover's values instead of Monte-Carlo
+  estimates (``prover.ArithmeticProver`` with the SFT policy's per-step accuracy): the labels' noise removed,
+  an upper bound for more Monte-Carlo continuations;
+- ``exact_long``: exact labels and the long schedule;
+- ``exact_sft``: exact labels of many more texts for free: the 20,000 supervised solutions of the ``data`` stage
+  (their slips have the policy's distribution; values by the exact prover), the recipe's schedule.
+
+    python -m verl_prm.recipes.arithmetic.critic_study --work-dir runs/arith/mod7 --variants mc,mc_long,exact
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+__all__ = ["VARIANTS", "exact_label_rows", "run_study"]
+
+VARIANTS = ("mc", "mc_long", "exact", "exact_long", "exact_sft")
+
+
+def exact_label_rows(frame, step_accuracy: float) -> list[dict]:
+    """Label rows (``verl_prm.labeling.format``) with ``q`` and the prompt value replaced by the exact prover's
+    values of the same prefixes; ``n_success = n_mc = 0`` marks values that are not Monte-Carlo counts, and
+    ``first_pit`` is the first step whose value is 0 after a positive one."""
+    from verl_prm.recipes.arithmetic.prover import ArithmeticProver
+
+    prover = ArithmeticProver(step_accuracy=step_accuracy)
+    rows = []
+    for i, row in enumerate(frame.to_dict("records")):
+        starts, ends = [int(x) for x in row["step_starts"]], [int(x) for x in row["step_ends"]]
+        response = str(row["response"])
+        steps = [response[(0 if h == 0 else ends[h - 1]):end] for h, end in enumerate(ends)]
+        values = prover.values(str(row["prompt"]), steps, i, complete=bool(row["finished"]))
+        first_pit = next((h for h in range(len(steps)) if values[h + 1] == 0.0 and values[h] > 0.0), -1)
+        rows.append({**row, "step_starts": starts, "step_ends": ends, "q": [float(v) for v in values[1:]],
+                     "n_success": [0] * len(steps), "n_mc": [0] * len(steps), "first_pit": first_pit,
+                     "prompt_value": float(values[0]), "prompt_n_success": 0, "prompt_n_mc": 0,
+                     "strategy": "exact", "source": f"exact prover (step_accuracy={step_accuracy:.6f})"})
+    return rows
+
+
+def sft_label_rows(data_dir: Path, tokenizer, step_accuracy: float) -> list[dict]:
+    """Label rows of the supervised solutions (``sft.jsonl``): the rendered prompt, the solution, its steps
+    (``task.STEP_REGEX``: a step ends after each result, the rest is the answer step) and exact values."""
+    import re
+
+    import pandas as pd
+
+    from verl_prm.recipes.arithmetic.model import render
+    from verl_prm.recipes.arithmetic.task import DATA_SOURCE, STEP_REGEX
+
+    rows = []
+    for i, line in enumerate(open(data_dir / "sft.jsonl")):
+        record = json.loads(line)
+        response = record["response"]
+        ends = [m.end() for m in re.finditer(STEP_REGEX, response)] + [len(response)]
+        rows.append({"prompt_index": i, "rollout_index": 0, "data_source": DATA_SOURCE,
+                     "prompt": render(tokenizer, record["prompt"]), "ground_truth": "", "response": response,
+                     "step_starts": [0] + ends[:-1], "step_ends": ends, "q": [0.0] * len(ends),
+                     "n_success": [0] * len(ends), "n_mc": [0] * len(ends), "first_pit": -1, "prompt_value": 0.0,
+                     "prompt_n_success": 0, "prompt_n_mc": 0, "outcome": float(record["slip_step"] < 0),
+                     "score": float(record["slip_step"] < 0), "finished": True, "strategy": "sft", "source": "sft.jsonl"})
+    return exact_label_rows(pd.DataFrame(rows), step_accuracy)
+
+
+def _train(labels: Path, policy: Path, output: Path, scale, steps: int, progress: bool) -> Path:
+    from verl_prm.cli import main as cli
+    from verl_prm.training.trainer import latest_checkpoint
+
+    if not (output / "eval_metrics.json").exists():
+        argv = ["train", "--labels", str(labels), "--init", str(policy), "--output-dir", str(output),
+                "--max-steps", str(steps), "--batch-size", str(scale.pav_batch_size), "--lr", str(scale.pav_lr),
+                "--warmup-steps", str(scale.pav_warmup), "--eval-fraction", "0.2", "--best-of-k", "1",
+                "--max-length", str(scale.model.max_position_embeddings), "--log-every", "50", "--seed", "0", "--cpu"]
+        if not progress:
+            argv.append("--no-progress")
+        if cli(argv) != 0:
+            raise RuntimeError(f"verl-prm {' '.join(argv)} failed")
+    return latest_checkpoint(output)
+
+
+def run_study(scale, work_dir: Path, variants: Sequence[str], *, long_steps: int | None = None,
+              progress: bool = True, log=print) -> list[dict]:
+    """Train and measure every variant; writes ``critic_study/study.json`` and ``study.md`` under ``work_dir``
+    (a finished recipe run's directory: policy, prover, labels and pav stages)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_prm.critic import ProverCritic
+    from verl_prm.labeling.format import read_labels
+    from verl_prm.labeling.store import ShardStore
+    from verl_prm.locking import DirectoryLock
+    from verl_prm.recipes.arithmetic.evaluate import critic_step_auroc
+    from verl_prm.recipes.arithmetic.model import render
+    from verl_prm.recipes.arithmetic.pipeline import _problems, stages_of
+
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown critic variants {unknown}; choose from {VARIANTS}")
+    stages = stages_of(scale, work_dir)
+    for name in ("sft", "prover", "label", "pav"):
+        if not stages[name].done():
+            raise FileNotFoundError(f"{stages[name].path}: the recipe's {name} stage is not complete; run the recipe "
+                                    f"up to it first (--stages data,sft,prover,label,pav)")
+    out_dir = work_dir / "critic_study"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    long_steps = long_steps or 4 * scale.pav_steps
+    policy, labels = stages["sft"].path, stages["label"].path
+    step_accuracy = float(stages["prover"].outputs()["step_accuracy"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(scale.threads)
+    rows = []
+    try:
+        with DirectoryLock(out_dir, "arithmetic critic study"):
+            tokenizer = AutoTokenizer.from_pretrained(str(policy), trust_remote_code=False)
+            exact_labels, sft_labels = out_dir / "exact_labels", out_dir / "exact_sft_labels"
+            if any(v in ("exact", "exact_long") for v in variants) and not any(exact_labels.glob("shard-*.parquet")):
+                ShardStore(exact_labels).write_shard(exact_label_rows(read_labels(labels), step_accuracy))
+            if "exact_sft" in variants and not any(sft_labels.glob("shard-*.parquet")):
+                ShardStore(sft_labels).write_shard(sft_label_rows(stages["data"].path, tokenizer, step_accuracy))
+            test = _problems(scale)[3]
+            model = AutoModelForCausalLM.from_pretrained(str(policy), trust_remote_code=False).eval()
+            for variant in variants:
+                result_path = out_dir / f"{variant}.json"
+                if result_path.exists():
+                    rows.append(json.loads(result_path.read_text()))
+                    continue
+                started = time.perf_counter()
+                if variant == "mc":
+                    checkpoint, steps = Path(stages["pav"].outputs()["checkpoint"]), scale.pav_steps
+                    train_dir = stages["pav"].path
+                else:
+                    steps = long_steps if variant.endswith("_long") else scale.pav_steps
+                    source = {"exact_sft": sft_labels}.get(variant, exact_labels if variant.startswith("exact") else labels)
+                    train_dir = out_dir / variant
+                    checkpoint = _train(source, policy, train_dir, scale, steps, progress)
+                seconds = time.perf_counter() - started
+                critic = ProverCritic.from_pretrained(str(checkpoint), format="value_head", device="cpu")
+                measured = critic_step_auroc(critic, tokenizer, model, [render(tokenizer, p.prompt_text) for p in test],
+                                             test, samples=1, max_new_tokens=scale.max_new_tokens, seed=12346)
+                held_out = json.loads((train_dir / "eval_metrics.json").read_text())
+                row = {"variant": variant, "labels": {"exact_sft": "exact, SFT solutions"}.get(
+                           variant, "exact" if variant.startswith("exact") else "monte_carlo"),
+                       "train_steps": steps, "train_seconds": round(seconds, 1), "checkpoint": str(checkpoint),
+                       "label_auroc": held_out.get("eval/auroc", math.nan), "label_mse": held_out.get("eval/mse", math.nan),
+                       **measured}
+                result_path.write_text(json.dumps(row, indent=2))
+                log(f"[critic study] {variant}: step AUROC {row['step_auroc']:.3f}, label AUROC "
+                    f"{row['label_auroc']:.3f} ({steps} steps)")
+                rows.append(row)
+    finally:
+        torch.set_num_threads(threads)
+    (out_dir / "study.json").write_text(json.dumps(rows, indent=2))
+    lines = ["| variant | labels | training steps | step AUROC vs true prefix correctness | held-out label AUROC | "
+             "mean value drop at the first wrong step | training time (s) |", "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['variant']} | {r['labels']} | {r['train_steps']} | {r['step_auroc']:.3f} | "
+                     f"{r['label_auroc']:.3f} | {r['mean_value_drop_at_first_wrong_step']:.3f} | {r['train_seconds']} |")
+    (out_dir / "study.md").write_text("\n".join(lines) + "\n")
+    log("\n".join(lines))
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from verl_prm.recipes.arithmetic.pipeline import SCALES
+
+    parser = argparse.ArgumentParser(prog="python -m verl_prm.recipes.arithmetic.critic_study",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work-dir", required=True, help="a recipe run's directory (stages up to pav complete)")
+    parser.add_argument("--scale", choices=sorted(SCALES), default="cpu")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--long-steps", type=int, default=None)
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    run_study(SCALES[args.scale], Path(args.work_dir), [v.strip() for v in args.variants.split(",")],
+              long_steps=args.long_steps, progress=not args.no_progress)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -685,3 +685,19 @@ def test_exact_label_rows_hold_the_exact_provers_values_and_pass_the_label_check
     assert exact[0]["q"][0] == prefix_value(problem, rows[0]["response"][:5], 0.8)
     ShardStore(tmp_path).write_shard(exact)  # the writer validates the rows
     assert read_labels(tmp_path)["q"].map(list).tolist() == [[0.8, 1.0, 1.0], [0.0, 0.0, 0.0]]
+
+
+def test_sft_solutions_become_exact_label_rows_with_one_step_per_result(tmp_path):
+    from verl_prm.recipes.arithmetic.critic_study import sft_label_rows
+    from verl_prm.recipes.arithmetic.model import build_tokenizer
+
+    problem = Problem(3, (("+", 2), ("*", 3)), 7)  # 3+2=5, 5*3=1
+    right, slipped = "\n".join(solution_lines(problem)), "\n".join(solution_lines(problem, 1, 2))
+    (tmp_path / "sft.jsonl").write_text("".join(
+        json.dumps({"prompt": problem.prompt_text, "response": r, "slip_step": s}) + "\n"
+        for r, s in ((right, -1), (slipped, 1))))
+    rows = sft_label_rows(tmp_path, build_tokenizer(), step_accuracy=0.5)
+    assert [r["response"][a:b] for r in rows[:1] for a, b in zip(r["step_starts"], r["step_ends"])] == [
+        "3+2=5", " *3\n5*3=1", "\nanswer 1"]
+    assert rows[0]["q"] == [0.5, 1.0, 1.0] and rows[0]["prompt_value"] == 0.25
+    assert rows[1]["q"] == [0.5, 0.0, 0.0] and rows[1]["first_pit"] == 1 and rows[1]["outcome"] == 0.0

@@ -14,7 +14,8 @@ problems with each number of operations:
 - ``step_accuracy``: P(operation step h is right | steps before it are right), pooled over steps: the p of the
   exact prover (``verl_prm.recipes.arithmetic.prover``) for this policy.
 
-    python -m verl_prm.recipes.arithmetic.sweep --work-dir runs/arithmetic_sweep --moduli 7,11 --ops 3,4,5,6,7,8
+    python -m verl_prm.recipes.arithmetic.sweep --work-dir runs/arithmetic_sweep --moduli 7,11 --ops 3,4,5,6 \
+        --step-slip-rate 0.15
 """
 
 from __future__ import annotations
@@ -148,12 +149,15 @@ def plot_sweep(rows: Sequence[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(6.0, 4.0))
-    for modulus in sorted({r["modulus"] for r in rows}):
-        mine = sorted((r for r in rows if r["modulus"] == modulus), key=lambda r: r["num_ops"])
+    for modulus, slip in sorted({(r["modulus"], r["step_slip_rate"]) for r in rows}):
+        mine = sorted((r for r in rows if (r["modulus"], r["step_slip_rate"]) == (modulus, slip)),
+                      key=lambda r: r["num_ops"])
         x = [r["num_ops"] for r in mine]
-        line, = axis.plot(x, [r["success"] for r in mine], marker="o", label=f"SFT success, mod {modulus}")
+        name = f"mod {modulus}, q = {slip:g}"
+        line, = axis.plot(x, [r["success"] for r in mine], marker="o", label=f"SFT success, {name}")
         axis.plot(x, [r["zero_signal_groups"] for r in mine], marker="s", linestyle="--", color=line.get_color(),
-                  label=f"groups with no outcome signal, mod {modulus}")
+                  label=f"groups with no outcome signal, {name}")
+    axis.set_xticks(sorted({r["num_ops"] for r in rows}))
     axis.set_xlabel("operations per problem")
     axis.set_ylim(0, 1)
     axis.grid(alpha=0.3)
@@ -165,6 +169,7 @@ def plot_sweep(rows: Sequence[dict], path: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from verl_prm.cli_types import finite_float
     from verl_prm.recipes.arithmetic.pipeline import SCALES
 
     parser = argparse.ArgumentParser(prog="python -m verl_prm.recipes.arithmetic.sweep",
@@ -172,12 +177,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--work-dir", required=True)
     parser.add_argument("--scale", choices=sorted(SCALES), default="cpu", help="the scale whose other settings apply")
     parser.add_argument("--moduli", default="7,11", help="comma-separated primes (one SFT policy each)")
-    parser.add_argument("--ops", default="3,4,5,6,7,8", help="operation counts to measure each policy on")
+    parser.add_argument("--ops", default="3,4,5,6", help="operation counts to measure each policy on")
+    parser.add_argument("--step-slip-rate", type=finite_float(0.0, 1.0), default=None,
+                        help="the SFT solutions' per-step slip rate q (default: the scale's)")
     parser.add_argument("--problems", type=int, default=256)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    run_sweep(SCALES[args.scale], Path(args.work_dir), [int(x) for x in args.moduli.split(",")],
+    base = SCALES[args.scale]
+    if args.step_slip_rate is not None:
+        base = replace(base, task=replace(base.task, slip_rate=0.0, step_slip_rate=args.step_slip_rate))
+    run_sweep(base, Path(args.work_dir), [int(x) for x in args.moduli.split(",")],
               [int(x) for x in args.ops.split(",")], problems=args.problems, group_size=args.group_size,
               progress=not args.no_progress)
     return 0

@@ -128,11 +128,10 @@ class Scale:
     def max_new_tokens(self) -> int:
         """The longest reference solution (every number with the most digits) plus slack for one EOS and a
         few wrong tokens."""
-        from verl_prm.recipes.arithmetic.task import Problem, solution_lines
+        from verl_prm.recipes.arithmetic.task import solution_lines
 
         top = self.task.modulus - 1
-        worst = Problem(top, tuple((self.task.ops[0], self.task.max_operand) for _ in range(self.rl_task.max_ops)),
-                        self.task.modulus)
+        worst = self._longest_problem()
         longest = sum(len(line.replace(str(worst.values[h] if h < len(worst.values) else top), str(top))) + 1
                       for h, line in enumerate(solution_lines(worst)))
         return longest + len(str(top)) * self.rl_task.max_ops + 8
@@ -148,12 +147,16 @@ class Scale:
     def max_prompt_tokens(self) -> int:
         """The longest rendered prompt (per-character tokenizer: its length in characters) plus slack."""
         from verl_prm.recipes.arithmetic.model import build_tokenizer, render
+
+        return len(render(build_tokenizer(), self._longest_problem().prompt_text)) + 8
+
+    def _longest_problem(self):
+        """An RL problem with the most operations and the widest numbers (every value and operand at its largest)."""
         from verl_prm.recipes.arithmetic.task import Problem
 
         top = self.task.modulus - 1
-        worst = Problem(top, tuple((self.task.ops[0], self.task.max_operand) for _ in range(self.rl_task.max_ops)),
-                        self.task.modulus)
-        return len(render(build_tokenizer(), worst.prompt_text)) + 8
+        return Problem(top, tuple((self.task.ops[0], self.task.max_operand) for _ in range(self.rl_task.max_ops)),
+                       self.task.modulus)
 
 
 SCALES: dict[str, Scale] = {

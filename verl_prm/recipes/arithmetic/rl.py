@@ -15,10 +15,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from verl_prm.recipes.arithmetic.rollout import Rollouts, sample
+from verl_prm.recipes.arithmetic.rollout import Rollouts
 from verl_prm.recipes.arithmetic.task import DATA_SOURCE, STEP_REGEX, Problem, compute_score
 
-__all__ = ["RLConfig", "build_data", "evaluate_accuracy", "outcome_rewards", "step_tensors"]
+__all__ = ["RLConfig", "build_data", "outcome_rewards", "step_tensors"]
 
 
 @dataclass(frozen=True)
@@ -81,13 +81,3 @@ def step_tensors(critic, rollouts: Rollouts, tokenizer, *, return_split: bool = 
     tensors = {"step_ids": split.step_ids, "num_steps": split.num_steps, "step_values": scores.step_values.float(),
                "prompt_values": scores.prompt_values.float()}
     return (tensors, split) if return_split else tensors
-
-
-def evaluate_accuracy(model, tokenizer, prompt_texts: Sequence[str], problems: Sequence[Problem], *, samples: int,
-                      max_new_tokens: int, seed: int, temperature: float = 1.0) -> float:
-    """Mean verifier outcome of ``samples`` samples per problem (temperature 1 by default: the policy RL trains)."""
-    rollouts = sample(model, tokenizer, prompt_texts, samples, max_new_tokens=max_new_tokens,
-                      temperature=temperature, seed=seed)
-    return float(outcome_rewards(rollouts, problems).mean())
-
-

@@ -305,6 +305,31 @@ def test_rerun_skips_complete_stages_and_says_which_setting_changed(micro_run):
         run(other, work, progress=False, log=lambda *_: None)
 
 
+def test_rl_stage_is_complete_only_when_every_run_is(tmp_path):
+    """Adding an arm or a seed to a finished recipe reruns the rl stage for the new runs only (the finished runs
+    keep their markers); the results stage's settings name the arms and seeds, so its table is rebuilt."""
+    from dataclasses import replace
+
+    from verl_prm.recipes.arithmetic.pipeline import SCALES, stages_of
+
+    scale = replace(SCALES["micro"], rl_arms=("grpo",), rl_seeds=(0,))
+    stages = stages_of(scale, tmp_path)
+    assert [part.path.name for part in stages["rl"].parts] == ["grpo_seed0"]
+    assert not stages["rl"].done()
+    stages["rl"].parts[0].path.mkdir(parents=True)
+    stages["rl"].parts[0].finish({"curve": []}, 1.0, env={})
+    assert not stages["rl"].done()  # the stage's own marker is missing
+    stages["rl"].finish({}, 1.0, env={})
+    assert stages["rl"].done()
+
+    more = stages_of(replace(scale, rl_arms=("grpo", "pav_exact")), tmp_path)
+    assert more["rl"].settings == stages["rl"].settings
+    assert [part.done() for part in more["rl"].parts] == [True, False]
+    assert not more["rl"].done()
+    assert more["evaluate"].settings["arms"] == ["grpo", "pav_exact"]
+    assert more["evaluate"].settings != stages["evaluate"].settings
+
+
 def test_settings_differences_name_each_changed_leaf():
     from verl_prm.recipes.arithmetic.pipeline import settings_differences
 
@@ -701,3 +726,89 @@ def test_sft_solutions_become_exact_label_rows_with_one_step_per_result(tmp_path
         "3+2=5", " *3\n5*3=1", "\nanswer 1"]
     assert rows[0]["q"] == [0.5, 1.0, 1.0] and rows[0]["prompt_value"] == 0.25
     assert rows[1]["q"] == [0.5, 0.0, 0.0] and rows[1]["first_pit"] == 1 and rows[1]["outcome"] == 0.0
+
+
+def test_running_min_is_the_least_likely_step_so_far():
+    from verl_prm.recipes.arithmetic.critic_study import running_min
+
+    assert running_min([-0.1, -2.0, -0.5, -3.0]) == [-0.1, -2.0, -2.0, -3.0]
+    assert running_min([]) == []
+
+
+def test_policy_signal_reads_the_log_probability_of_each_written_result(monkeypatch):
+    """An oracle policy that puts its mass on the reference solution's next character: the running minimum of its
+    log-probabilities of the written results separates right prefixes from wrong ones perfectly, and a probe of
+    a hidden state that carries the first step's truth finds it."""
+    from types import SimpleNamespace
+
+    import verl_prm.recipes.arithmetic.rollout as rollout
+    from verl_prm.recipes.arithmetic.critic_study import policy_signal
+    from verl_prm.recipes.arithmetic.model import build_tokenizer, render
+
+    tokenizer = build_tokenizer()
+    problem = Problem(3, (("+", 2), ("*", 3)), 7)  # 3+2=5, 5*3=1
+    prompt = render(tokenizer, problem.prompt_text)
+    right = "\n".join(solution_lines(problem))
+    texts = [right, "\n".join(solution_lines(problem, 0, 6)), "\n".join(solution_lines(problem, 1, 2))] * 4
+    monkeypatch.setattr(rollout, "sample", lambda *a, **k: SimpleNamespace(texts=texts, prompt_index=[0] * len(texts)))
+    reference = tokenizer(prompt + right, add_special_tokens=False)["input_ids"]
+
+    class Oracle:
+        def __call__(self, input_ids, output_hidden_states=False):
+            ids = input_ids[0].tolist()
+            logits = torch.zeros(len(ids), tokenizer.vocab_size + 2)
+            for t in range(len(ids) - 1):
+                logits[t, reference[t + 1]] = 8.0
+            # hidden state: 1 where the written token is the reference's (the first result's token included)
+            hidden = torch.tensor([[float(i == r)] + [0.0] * 3 for i, r in zip(ids, reference)]).unsqueeze(0)
+            return SimpleNamespace(logits=logits.unsqueeze(0), hidden_states=(hidden,))
+
+    signal = policy_signal(Oracle(), tokenizer, [prompt], [problem], samples=1, max_new_tokens=32, seed=0)
+    assert signal["policy_logprob_steps"] == 2 * len(texts)
+    assert signal["policy_logprob_step_auroc"] == 1.0
+    assert signal["policy_logprob_first_step_auroc"] == 1.0 and signal["probe_first_step_auroc"] == 1.0
+    assert signal["first_steps"] == len(texts)
+
+
+def test_result_targets_mark_each_written_result_with_the_result_of_its_operation():
+    from verl_prm.recipes.arithmetic.critic_init import result_targets
+    from verl_prm.recipes.arithmetic.model import build_tokenizer, render
+
+    tokenizer = build_tokenizer()
+    problem = Problem(3, (("+", 2), ("*", 3)), 7)  # 3+2=5, 5*3=1
+    prompt = render(tokenizer, problem.prompt_text)
+    slipped = "\n".join(solution_lines(problem, 0, 6))  # 3+2=6 *3 / 6*3=4 / answer 4
+    targets = result_targets(tokenizer, prompt, slipped, 7)
+    assert slipped.splitlines()[:2] == ["3+2=6 *3", "6*3=4"]
+    # the last token of each written result (one token per character), the operation's result from the written
+    # operand (6*3 = 18 = 4 mod 7: the second line is right given the first), and whether the written one slipped
+    assert [tokenizer.decode([targets.input_ids[t]]) for t in targets.positions] == ["6", "4"]
+    assert targets.positions == [len(prompt) + 4, len(prompt) + 13]
+    assert targets.targets == [5, 4] and targets.slipped == [True, False]
+
+
+def test_critic_init_needs_a_slipped_result_and_saves_a_causal_lm(tmp_path):
+    from verl_prm.recipes.arithmetic.critic_init import CriticInitConfig, train_critic_init
+    from verl_prm.recipes.arithmetic.model import ModelConfig, build_model, build_tokenizer, save_policy
+
+    tokenizer = build_tokenizer()
+    policy = save_policy(build_model(tokenizer, ModelConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                            num_attention_heads=2, num_key_value_heads=2,
+                                                            max_position_embeddings=64)), tokenizer, tmp_path / "p")
+    problem = Problem(3, (("+", 2), ("*", 3)), 7)
+    right = "\n".join(solution_lines(problem))
+    with pytest.raises(ValueError, match="no solution with a slipped result"):
+        train_critic_init(policy, tmp_path / "out", [problem.prompt_text] * 4, [right] * 4, 7,
+                          CriticInitConfig(steps=1, eval_fraction=0.25), progress=False)
+    slipped = "\n".join(solution_lines(problem, 0, 6))
+    result = train_critic_init(policy, tmp_path / "out", [problem.prompt_text] * 8, [slipped, right] * 4, 7,
+                               CriticInitConfig(steps=2, batch_size=2, eval_fraction=0.5, eval_every=1), progress=False)
+    assert [r["step"] for r in result["curve"]] == [1, 2] and result["train_solutions"] == result["eval_solutions"] == 2
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=False)
+    assert type(saved).__name__ == "Qwen2ForCausalLM" and (tmp_path / "out" / "tokenizer.json").exists()
+    with pytest.raises(ValueError, match="eval_fraction"):
+        CriticInitConfig(eval_fraction=1.0)
+    with pytest.raises(ValueError, match="lr"):
+        CriticInitConfig(lr=float("nan"))

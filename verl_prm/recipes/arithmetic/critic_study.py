@@ -14,7 +14,20 @@ Variants (``--variants``, comma-separated):
   an upper bound for more Monte-Carlo continuations;
 - ``exact_long``: exact labels and the long schedule;
 - ``exact_sft``: exact labels of many more texts for free: the 20,000 supervised solutions of the ``data`` stage
-  (their slips have the policy's distribution; values by the exact prover), the recipe's schedule.
+  (their slips have the policy's distribution; values by the exact prover), the recipe's schedule;
+- ``mc_init``, ``exact_sft_init``: ``mc`` (retrained) and ``exact_sft`` with the value head on the SFT policy after
+  ``critic_init`` (trained once into ``critic_study/critic_init/``: the policy taught to recompute each written
+  result at its last token, so that the check's missing half is a feature where the value head reads).
+
+Every other variant puts the value head on the SFT policy, as the recipe does.
+
+Where the signal is (``policy_signal``, measured on the same samples): whether a step is right is a comparison of
+the written result with the result the operation gives. The SFT policy computes that result (its next-token
+distribution at ``=`` puts most mass on it), so the policy's own log-probability of each written result, as a
+running minimum over the steps so far, is a zero-training check of the prefix. A linear probe of the policy's
+last hidden state at the first step's end (where the value head reads) measures whether the comparison is
+already a feature there; a value head fine-tuned from the policy has to learn it otherwise, and a comparison
+(written digit == computed digit) gives the gradient no first-order signal to start from.
 
     python -m verl_prm.recipes.arithmetic.critic_study --work-dir runs/arith/mod7 --variants mc,mc_long,exact
 """
@@ -29,9 +42,9 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["VARIANTS", "exact_label_rows", "run_study"]
+__all__ = ["VARIANTS", "exact_label_rows", "policy_signal", "running_min", "run_study"]
 
-VARIANTS = ("mc", "mc_long", "exact", "exact_long", "exact_sft")
+VARIANTS = ("mc", "mc_long", "exact", "exact_long", "exact_sft", "mc_init", "exact_sft_init")
 
 
 def exact_label_rows(frame, step_accuracy: float) -> list[dict]:
@@ -53,6 +66,85 @@ def exact_label_rows(frame, step_accuracy: float) -> list[dict]:
                      "prompt_value": float(values[0]), "prompt_n_success": 0, "prompt_n_mc": 0,
                      "strategy": "exact", "source": f"exact prover (step_accuracy={step_accuracy:.6f})"})
     return rows
+
+
+def running_min(step_scores: Sequence[float]) -> list[float]:
+    """Prefix score of every step: ``m_h = min_{k <= h} s_k`` (a prefix is as right as its least likely step)."""
+    out, low = [], math.inf
+    for score in step_scores:
+        low = min(low, float(score))
+        out.append(low)
+    return out
+
+
+def policy_signal(model, tokenizer, prompt_texts: Sequence[str], problems, *, samples: int, max_new_tokens: int,
+                  seed: int) -> dict:
+    """How much of the prefix check the SFT policy already holds, on base-policy samples of ``problems`` (the
+    samples of ``evaluate.critic_step_auroc`` with the same seed):
+
+    - ``policy_logprob_step_auroc``: AUROC of ``running_min`` of the policy's mean log-probability of each
+      operation step's written result tokens against the truth of the prefix (operation lines, each sample up to
+      its first line without a result; the answer line repeats the last result);
+    - ``probe_first_step_auroc``: a logistic-regression probe of the policy's last hidden state at the first
+      step's last token (the value head's input), fit on the first half of the samples, AUROC on the second half,
+      against whether the first step is right;
+    - ``policy_logprob_first_step_auroc``: the policy's log-probability of the first result on the same half.
+    """
+    import re
+
+    import numpy as np
+    import torch
+
+    from verl_prm.recipes.arithmetic.rollout import sample
+    from verl_prm.recipes.arithmetic.task import prefix_correctness
+    from verl_prm.training.metrics import auroc
+
+    rollouts = sample(model, tokenizer, prompt_texts, samples, max_new_tokens=max_new_tokens, seed=seed)
+    scores, labels, first = [], [], []  # first: (hidden state, log-prob, right) of each sample's first step
+    for text, index in zip(rollouts.texts, rollouts.prompt_index):
+        prompt = prompt_texts[index]
+        encoded = tokenizer(prompt + text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = np.array(encoded["offset_mapping"])
+        ids = torch.tensor([encoded["input_ids"]])
+        with torch.no_grad():
+            out = model(input_ids=ids, output_hidden_states=True)
+        logp = torch.log_softmax(out.logits[0].float(), dim=-1)
+        truth = prefix_correctness(problems[index], text)
+        # the lines of task.prefix_correctness (non-empty ones), each scored up to the first without a result
+        lines = [m for m in re.finditer(r"[^\n]+", text) if m.group().strip()]
+        step_scores = []
+        for h, line in enumerate(lines[: len(problems[index].ops)]):
+            match = re.search(r"=(\d+)", line.group())
+            if match is None:
+                break
+            lo, hi = len(prompt) + line.start() + match.start(1), len(prompt) + line.start() + match.end(1)
+            tokens = [t for t in range(1, len(offsets)) if offsets[t][0] < hi and offsets[t][1] > lo]
+            step_scores.append(float(np.mean([float(logp[t - 1, ids[0, t]]) for t in tokens])))
+            if h == 0:
+                first.append((out.hidden_states[-1][0, tokens[-1]].float().numpy(), step_scores[0], truth[0]))
+        scores += running_min(step_scores)
+        labels += truth[: len(step_scores)]
+    result = {"policy_logprob_step_auroc": auroc(np.array(scores), np.array(labels)),
+              "policy_logprob_steps": len(scores)}
+    half = len(first) // 2
+    x = torch.tensor(np.stack([f[0] for f in first]))
+    y = torch.tensor([float(f[2]) for f in first])
+    mean, std = x[:half].mean(0), x[:half].std(0) + 1e-5
+    x = (x - mean) / std
+    w = torch.zeros(x.shape[1], requires_grad=True)
+    b = torch.zeros(1, requires_grad=True)
+    optimizer = torch.optim.Adam([w, b], lr=1e-2)
+    for _ in range(500):
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(x[:half] @ w + b, y[:half]) + 1e-3 * (w ** 2).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        probe = (x[half:] @ w + b).numpy()
+    result["probe_first_step_auroc"] = auroc(probe, y[half:].numpy())
+    result["policy_logprob_first_step_auroc"] = auroc(np.array([f[1] for f in first[half:]]), y[half:].numpy())
+    result["first_steps"] = len(first)
+    return result
 
 
 def sft_label_rows(data_dir: Path, tokenizer, step_accuracy: float) -> list[dict]:
@@ -95,8 +187,33 @@ def _train(labels: Path, policy: Path, output: Path, scale, steps: int, progress
     return latest_checkpoint(output)
 
 
+def _critic_init(output: Path, policy: Path, data_dir: Path, scale, config, progress: bool, log) -> Path:
+    """The ``critic_init`` model of the study (trained once; ``critic_init_summary.json`` marks it complete)."""
+    from verl_prm.recipes.arithmetic.critic_init import train_critic_init
+
+    from dataclasses import asdict
+
+    summary = output / "critic_init_summary.json"
+    if summary.exists():
+        recorded = json.loads(summary.read_text()).get("config")
+        if recorded != asdict(config):
+            raise ValueError(f"{output} was trained with other settings ({recorded} vs {asdict(config)}); delete it "
+                             "or pass the same --init-steps")
+    else:
+        rows = [json.loads(line) for line in open(data_dir / "sft.jsonl")]
+        started = time.perf_counter()
+        result = train_critic_init(policy, output, [r["prompt"] for r in rows], [r["response"] for r in rows],
+                                   scale.task.modulus, config, device=scale.device, progress=progress)
+        result["seconds"] = round(time.perf_counter() - started, 1)
+        result["config"] = asdict(config)
+        summary.write_text(json.dumps(result, indent=2))
+        log(f"[critic study] critic_init: recomputed-result accuracy on held-out slipped steps "
+            f"{result['eval/slipped_accuracy']:.3f} ({config.steps} steps, {result['seconds']} s)")
+    return output
+
+
 def run_study(scale, work_dir: Path, variants: Sequence[str], *, long_steps: int | None = None,
-              progress: bool = True, log=print) -> list[dict]:
+              init_config=None, progress: bool = True, log=print) -> list[dict]:
     """Train and measure every variant; writes ``critic_study/study.json`` and ``study.md`` under ``work_dir``
     (a finished recipe run's directory: policy, prover, labels and pav stages)."""
     import torch
@@ -121,6 +238,9 @@ def run_study(scale, work_dir: Path, variants: Sequence[str], *, long_steps: int
     out_dir = work_dir / "critic_study"
     out_dir.mkdir(parents=True, exist_ok=True)
     long_steps = long_steps or 4 * scale.pav_steps
+    from verl_prm.recipes.arithmetic.critic_init import CriticInitConfig
+
+    init_config = init_config or CriticInitConfig()
     policy, labels = stages["sft"].path, stages["label"].path
     step_accuracy = float(stages["prover"].outputs()["step_accuracy"])
     threads = torch.get_num_threads()
@@ -132,10 +252,16 @@ def run_study(scale, work_dir: Path, variants: Sequence[str], *, long_steps: int
             exact_labels, sft_labels = out_dir / "exact_labels", out_dir / "exact_sft_labels"
             if any(v in ("exact", "exact_long") for v in variants) and not any(exact_labels.glob("shard-*.parquet")):
                 ShardStore(exact_labels).write_shard(exact_label_rows(read_labels(labels), step_accuracy))
-            if "exact_sft" in variants and not any(sft_labels.glob("shard-*.parquet")):
+            if any(v.startswith("exact_sft") for v in variants) and not any(sft_labels.glob("shard-*.parquet")):
                 ShardStore(sft_labels).write_shard(sft_label_rows(stages["data"].path, tokenizer, step_accuracy))
             test = _problems(scale)[3]
             model = AutoModelForCausalLM.from_pretrained(str(policy), trust_remote_code=False).eval()
+            signal_path = out_dir / "policy_signal.json"
+            if not signal_path.exists():
+                signal = policy_signal(model, tokenizer, [render(tokenizer, p.prompt_text) for p in test], test,
+                                       samples=1, max_new_tokens=scale.max_new_tokens, seed=12346)
+                signal_path.write_text(json.dumps(signal, indent=2))
+            signal = json.loads(signal_path.read_text())
             for variant in variants:
                 result_path = out_dir / f"{variant}.json"
                 if result_path.exists():
@@ -147,16 +273,20 @@ def run_study(scale, work_dir: Path, variants: Sequence[str], *, long_steps: int
                     train_dir = stages["pav"].path
                 else:
                     steps = long_steps if variant.endswith("_long") else scale.pav_steps
-                    source = {"exact_sft": sft_labels}.get(variant, exact_labels if variant.startswith("exact") else labels)
+                    source = (sft_labels if variant.startswith("exact_sft") else
+                              exact_labels if variant.startswith("exact") else labels)
                     train_dir = out_dir / variant
-                    checkpoint = _train(source, policy, train_dir, scale, steps, progress)
+                    init = _critic_init(out_dir / "critic_init", policy, stages["data"].path, scale, init_config,
+                                        progress, log) if variant.endswith("_init") else policy
+                    checkpoint = _train(source, init, train_dir, scale, steps, progress)
                 seconds = time.perf_counter() - started
                 critic = ProverCritic.from_pretrained(str(checkpoint), format="value_head", device="cpu")
                 measured = critic_step_auroc(critic, tokenizer, model, [render(tokenizer, p.prompt_text) for p in test],
                                              test, samples=1, max_new_tokens=scale.max_new_tokens, seed=12346)
                 held_out = json.loads((train_dir / "eval_metrics.json").read_text())
-                row = {"variant": variant, "labels": {"exact_sft": "exact, SFT solutions"}.get(
-                           variant, "exact" if variant.startswith("exact") else "monte_carlo"),
+                row = {"variant": variant, "labels": "exact, SFT solutions" if variant.startswith("exact_sft") else
+                           "exact" if variant.startswith("exact") else "monte_carlo",
+                       "init": "critic_init" if variant.endswith("_init") else "policy",
                        "train_steps": steps, "train_seconds": round(seconds, 1), "checkpoint": str(checkpoint),
                        "label_auroc": held_out.get("eval/auroc", math.nan), "label_mse": held_out.get("eval/mse", math.nan),
                        **measured}
@@ -167,17 +297,24 @@ def run_study(scale, work_dir: Path, variants: Sequence[str], *, long_steps: int
     finally:
         torch.set_num_threads(threads)
     (out_dir / "study.json").write_text(json.dumps(rows, indent=2))
-    lines = ["| variant | labels | training steps | step AUROC vs true prefix correctness | held-out label AUROC | "
-             "mean value drop at the first wrong step | training time (s) |", "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| variant | labels | value head on | training steps | step AUROC vs true prefix correctness | "
+             "held-out label AUROC | mean value drop at the first wrong step | training time (s) |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['variant']} | {r['labels']} | {r['train_steps']} | {r['step_auroc']:.3f} | "
-                     f"{r['label_auroc']:.3f} | {r['mean_value_drop_at_first_wrong_step']:.3f} | {r['train_seconds']} |")
+        lines.append(f"| {r['variant']} | {r['labels']} | {r.get('init', 'policy')} | {r['train_steps']} | "
+                     f"{r['step_auroc']:.3f} | {r['label_auroc']:.3f} | {r['mean_value_drop_at_first_wrong_step']:.3f} | "
+                     f"{r['train_seconds']} |")
+    lines += ["", f"Where the signal is (the same samples, no training): the SFT policy's own log-probability of each "
+              f"written result, running minimum over the steps: step AUROC {signal['policy_logprob_step_auroc']:.3f}; "
+              f"first step only: {signal['policy_logprob_first_step_auroc']:.3f}; a linear probe of its last hidden "
+              f"state at the first step's end (the value head's input): {signal['probe_first_step_auroc']:.3f}."]
     (out_dir / "study.md").write_text("\n".join(lines) + "\n")
     log("\n".join(lines))
     return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from verl_prm.recipes.arithmetic.critic_init import CriticInitConfig
     from verl_prm.recipes.arithmetic.pipeline import SCALES
 
     parser = argparse.ArgumentParser(prog="python -m verl_prm.recipes.arithmetic.critic_study",
@@ -186,10 +323,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--scale", choices=sorted(SCALES), default="cpu")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--long-steps", type=int, default=None)
+    parser.add_argument("--init-steps", type=int, default=3000, help="critic_init optimisation steps (the *_init variants)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     run_study(SCALES[args.scale], Path(args.work_dir), [v.strip() for v in args.variants.split(",")],
-              long_steps=args.long_steps, progress=not args.no_progress)
+              long_steps=args.long_steps, progress=not args.no_progress,
+              init_config=CriticInitConfig(steps=args.init_steps))
     return 0
 
 

@@ -292,13 +292,16 @@ def _jsonable(value):
 class Stage:
     """A stage directory with a completion marker that records the stage's settings."""
 
-    def __init__(self, root: Path, name: str, settings: dict) -> None:
+    def __init__(self, root: Path, name: str, settings: dict, parts: Sequence["Stage"] = ()) -> None:
         self.path = root / name
         self.marker = self.path / "DONE.json"
         self.settings = _jsonable(settings)
+        # sub-stages with their own markers (the rl stage's runs): the stage is complete when every part is, so
+        # a finished stage asked for more parts (another arm or seed) runs only the new ones
+        self.parts = tuple(parts)
 
     def done(self) -> bool:
-        if not self.marker.exists():
+        if not self.marker.exists() or not all(part.done() for part in self.parts):
             return False
         recorded = json.loads(self.marker.read_text())
         if recorded.get("settings") != self.settings:
@@ -357,6 +360,17 @@ def stage_data(stage: Stage, scale: Scale) -> dict:
     return {"files": files, "sft_solutions": len(sft), "sft_slip_share": slips / max(len(sft), 1)}
 
 
+def _jsonl_log(path: Path):
+    """A fresh JSON-lines file and a function that appends one record to it (flushed per record)."""
+    path.write_text("")
+
+    def log(record: dict) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    return log
+
+
 def stage_sft(stage: Stage, scale: Scale, data_dir: Path, progress: bool) -> dict:
     import torch
 
@@ -367,13 +381,7 @@ def stage_sft(stage: Stage, scale: Scale, data_dir: Path, progress: bool) -> dic
     model = build_model(tokenizer, scale.model, seed=scale.sft.seed).to(scale.device)
     examples = encode_sft(tokenizer, [r["prompt"] for r in rows], [r["response"] for r in rows])
     stage.path.mkdir(parents=True, exist_ok=True)
-    log_path = stage.path / "sft_metrics.jsonl"
-    log_path.write_text("")
-
-    def log(record: dict) -> None:
-        with open(log_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
+    log = _jsonl_log(stage.path / "sft_metrics.jsonl")
     # the curriculum's short problems: the task's fewest operations (a prompt holds one space per operation
     # before "mod")
     short = [i for i, r in enumerate(rows) if r["prompt"].split(" mod ")[0].count(" ") == scale.task.min_ops]
@@ -414,11 +422,12 @@ def stage_label(stage: Stage, scale: Scale, data_dir: Path, policy: Path, progre
             "labelled_share": float(np.mean([v == v for v in q])) if q else 0.0}
 
 
-def stage_pav(stage: Stage, scale: Scale, labels: Path, policy: Path, progress: bool) -> dict:
+def stage_pav(stage: Stage, scale: Scale, labels: Path, init: Path, progress: bool) -> dict:
+    """``verl-prm train`` on the labels, a value head on ``init`` (the policy)."""
     from verl_prm.cli import main as cli
     from verl_prm.training.trainer import latest_checkpoint
 
-    argv = ["train", "--labels", str(labels), "--init", str(policy), "--output-dir", str(stage.path),
+    argv = ["train", "--labels", str(labels), "--init", str(init), "--output-dir", str(stage.path),
             "--max-steps", str(scale.pav_steps), "--batch-size", str(scale.pav_batch_size), "--lr", str(scale.pav_lr),
             "--warmup-steps", str(scale.pav_warmup), "--eval-fraction", "0.2", "--best-of-k", "1",
             "--max-length", str(scale.model.max_position_embeddings), "--log-every", "10", "--seed", "0"]
@@ -568,10 +577,15 @@ def stages_of(scale: Scale, root: Path) -> dict[str, Stage]:
                                  "backend": scale.label_backend, "max_new_tokens": scale.max_new_tokens})
     pav = Stage(root, "pav", {"labels": lab.settings, "steps": scale.pav_steps, "batch": scale.pav_batch_size,
                               "lr": scale.pav_lr, "warmup": scale.pav_warmup})
-    rl = Stage(root, "rl", {"policy": s.settings, "prover": prover.settings, "critic": pav.settings, "rl": scale.rl,
-                            "arms": scale.rl_arms, "seeds": scale.rl_seeds, "max_new_tokens": scale.max_new_tokens,
-                            "device": scale.device})
-    ev = Stage(root, "results", {"rl": rl.settings, "eval_samples": scale.eval_samples,
+    rl_settings = {"policy": s.settings, "prover": prover.settings, "critic": pav.settings, "rl": scale.rl,
+                   "max_new_tokens": scale.max_new_tokens, "device": scale.device}
+    # The runs are the stage's parts, each with its own settings (the learned critic's only in pav_learned runs):
+    # another critic, arm or seed reruns only the runs it changes. The results depend on all of them.
+    rl = Stage(root, "rl", {k: v for k, v in rl_settings.items() if k != "critic"},
+               parts=tuple(rl_run_stages(scale, root, rl_settings).values()))
+    ev = Stage(root, "results", {"rl": rl.settings, "critic": pav.settings, "arms": scale.rl_arms,
+                                 "seeds": scale.rl_seeds,
+                                 "eval_samples": scale.eval_samples,
                                  "search": [scale.search_problems, scale.best_of_n, scale.beam_widths,
                                             scale.samples_per_beam, scale.search_alpha]})
     return {"data": d, "sft": s, "prover": prover, "label": lab, "pav": pav, "rl": rl, "evaluate": ev}
@@ -634,9 +648,9 @@ def _run(scale: Scale, root: Path, stages: Sequence[str], progress: bool, log) -
         ("prover", lambda: stage_prover(named["prover"], scale, s.path)),
         ("label", lambda: stage_label(named["label"], scale, d.path, s.path, progress)),
         ("pav", lambda: stage_pav(named["pav"], scale, named["label"].path, s.path, progress)),
-        ("rl", lambda: stage_rl(named["rl"], scale, root, {"policy": s.settings, "prover": named["prover"].settings,
-                                                          "critic": named["pav"].settings},
-                                d.path, s.path, out["pav"]["checkpoint"], out["prover"]["step_accuracy"], log)),
+        ("rl", lambda: stage_rl(named["rl"], scale, root, {**named["rl"].settings, "critic": named["pav"].settings},
+                                d.path, s.path,
+                                out["pav"]["checkpoint"], out["prover"]["step_accuracy"], log)),
         ("evaluate", lambda: stage_evaluate(named["evaluate"], scale, s.path, out["pav"]["checkpoint"],
                                             out["pav"]["eval_metrics"], out["prover"], out["rl"])),
     ):

@@ -785,6 +785,12 @@ def test_result_targets_mark_each_written_result_with_the_result_of_its_operatio
     assert [tokenizer.decode([targets.input_ids[t]]) for t in targets.positions] == ["6", "4"]
     assert targets.positions == [len(prompt) + 4, len(prompt) + 13]
     assert targets.targets == [5, 4] and targets.slipped == [True, False]
+    assert targets.prefix_right == [False, False]  # once a result slipped, no later prefix is right
+    right = result_targets(tokenizer, prompt, "\n".join(solution_lines(problem)), 7)
+    assert right.slipped == [False, False] and right.prefix_right == [True, True]
+    # a line that computes right from a miscopied operand: no slip, but the prefix is wrong from there on
+    miscopied = result_targets(tokenizer, prompt, "3+2=5 *3\n4*3=5\nanswer 5", 7)
+    assert miscopied.slipped == [False, False] and miscopied.prefix_right == [True, False]
 
 
 def test_critic_init_needs_a_slipped_result_and_saves_a_causal_lm(tmp_path):
@@ -808,6 +814,13 @@ def test_critic_init_needs_a_slipped_result_and_saves_a_causal_lm(tmp_path):
 
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=False)
     assert type(saved).__name__ == "Qwen2ForCausalLM" and (tmp_path / "out" / "tokenizer.json").exists()
+    # with the check target the solutions without a slip are used too, and the check's held-out AUROC is measured
+    checked = train_critic_init(policy, tmp_path / "check", [problem.prompt_text] * 8, [slipped, right] * 4, 7,
+                                CriticInitConfig(steps=1, batch_size=2, eval_fraction=0.5, check_weight=1.0),
+                                progress=False)
+    assert checked["train_solutions"] == checked["eval_solutions"] == 4 and 0 <= checked["eval/check_auroc"] <= 1
+    with pytest.raises(ValueError, match="check_weight"):
+        CriticInitConfig(check_weight=float("inf"))
     with pytest.raises(ValueError, match="eval_fraction"):
         CriticInitConfig(eval_fraction=1.0)
     with pytest.raises(ValueError, match="lr"):

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -50,9 +51,13 @@ class CriticInitConfig:
     eval_fraction: float = 0.05
     eval_every: int = 250
     seed: int = 0
+    # weight of a second target at the same tokens: is every result so far right (a logistic head over the
+    # backbone, all results; 0 = only the recomputation). It teaches the comparison and its running "all so far"
+    # from the solutions' known slips, not from the prover's rollouts.
+    check_weight: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("lr", "grad_clip", "eval_fraction"):
+        for name in ("lr", "grad_clip", "eval_fraction", "check_weight"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"CriticInitConfig.{name} must be finite and >= 0, got {value!r}")
@@ -66,12 +71,14 @@ class CriticInitConfig:
 @dataclass(frozen=True)
 class ResultTargets:
     """One solution: token ids, and per operation line the token index of the written result's last token, the
-    result the operation gives, and whether the written result slipped (differs from it)."""
+    result the operation gives, whether the written result slipped (differs from it) and whether every result up
+    to this one is right (none slipped, and each line's operand is the previous result)."""
 
     input_ids: list[int]
     positions: list[int]
     targets: list[int]
     slipped: list[bool]
+    prefix_right: list[bool]
 
 
 def result_targets(tokenizer, prompt_text: str, response: str, modulus: int) -> ResultTargets:
@@ -83,7 +90,8 @@ def result_targets(tokenizer, prompt_text: str, response: str, modulus: int) -> 
 
     encoded = tokenizer(prompt_text + response, add_special_tokens=False, return_offsets_mapping=True)
     ends = [end for _, end in encoded["offset_mapping"]]
-    positions, targets, slipped = [], [], []
+    positions, targets, slipped, prefix_right = [], [], [], []
+    previous = None
     for match in _OPERATION.finditer(response):
         end = len(prompt_text) + match.end(4)
         token = next((t for t, e in enumerate(ends) if e >= end), None)
@@ -93,7 +101,10 @@ def result_targets(tokenizer, prompt_text: str, response: str, modulus: int) -> 
         positions.append(token)
         targets.append(target)
         slipped.append(int(match.group(4)) != target)
-    return ResultTargets(list(encoded["input_ids"]), positions, targets, slipped)
+        copied = previous is None or int(match.group(1)) == previous
+        prefix_right.append(copied and not slipped[-1] and (not prefix_right or prefix_right[-1]))
+        previous = int(match.group(4))
+    return ResultTargets(list(encoded["input_ids"]), positions, targets, slipped, prefix_right)
 
 
 def _batch(examples: Sequence[ResultTargets], pad_token_id: int, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -103,7 +114,8 @@ def _batch(examples: Sequence[ResultTargets], pad_token_id: int, device: str = "
            "attention_mask": torch.zeros((len(examples), length), dtype=torch.long),
            "positions": torch.zeros((len(examples), steps), dtype=torch.long),
            "targets": torch.zeros((len(examples), steps), dtype=torch.long),
-           "slipped": torch.zeros((len(examples), steps), dtype=torch.bool)}
+           "slipped": torch.zeros((len(examples), steps), dtype=torch.bool),
+           "prefix_right": torch.zeros((len(examples), steps)), "mask": torch.zeros((len(examples), steps))}
     for b, e in enumerate(examples):
         out["input_ids"][b, : len(e.input_ids)] = torch.tensor(e.input_ids)
         out["attention_mask"][b, : len(e.input_ids)] = 1
@@ -111,13 +123,17 @@ def _batch(examples: Sequence[ResultTargets], pad_token_id: int, device: str = "
         out["positions"][b, :n] = torch.tensor(e.positions, dtype=torch.long)
         out["targets"][b, :n] = torch.tensor(e.targets, dtype=torch.long)
         out["slipped"][b, :n] = torch.tensor(e.slipped, dtype=torch.bool)
+        out["prefix_right"][b, :n] = torch.tensor(e.prefix_right, dtype=torch.float32)
+        out["mask"][b, :n] = 1.0
     return {key: value.to(device) for key, value in out.items()}
 
 
-def _result_logits(backbone, head, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def _result_logits(backbone, heads, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[B, S, modulus + 1]: the recomputed result's logits and the prefix check's logit at each result."""
     hidden = backbone(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
     index = batch["positions"][..., None].expand(-1, -1, hidden.shape[-1])
-    return head(torch.gather(hidden, 1, index))  # [B, S, modulus]
+    at_results = torch.gather(hidden, 1, index)
+    return torch.cat([head(at_results) for head in heads], dim=-1)
 
 
 def train_critic_init(policy: str | Path, output_dir: str | Path, prompts: Sequence[str], responses: Sequence[str],
@@ -140,30 +156,41 @@ def train_critic_init(policy: str | Path, output_dir: str | Path, prompts: Seque
     order = list(range(len(examples)))
     random.Random(config.seed).shuffle(order)
     held = max(1, int(round(config.eval_fraction * len(order))))
-    eval_set = [examples[i] for i in order[:held] if any(examples[i].slipped)]
-    train_set = [examples[i] for i in order[held:] if any(examples[i].slipped)]
-    if not train_set or not eval_set:
+    # the recomputation learns from slipped results only; the check also needs the solutions without a slip
+    use = (lambda e: True) if config.check_weight > 0 else (lambda e: any(e.slipped))
+    eval_set = [examples[i] for i in order[:held] if use(examples[i])]
+    train_set = [examples[i] for i in order[held:] if use(examples[i])]
+    if not any(any(e.slipped) for e in train_set) or not any(any(e.slipped) for e in eval_set):
         raise ValueError("train_critic_init: no solution with a slipped result to learn from (the data stage's "
                          "slip_rate / step_slip_rate must be > 0)")
     torch.manual_seed(config.seed)
     model.to(device)
     backbone = model.get_decoder()
-    head = torch.nn.Linear(model.config.hidden_size, modulus).to(device)
+    # the result head first: the check head's draw comes after it, so check_weight=0 trains what it always did
+    head = torch.nn.ModuleList([torch.nn.Linear(model.config.hidden_size, modulus),
+                                torch.nn.Linear(model.config.hidden_size, 1)]).to(device)
     parameters = list(backbone.parameters()) + list(head.parameters())
     optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=0.0)
     rng = random.Random(config.seed + 1)
 
-    def evaluate() -> float:
+    def evaluate() -> dict:
+        from verl_prm.training.metrics import auroc
+
         backbone.eval()
         right = total = 0
+        checks, truth = [], []
         with torch.no_grad():
             for k in range(0, len(eval_set), 64):
                 batch = _batch(eval_set[k:k + 64], tokenizer.pad_token_id, device)
-                predicted = _result_logits(backbone, head, batch).argmax(-1)
+                logits = _result_logits(backbone, head, batch)
+                predicted = logits[..., :modulus].argmax(-1)
                 right += int(((predicted == batch["targets"]) & batch["slipped"]).sum())
                 total += int(batch["slipped"].sum())
+                keep = batch["mask"].bool()
+                checks += logits[..., modulus][keep].tolist()
+                truth += batch["prefix_right"][keep].tolist()
         backbone.train()
-        return right / total
+        return {"eval/slipped_accuracy": right / total, "eval/check_auroc": auroc(np.array(checks), np.array(truth))}
 
     curve = []
     backbone.train()
@@ -174,15 +201,18 @@ def train_critic_init(policy: str | Path, output_dir: str | Path, prompts: Seque
         batch = _batch(rng.sample(train_set, min(config.batch_size, len(train_set))), tokenizer.pad_token_id, device)
         logits = _result_logits(backbone, head, batch)
         mask = batch["slipped"].float()
-        per_step = F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), reduction="none")
+        per_step = F.cross_entropy(logits[..., :modulus].flatten(0, 1), batch["targets"].flatten(), reduction="none")
         loss = (per_step * mask.flatten()).sum() / mask.sum().clamp_min(1.0)
+        if config.check_weight > 0:
+            check = F.binary_cross_entropy_with_logits(logits[..., modulus], batch["prefix_right"], reduction="none")
+            loss = loss + config.check_weight * (check * batch["mask"]).sum() / batch["mask"].sum().clamp_min(1.0)
         optimizer.zero_grad()
         loss.backward()
         if config.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(parameters, config.grad_clip)
         optimizer.step()
         if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
-            record = {"step": step + 1, "loss": loss.item(), "eval/slipped_accuracy": evaluate()}
+            record = {"step": step + 1, "loss": loss.item(), **evaluate()}
             curve.append(record)
             bar.set_postfix(accuracy=f"{record['eval/slipped_accuracy']:.3f}")
             if log is not None:
@@ -192,5 +222,6 @@ def train_critic_init(policy: str | Path, output_dir: str | Path, prompts: Seque
     model.to("cpu").save_pretrained(str(output_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(output_dir))
     (output_dir / "critic_init_metrics.json").write_text(json.dumps(curve, indent=2))
-    return {"eval/slipped_accuracy": curve[-1]["eval/slipped_accuracy"], "curve": curve,
+    return {"eval/slipped_accuracy": curve[-1]["eval/slipped_accuracy"], "eval/check_auroc": curve[-1]["eval/check_auroc"],
+            "curve": curve,
             "train_solutions": len(train_set), "eval_solutions": len(eval_set)}

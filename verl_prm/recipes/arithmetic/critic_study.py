@@ -19,6 +19,10 @@ Variants (``--variants``, comma-separated):
   ``critic_init`` (trained once into ``critic_study/critic_init/``: the policy taught to recompute each written
   result at its last token, so that the check's missing half is a feature where the value head reads).
 
+- ``mc_check``: ``mc`` on ``critic_init`` with its second target (``check_weight=1``: is every result so far right,
+  learnt from the SFT solutions' known slips; trained once into ``critic_study/critic_check/``): how good the PAV
+  gets when the backbone has been taught the check itself.
+
 Every other variant puts the value head on the SFT policy, as the recipe does.
 
 Where the signal is (``policy_signal``, measured on the same samples): whether a step is right is a comparison of
@@ -39,12 +43,13 @@ import json
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
 __all__ = ["VARIANTS", "exact_label_rows", "policy_signal", "running_min", "run_study"]
 
-VARIANTS = ("mc", "mc_long", "exact", "exact_long", "exact_sft", "mc_init", "exact_sft_init")
+VARIANTS = ("mc", "mc_long", "exact", "exact_long", "exact_sft", "mc_init", "exact_sft_init", "mc_check")
 
 
 def exact_label_rows(frame, step_accuracy: float) -> list[dict]:
@@ -276,8 +281,14 @@ def run_study(scale, work_dir: Path, variants: Sequence[str], *, long_steps: int
                     source = (sft_labels if variant.startswith("exact_sft") else
                               exact_labels if variant.startswith("exact") else labels)
                     train_dir = out_dir / variant
-                    init = _critic_init(out_dir / "critic_init", policy, stages["data"].path, scale, init_config,
-                                        progress, log) if variant.endswith("_init") else policy
+                    if variant == "mc_check":
+                        init = _critic_init(out_dir / "critic_check", policy, stages["data"].path, scale,
+                                            replace(init_config, check_weight=1.0), progress, log)
+                    elif variant.endswith("_init"):
+                        init = _critic_init(out_dir / "critic_init", policy, stages["data"].path, scale, init_config,
+                                            progress, log)
+                    else:
+                        init = policy
                     checkpoint = _train(source, init, train_dir, scale, steps, progress)
                 seconds = time.perf_counter() - started
                 critic = ProverCritic.from_pretrained(str(checkpoint), format="value_head", device="cpu")
@@ -286,7 +297,8 @@ def run_study(scale, work_dir: Path, variants: Sequence[str], *, long_steps: int
                 held_out = json.loads((train_dir / "eval_metrics.json").read_text())
                 row = {"variant": variant, "labels": "exact, SFT solutions" if variant.startswith("exact_sft") else
                            "exact" if variant.startswith("exact") else "monte_carlo",
-                       "init": "critic_init" if variant.endswith("_init") else "policy",
+                       "init": {"mc_check": "critic_init, check_weight 1"}.get(
+                           variant, "critic_init" if variant.endswith("_init") else "policy"),
                        "train_steps": steps, "train_seconds": round(seconds, 1), "checkpoint": str(checkpoint),
                        "label_auroc": held_out.get("eval/auroc", math.nan), "label_mse": held_out.get("eval/mse", math.nan),
                        **measured}

@@ -360,17 +360,6 @@ def stage_data(stage: Stage, scale: Scale) -> dict:
     return {"files": files, "sft_solutions": len(sft), "sft_slip_share": slips / max(len(sft), 1)}
 
 
-def _jsonl_log(path: Path):
-    """A fresh JSON-lines file and a function that appends one record to it (flushed per record)."""
-    path.write_text("")
-
-    def log(record: dict) -> None:
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-    return log
-
-
 def stage_sft(stage: Stage, scale: Scale, data_dir: Path, progress: bool) -> dict:
     import torch
 
@@ -381,7 +370,13 @@ def stage_sft(stage: Stage, scale: Scale, data_dir: Path, progress: bool) -> dic
     model = build_model(tokenizer, scale.model, seed=scale.sft.seed).to(scale.device)
     examples = encode_sft(tokenizer, [r["prompt"] for r in rows], [r["response"] for r in rows])
     stage.path.mkdir(parents=True, exist_ok=True)
-    log = _jsonl_log(stage.path / "sft_metrics.jsonl")
+    log_path = stage.path / "sft_metrics.jsonl"
+    log_path.write_text("")
+
+    def log(record: dict) -> None:
+        with open(log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
     # the curriculum's short problems: the task's fewest operations (a prompt holds one space per operation
     # before "mod")
     short = [i for i, r in enumerate(rows) if r["prompt"].split(" mod ")[0].count(" ") == scale.task.min_ops]
@@ -422,12 +417,11 @@ def stage_label(stage: Stage, scale: Scale, data_dir: Path, policy: Path, progre
             "labelled_share": float(np.mean([v == v for v in q])) if q else 0.0}
 
 
-def stage_pav(stage: Stage, scale: Scale, labels: Path, init: Path, progress: bool) -> dict:
-    """``verl-prm train`` on the labels, a value head on ``init`` (the policy)."""
+def stage_pav(stage: Stage, scale: Scale, labels: Path, policy: Path, progress: bool) -> dict:
     from verl_prm.cli import main as cli
     from verl_prm.training.trainer import latest_checkpoint
 
-    argv = ["train", "--labels", str(labels), "--init", str(init), "--output-dir", str(stage.path),
+    argv = ["train", "--labels", str(labels), "--init", str(policy), "--output-dir", str(stage.path),
             "--max-steps", str(scale.pav_steps), "--batch-size", str(scale.pav_batch_size), "--lr", str(scale.pav_lr),
             "--warmup-steps", str(scale.pav_warmup), "--eval-fraction", "0.2", "--best-of-k", "1",
             "--max-length", str(scale.model.max_position_embeddings), "--log-every", "10", "--seed", "0"]
@@ -475,13 +469,13 @@ def rl_run_stages(scale: Scale, root: Path, settings: dict) -> dict[tuple[str, i
     return out
 
 
-def stage_rl(stage: Stage, scale: Scale, root: Path, settings: dict, data_dir: Path, policy: Path,
-             learned_critic: str | None, step_accuracy: float, log) -> dict:
+def stage_rl(stage: Stage, scale: Scale, data_dir: Path, policy: Path, learned_critic: str | None,
+             step_accuracy: float, log) -> dict:
     """Every arm x seed through ``python -m verl.trainer.main_ppo`` (``verl_rl``), ``scale.rl_parallel`` at once;
     a finished run is recorded in its own ``DONE.json``, so an interrupted stage resumes with the rest."""
     from verl_prm.recipes.arithmetic.verl_rl import RunPaths, read_run, run_arms
 
-    runs = rl_run_stages(scale, root, settings)
+    runs = {(part.settings["arm"], part.settings["seed"]): part for part in stage.parts}
     paths = RunPaths(policy=policy.resolve(), train_file=(data_dir / "rl_train.parquet").resolve(),
                      val_file=(data_dir / "test.parquet").resolve(),
                      learned_critic=Path(learned_critic).resolve() if learned_critic else None,
@@ -648,9 +642,8 @@ def _run(scale: Scale, root: Path, stages: Sequence[str], progress: bool, log) -
         ("prover", lambda: stage_prover(named["prover"], scale, s.path)),
         ("label", lambda: stage_label(named["label"], scale, d.path, s.path, progress)),
         ("pav", lambda: stage_pav(named["pav"], scale, named["label"].path, s.path, progress)),
-        ("rl", lambda: stage_rl(named["rl"], scale, root, {**named["rl"].settings, "critic": named["pav"].settings},
-                                d.path, s.path,
-                                out["pav"]["checkpoint"], out["prover"]["step_accuracy"], log)),
+        ("rl", lambda: stage_rl(named["rl"], scale, d.path, s.path, out["pav"]["checkpoint"],
+                                out["prover"]["step_accuracy"], log)),
         ("evaluate", lambda: stage_evaluate(named["evaluate"], scale, s.path, out["pav"]["checkpoint"],
                                             out["pav"]["eval_metrics"], out["prover"], out["rl"])),
     ):

@@ -305,6 +305,38 @@ def test_rerun_skips_complete_stages_and_says_which_setting_changed(micro_run):
         run(other, work, progress=False, log=lambda *_: None)
 
 
+def test_pav_on_a_checking_backbone_trains_only_its_value_head(tmp_path):
+    """Scale.critic_init: the pav stage teaches the policy the check (pav/backbone), then trains only the value
+    head on it; another critic_init is refused by the finished stage and by a half-finished one (backbone only)."""
+    from dataclasses import asdict, replace
+
+    from safetensors.torch import load_file
+
+    from verl_prm.recipes.arithmetic.critic_init import CriticInitConfig
+    from verl_prm.recipes.arithmetic.pipeline import SCALES, run
+
+    init = CriticInitConfig(steps=2, batch_size=4, eval_every=1, eval_fraction=0.25, check_weight=1.0)
+    scale = replace(SCALES["micro"], critic_init=init)
+    messages: list[str] = []
+    pav = run(scale, tmp_path, ["data", "sft", "prover", "label", "pav"], progress=False,
+              log=messages.append)["pav"]["outputs"]
+    assert "--freeze-backbone" in pav["command"] and f"--init {tmp_path / 'pav' / 'backbone'}" in pav["command"]
+    assert pav["critic_init"]["config"] == asdict(init) and len(pav["critic_init"]["curve"]) == 2
+    assert sum("critic_init" in m for m in messages) == 2  # each evaluation of the backbone is logged
+    backbone = load_file(tmp_path / "pav" / "backbone" / "model.safetensors")
+    critic = load_file(Path(pav["checkpoint"]) / "model.safetensors")
+    shared = [k for k in critic if not k.startswith("score.")]
+    assert shared and all(torch.equal(critic[k], backbone[k]) for k in shared)
+    other = replace(scale, critic_init=replace(init, steps=3))
+    with pytest.raises(ValueError, match=r"critic_init.steps: 2 -> 3"):
+        run(other, tmp_path, ["pav"], progress=False, log=lambda *_: None)
+    (tmp_path / "pav" / "DONE.json").unlink()
+    with pytest.raises(ValueError, match="other critic_init settings"):
+        run(other, tmp_path, ["pav"], progress=False, log=lambda *_: None)
+    with pytest.raises(ValueError, match="check_weight > 0"):
+        replace(SCALES["cpu"], critic_init=CriticInitConfig())
+
+
 def test_rl_stage_is_complete_only_when_every_run_is(tmp_path):
     """Adding an arm or a seed to a finished recipe reruns the rl stage for the new runs only (the finished runs
     keep their markers); the results stage's settings name the arms and seeds, so its table is rebuilt."""
@@ -814,11 +846,31 @@ def test_critic_init_needs_a_slipped_result_and_saves_a_causal_lm(tmp_path):
 
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=False)
     assert type(saved).__name__ == "Qwen2ForCausalLM" and (tmp_path / "out" / "tokenizer.json").exists()
+    from safetensors.torch import load_file
+
+    heads = load_file(tmp_path / "out" / "critic_init_heads.safetensors")  # result head over 7 residues, check head
+    assert heads["heads.0.weight"].shape == (7, 16) and heads["heads.1.weight"].shape == (1, 16)
     # with the check target the solutions without a slip are used too, and the check's held-out AUROC is measured
     checked = train_critic_init(policy, tmp_path / "check", [problem.prompt_text] * 8, [slipped, right] * 4, 7,
                                 CriticInitConfig(steps=1, batch_size=2, eval_fraction=0.5, check_weight=1.0),
                                 progress=False)
     assert checked["train_solutions"] == checked["eval_solutions"] == 4 and 0 <= checked["eval/check_auroc"] <= 1
+    # the check head read as a value head: its logits are the check head's on the init's backbone
+    from transformers import AutoModelForTokenClassification
+
+    from verl_prm.recipes.arithmetic.critic_study import check_head_checkpoint
+
+    converted = AutoModelForTokenClassification.from_pretrained(
+        check_head_checkpoint(tmp_path / "check", tmp_path / "check_head"), trust_remote_code=False).eval()
+    init = AutoModelForCausalLM.from_pretrained(tmp_path / "check", trust_remote_code=False).eval()
+    heads = load_file(tmp_path / "check" / "critic_init_heads.safetensors")
+    ids = torch.tensor([tokenizer(problem.prompt_text + slipped)["input_ids"]])
+    with torch.no_grad():
+        hidden = init.get_decoder()(input_ids=ids).last_hidden_state
+        want = hidden @ heads["heads.1.weight"].T + heads["heads.1.bias"]
+        assert torch.allclose(converted(input_ids=ids).logits, want, atol=1e-5)
+    with pytest.raises(FileNotFoundError, match="no heads saved"):
+        check_head_checkpoint(policy, tmp_path / "nothing")
     with pytest.raises(ValueError, match="check_weight"):
         CriticInitConfig(check_weight=float("inf"))
     with pytest.raises(ValueError, match="eval_fraction"):

@@ -255,6 +255,23 @@ def test_interrupted_training_resumes_to_the_same_weights(critic_setup):
     assert resumed["metrics"] == reference["metrics"]
 
 
+def test_freeze_backbone_trains_only_the_value_head(critic_setup):
+    """--freeze-backbone: every backbone tensor keeps the --init weights bit for bit; the head moves."""
+    root, _, _ = critic_setup
+    base = train(_config(root, "freeze_init", max_steps=2, warmup_steps=1))
+    frozen = train(_config(root, "freeze_run", init=base["checkpoint"], init_config=None, tokenizer=None, max_steps=30,
+                           warmup_steps=2, freeze_backbone=True))
+    before = load_file(Path(base["checkpoint"]) / "model.safetensors")
+    after = load_file(Path(frozen["checkpoint"]) / "model.safetensors")
+    assert before.keys() == after.keys()
+    head = [k for k in before if k.startswith("score.")]
+    assert head and all(torch.equal(before[k], after[k]) for k in before if k not in head)
+    assert all(not torch.equal(before[k], after[k]) for k in head)
+    with pytest.raises(ValueError, match="freeze_backbone: True -> False"):
+        train(_config(root, "freeze_run", init=base["checkpoint"], init_config=None, tokenizer=None, max_steps=40,
+                      warmup_steps=2))
+
+
 def test_label_train_score_cli_end_to_end(tmp_path, bpe_small):
     """`verl-prm label` (tiny causal LM) -> `verl-prm train --init` that LM -> ProverCritic scores."""
     from transformers import Qwen2Config, Qwen2ForCausalLM

@@ -42,6 +42,8 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--best-of-k", type=int, default=1, help="train on the Best-of-K prover's values (labels "
                    "from the base policy's counts)")
     p.add_argument("--no-prompt-value", action="store_true", help="do not train V(prompt) at the prompt's end")
+    p.add_argument("--freeze-backbone", action="store_true", help="train only the value head (a linear read-out of "
+                   "the --init model's features, e.g. a backbone taught to check steps beforehand)")
     p.add_argument("--eval-every", type=int, default=0, help="0 = only at the end")
     p.add_argument("--eval-batch-size", type=int, default=16)
     p.add_argument("--save-every", type=int, default=0, help="0 = only at the end")
@@ -67,7 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_length=args.max_length, batch_size=args.batch_size, grad_accum=args.grad_accum,
         max_steps=args.max_steps, lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps,
         weight_decay=args.weight_decay, grad_clip=args.grad_clip, balance=not args.no_balance,
-        best_of_k=args.best_of_k, use_prompt_value=not args.no_prompt_value, eval_every=args.eval_every,
+        best_of_k=args.best_of_k, use_prompt_value=not args.no_prompt_value,
+        freeze_backbone=args.freeze_backbone, eval_every=args.eval_every,
         eval_batch_size=args.eval_batch_size, save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
         resume=not args.no_resume, seed=args.seed, mixed_precision=args.mixed_precision,
         gradient_checkpointing=args.gradient_checkpointing, cpu=args.cpu, log_every=args.log_every,

@@ -50,7 +50,8 @@ __all__ = ["TrainConfig", "train", "evaluate_examples", "latest_checkpoint", "bu
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 # Settings that define the data, the batches and the schedule: a resumed run must keep them.
 _RESUME_KEYS = ("labels", "eval_labels", "eval_fraction", "batch_size", "grad_accum", "max_steps", "lr", "min_lr_ratio",
-                "warmup_steps", "weight_decay", "balance", "best_of_k", "use_prompt_value", "max_length", "seed")
+                "warmup_steps", "weight_decay", "balance", "best_of_k", "use_prompt_value", "freeze_backbone", "max_length",
+                "seed")
 
 
 @dataclass
@@ -74,6 +75,8 @@ class TrainConfig:
     balance: bool = True
     best_of_k: int = 1
     use_prompt_value: bool = True
+    # train only the value head; the backbone keeps the --init weights
+    freeze_backbone: bool = False
     eval_every: int = 0
     eval_batch_size: int = 16
     save_every: int = 0
@@ -143,6 +146,17 @@ def build_model(config: TrainConfig, tokenizer, checkpoint: Path | None = None):
     if model.config.pad_token_id is None and tokenizer.pad_token_id is not None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return model
+
+
+def value_head_of(model) -> torch.nn.Module:
+    """The one-logit head of a token-classification model (``score`` in most architectures, ``classifier`` in
+    BERT-like ones): what ``--freeze-backbone`` trains."""
+    for name in ("score", "classifier"):
+        head = getattr(model, name, None)
+        if isinstance(head, torch.nn.Module):
+            return head
+    raise ValueError(f"--freeze-backbone: {type(model).__name__} has no `score` or `classifier` head to train alone; "
+                     "train the whole model (drop --freeze-backbone)")
 
 
 def value_head_from_init(path: str):
@@ -336,7 +350,13 @@ def _train(config: TrainConfig, on_step: Callable[[int, dict], None] | None) -> 
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    if config.freeze_backbone:
+        head = value_head_of(model)
+        for parameter in model.parameters():
+            parameter.requires_grad_(False)
+        for parameter in head.parameters():
+            parameter.requires_grad_(True)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda t: warmup_cosine_factor(t, config.warmup_steps, config.max_steps, config.min_lr_ratio)
     )

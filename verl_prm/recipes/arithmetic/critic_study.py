@@ -1,13 +1,16 @@
 """How good can the learned PAV get? Variants of the recipe's critic, each measured the same way.
 
-The recipe's learned PAV is a value head on the SFT policy trained by ``verl-prm train`` on Monte-Carlo labels
-of ``verl-prm label`` (the ``pav`` stage). This study trains variants on the same labelled rollouts and measures
+The recipe's learned PAV (the ``pav`` stage) is a value head trained by ``verl-prm train`` on Monte-Carlo labels
+of ``verl-prm label``: on the CPU and GPU scales only the head, on the policy first taught to check each written
+result (``Scale.critic_init``); the PAV paper fine-tunes the whole policy instead (``mc`` below). This study trains
+variants on the same labelled rollouts and measures
 each on base-policy samples of the held-out test problems: the step AUROC of its raw value against the truth of
 the prefix (every line right so far, ``task.prefix_is_correct``), and the mean value drop at the first wrong step.
 
 Variants (``--variants``, comma-separated):
 
-- ``mc``: the recipe's PAV as trained (its ``pav`` stage; not retrained);
+- ``mc``: the PAV paper's critic: the value head on the SFT policy, the whole model fine-tuned on the
+  Monte-Carlo labels (``FINETUNE_LR``);
 - ``mc_long``: the same labels, ``--long-steps`` optimisation steps (default 4x the recipe's);
 - ``exact``: the same rollouts and step ends, labelled with the exact prover's values instead of Monte-Carlo
   estimates (``prover.ArithmeticProver`` with the SFT policy's per-step accuracy): the labels' noise removed,
@@ -20,10 +23,18 @@ Variants (``--variants``, comma-separated):
   result at its last token, so that the check's missing half is a feature where the value head reads).
 
 - ``mc_check``: ``mc`` on ``critic_init`` with its second target (``check_weight=1``: is every result so far right,
-  learnt from the SFT solutions' known slips; trained once into ``critic_study/critic_check/``): how good the PAV
-  gets when the backbone has been taught the check itself.
+  learnt from the SFT solutions' known slips): how good the PAV gets when the backbone has been taught the check
+  itself and is then fine-tuned whole. The backbone is the recipe's (``pav/backbone/``) when its scale has a
+  ``critic_init`` with the check, else trained once into ``critic_study/critic_check/``.
+- ``check_frozen``: the recipe's PAV on the CPU scale (its ``pav`` stage, not retrained; the scale must have a
+  ``critic_init``): the same labels and backbone as ``mc_check``, but only the value head is trained (``verl-prm
+  train --freeze-backbone``): a linear read-out of the taught check, which the Monte-Carlo labels then scale into
+  the prover's values instead of overwriting.
+- ``check_head``: no value training: the ``critic_check`` init's own check head (is every result so far right)
+  read as the value head (``check_head_checkpoint``). It estimates the correctness of a prefix, not the prover's
+  value; the upper bound of what ``check_frozen`` can read out.
 
-Every other variant puts the value head on the SFT policy, as the recipe does.
+Every other variant puts the value head on the SFT policy and fine-tunes the whole model, as the PAV paper does.
 
 Where the signal is (``policy_signal``, measured on the same samples): whether a step is right is a comparison of
 the written result with the result the operation gives. The SFT policy computes that result (its next-token
@@ -49,7 +60,10 @@ from typing import Sequence
 
 __all__ = ["VARIANTS", "exact_label_rows", "policy_signal", "running_min", "run_study"]
 
-VARIANTS = ("mc", "mc_long", "exact", "exact_long", "exact_sft", "mc_init", "exact_sft_init", "mc_check")
+VARIANTS = ("mc", "mc_long", "exact", "exact_long", "exact_sft", "mc_init", "exact_sft_init", "mc_check",
+            "check_frozen", "check_head")
+# the learning rate of the variants that fine-tune the whole model (the recipe's PAV before it froze the backbone)
+FINETUNE_LR = 2e-4
 
 
 def exact_label_rows(frame, step_accuracy: float) -> list[dict]:
@@ -182,7 +196,7 @@ def _train(labels: Path, policy: Path, output: Path, scale, steps: int, progress
 
     if not (output / "eval_metrics.json").exists():
         argv = ["train", "--labels", str(labels), "--init", str(policy), "--output-dir", str(output),
-                "--max-steps", str(steps), "--batch-size", str(scale.pav_batch_size), "--lr", str(scale.pav_lr),
+                "--max-steps", str(steps), "--batch-size", str(scale.pav_batch_size), "--lr", str(FINETUNE_LR),
                 "--warmup-steps", str(scale.pav_warmup), "--eval-fraction", "0.2", "--best-of-k", "1",
                 "--max-length", str(scale.model.max_position_embeddings), "--log-every", "50", "--seed", "0", "--cpu"]
         if not progress:
@@ -190,6 +204,32 @@ def _train(labels: Path, policy: Path, output: Path, scale, steps: int, progress
         if cli(argv) != 0:
             raise RuntimeError(f"verl-prm {' '.join(argv)} failed")
     return latest_checkpoint(output)
+
+
+def check_head_checkpoint(init: Path, output: Path) -> Path:
+    """A value-head checkpoint (``ProverCritic`` format ``value_head``) whose head is the check head of the
+    ``critic_init`` model at ``init`` (``critic_init_heads.safetensors``, trained with ``check_weight > 0``): its
+    value is sigmoid(check logit), the estimated probability that every result so far is right."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from verl_prm.training.trainer import value_head_from_init
+
+    heads_path = init / "critic_init_heads.safetensors"
+    if not heads_path.exists():
+        raise FileNotFoundError(f"{heads_path}: no heads saved with this critic_init model; retrain it (delete {init})")
+    heads = load_file(str(heads_path))
+    model = value_head_from_init(str(init))
+    if model.score.weight.shape != heads["heads.1.weight"].shape:
+        raise ValueError(f"{init}: check head {tuple(heads['heads.1.weight'].shape)} does not fit the value head "
+                         f"{tuple(model.score.weight.shape)}")
+    with torch.no_grad():
+        model.score.weight.copy_(heads["heads.1.weight"])
+        model.score.bias.copy_(heads["heads.1.bias"])
+    model.save_pretrained(str(output), safe_serialization=True)
+    AutoTokenizer.from_pretrained(str(init), trust_remote_code=False).save_pretrained(str(output))
+    return output
 
 
 def _critic_init(output: Path, policy: Path, data_dir: Path, scale, config, progress: bool, log) -> Path:
@@ -259,6 +299,15 @@ def run_study(scale, work_dir: Path, variants: Sequence[str], *, long_steps: int
                 ShardStore(exact_labels).write_shard(exact_label_rows(read_labels(labels), step_accuracy))
             if any(v.startswith("exact_sft") for v in variants) and not any(sft_labels.glob("shard-*.parquet")):
                 ShardStore(sft_labels).write_shard(sft_label_rows(stages["data"].path, tokenizer, step_accuracy))
+            # the backbone taught the check: the recipe's (pav/backbone) when its scale trains one, else the study's
+            recipe_checks = scale.critic_init is not None and scale.critic_init.check_weight > 0
+
+            def check_init() -> Path:
+                if recipe_checks:
+                    return stages["pav"].path / "backbone"
+                return _critic_init(out_dir / "critic_check", policy, stages["data"].path, scale,
+                                    replace(init_config, check_weight=1.0), progress, log)
+
             test = _problems(scale)[3]
             model = AutoModelForCausalLM.from_pretrained(str(policy), trust_remote_code=False).eval()
             signal_path = out_dir / "policy_signal.json"
@@ -273,17 +322,22 @@ def run_study(scale, work_dir: Path, variants: Sequence[str], *, long_steps: int
                     rows.append(json.loads(result_path.read_text()))
                     continue
                 started = time.perf_counter()
-                if variant == "mc":
+                if variant == "check_frozen":
+                    if not recipe_checks:
+                        raise ValueError("check_frozen is the recipe's PAV of a scale with a critic_init (check_weight "
+                                         f"> 0); this scale's PAV fine-tunes the policy (variant mc)")
                     checkpoint, steps = Path(stages["pav"].outputs()["checkpoint"]), scale.pav_steps
                     train_dir = stages["pav"].path
+                elif variant == "check_head":
+                    checkpoint, steps = check_head_checkpoint(check_init(), out_dir / variant), 0
+                    train_dir = out_dir / variant
                 else:
                     steps = long_steps if variant.endswith("_long") else scale.pav_steps
                     source = (sft_labels if variant.startswith("exact_sft") else
                               exact_labels if variant.startswith("exact") else labels)
                     train_dir = out_dir / variant
                     if variant == "mc_check":
-                        init = _critic_init(out_dir / "critic_check", policy, stages["data"].path, scale,
-                                            replace(init_config, check_weight=1.0), progress, log)
+                        init = check_init()
                     elif variant.endswith("_init"):
                         init = _critic_init(out_dir / "critic_init", policy, stages["data"].path, scale, init_config,
                                             progress, log)
@@ -291,13 +345,20 @@ def run_study(scale, work_dir: Path, variants: Sequence[str], *, long_steps: int
                         init = policy
                     checkpoint = _train(source, init, train_dir, scale, steps, progress)
                 seconds = time.perf_counter() - started
+                if variant == "check_frozen":  # trained by the recipe's pav stage, critic_init included
+                    seconds = json.loads(stages["pav"].marker.read_text())["seconds"] + float(
+                        json.loads((check_init() / "critic_init_summary.json").read_text())["seconds"])
                 critic = ProverCritic.from_pretrained(str(checkpoint), format="value_head", device="cpu")
                 measured = critic_step_auroc(critic, tokenizer, model, [render(tokenizer, p.prompt_text) for p in test],
                                              test, samples=1, max_new_tokens=scale.max_new_tokens, seed=12346)
-                held_out = json.loads((train_dir / "eval_metrics.json").read_text())
+                metrics_path = train_dir / "eval_metrics.json"
+                held_out = json.loads(metrics_path.read_text()) if metrics_path.exists() else {}
                 row = {"variant": variant, "labels": "exact, SFT solutions" if variant.startswith("exact_sft") else
-                           "exact" if variant.startswith("exact") else "monte_carlo",
-                       "init": {"mc_check": "critic_init, check_weight 1"}.get(
+                           "exact" if variant.startswith("exact") else
+                           "none (SFT solutions' slips, in critic_init)" if variant == "check_head" else "monte_carlo",
+                       "init": {"mc_check": "critic_init, check_weight 1",
+                                "check_frozen": "critic_init, check_weight 1, frozen",
+                                "check_head": "critic_init's check head"}.get(
                            variant, "critic_init" if variant.endswith("_init") else "policy"),
                        "train_steps": steps, "train_seconds": round(seconds, 1), "checkpoint": str(checkpoint),
                        "label_auroc": held_out.get("eval/auroc", math.nan), "label_mse": held_out.get("eval/mse", math.nan),

@@ -12,7 +12,10 @@ prover      ``prover/``: the SFT policy measured on the label prompts: success, 
             its per-step accuracy p, the exact prover's parameter (:mod:`.prover`)
 label       ``labels/``: ``verl-prm label`` (Monte-Carlo values of step prefixes; the prover is the policy,
             raw success counts kept so that the Best-of-K prover's values follow)
-pav         ``pav/``: ``verl-prm train`` (a value-head PAV initialised from the policy)
+pav         ``pav/``: the learned PAV. With ``Scale.critic_init`` (the CPU and GPU scales): the policy is first
+            taught to check each written result on the SFT solutions (``pav/backbone/``, :mod:`.critic_init`),
+            then ``verl-prm train --freeze-backbone`` fits a value head on it to the Monte-Carlo labels; without
+            it, ``verl-prm train`` fine-tunes a value head on the whole policy (the PAV paper's choice)
 rl          ``rl/<arm>_seed<seed>/``: every arm (GRPO, PAV-GRPO with the exact prover, PAV-GRPO with the learned
             PAV) with every seed through ``python -m verl.trainer.main_ppo`` (:mod:`.verl_rl`), the same prompts,
             seeds and budget; on CPU with the plugin's CPU platform, on GPU with vLLM
@@ -50,6 +53,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from verl_prm.recipes.arithmetic.critic_init import CriticInitConfig
 from verl_prm.recipes.arithmetic.model import ModelConfig, SFTConfig
 from verl_prm.recipes.arithmetic.rl import RLConfig
 from verl_prm.recipes.arithmetic.task import STEP_REGEX, TaskConfig
@@ -81,6 +85,11 @@ class Scale:
     n_mc: int = 2
     label_backend: str = "hf"
     label_batch_size: int = 1024
+    # the learned PAV's backbone: None = the SFT policy, fine-tuned whole by verl-prm train (the PAV paper's
+    # choice; on the CPU scale its value ranks prefixes at chance, docs/arithmetic.md); a CriticInitConfig = the
+    # policy first taught to check each written result (critic_init with check_weight > 0), then only the value
+    # head is trained on the Monte-Carlo labels (--freeze-backbone), at pav_lr
+    critic_init: Optional[CriticInitConfig] = None
     # verl-prm train
     pav_steps: int = 500
     pav_batch_size: int = 32
@@ -119,6 +128,10 @@ class Scale:
             raise ValueError(f"rl_seeds must be distinct seeds, got {self.rl_seeds}")
         if isinstance(self.rl_parallel, bool) or not isinstance(self.rl_parallel, int) or self.rl_parallel < 1:
             raise ValueError(f"rl_parallel must be an integer >= 1, got {self.rl_parallel!r}")
+        if self.critic_init is not None and not self.critic_init.check_weight > 0:
+            raise ValueError("critic_init needs check_weight > 0: only the value head is trained on it, so the backbone "
+                             "must have been taught the check (with check_weight 0 it only recomputes results, and a "
+                             "linear value head reads no check from that; docs/arithmetic.md)")
         for name in ("pav_lr", "search_alpha"):
             value = getattr(self, name)
             if not np.isfinite(value):
@@ -166,6 +179,7 @@ SCALES: dict[str, Scale] = {
         task=TaskConfig(min_ops=3, max_ops=6, modulus=7, max_operand=6, slip_rate=0.0, step_slip_rate=0.25),
         rl_num_ops=6,
         sft=SFTConfig(steps=2200, batch_size=32, lr=2e-3, warmup_steps=20, curriculum_steps=1200),
+        critic_init=CriticInitConfig(check_weight=1.0), pav_lr=1e-3,
         rl=RLConfig(steps=30, prompts_per_step=16, group_size=8, lr=5e-5, eval_every=5, eval_samples=1),
     ),
     # The test suite's micro run: every stage for real, a few optimisation steps each.
@@ -201,7 +215,8 @@ SCALES: dict[str, Scale] = {
                           num_key_value_heads=8, max_position_embeddings=512),
         sft=SFTConfig(steps=6000, batch_size=256, lr=1e-3, warmup_steps=200, curriculum_steps=2000),
         n_cov=4, n_mc=16, label_backend="vllm", label_batch_size=1024,
-        pav_steps=2000, pav_batch_size=64, pav_lr=2e-4, pav_warmup=100,
+        critic_init=CriticInitConfig(steps=6000, batch_size=64, check_weight=1.0),
+        pav_steps=2000, pav_batch_size=64, pav_lr=1e-3, pav_warmup=100,
         rl=RLConfig(steps=200, prompts_per_step=128, group_size=8, lr=1e-5, eval_every=10, eval_samples=4),
         eval_samples=4, search_problems=512, best_of_n=(1, 2, 4, 8, 16, 32), beam_widths=(1, 2, 4, 8),
         samples_per_beam=3, device="cuda", rl_parallel=1,
@@ -417,23 +432,52 @@ def stage_label(stage: Stage, scale: Scale, data_dir: Path, policy: Path, progre
             "labelled_share": float(np.mean([v == v for v in q])) if q else 0.0}
 
 
-def stage_pav(stage: Stage, scale: Scale, labels: Path, policy: Path, progress: bool) -> dict:
+def stage_pav(stage: Stage, scale: Scale, labels: Path, policy: Path, data_dir: Path, progress: bool, log) -> dict:
     from verl_prm.cli import main as cli
     from verl_prm.training.trainer import latest_checkpoint
 
-    argv = ["train", "--labels", str(labels), "--init", str(policy), "--output-dir", str(stage.path),
+    init, outputs = policy, {}
+    if scale.critic_init is not None:
+        init = stage.path / "backbone"
+        outputs["critic_init"] = _critic_init(init, scale, policy, data_dir, progress, log)
+    argv = ["train", "--labels", str(labels), "--init", str(init), "--output-dir", str(stage.path),
             "--max-steps", str(scale.pav_steps), "--batch-size", str(scale.pav_batch_size), "--lr", str(scale.pav_lr),
             "--warmup-steps", str(scale.pav_warmup), "--eval-fraction", "0.2", "--best-of-k", "1",
             "--max-length", str(scale.model.max_position_embeddings), "--log-every", "10", "--seed", "0"]
     if scale.device == "cpu":
         argv.append("--cpu")
+    if scale.critic_init is not None:
+        argv.append("--freeze-backbone")
     if not progress:
         argv.append("--no-progress")
     if cli(argv) != 0:
         raise RuntimeError(f"verl-prm {' '.join(argv)} failed")
     metrics = json.loads((stage.path / "eval_metrics.json").read_text())
     return {"command": "verl-prm " + " ".join(argv), "checkpoint": str(latest_checkpoint(stage.path)),
-            "eval_metrics": metrics}
+            "eval_metrics": metrics, **outputs}
+
+
+def _critic_init(output: Path, scale: Scale, policy: Path, data_dir: Path, progress: bool, log) -> dict:
+    """The PAV's backbone: the policy taught to check each written result on the SFT solutions of the data
+    stage (``critic_init.train_critic_init``). Resumes as a whole: a finished one (its metrics file) is reused."""
+    from verl_prm.recipes.arithmetic.critic_init import train_critic_init
+
+    summary_path = output / "critic_init_summary.json"
+    if summary_path.exists():
+        summary = json.loads(summary_path.read_text())
+        if summary.get("config") != asdict(scale.critic_init):
+            raise ValueError(f"{output} was trained with other critic_init settings ({summary.get('config')} vs "
+                             f"{asdict(scale.critic_init)}); delete it or use another --work-dir")
+        return summary
+    rows = [json.loads(line) for line in open(data_dir / "sft.jsonl")]
+    started = time.perf_counter()
+    result = train_critic_init(policy, output, [r["prompt"] for r in rows], [r["response"] for r in rows],
+                               scale.task.modulus, scale.critic_init, device=scale.device, progress=progress,
+                               log=lambda record: log(f"[arithmetic] pav: critic_init {json.dumps(record)}"))
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    result["config"] = asdict(scale.critic_init)
+    summary_path.write_text(json.dumps(result, indent=2))
+    return result
 
 
 def stage_prover(stage: Stage, scale: Scale, policy: Path) -> dict:
@@ -570,7 +614,9 @@ def stages_of(scale: Scale, root: Path) -> dict[str, Stage]:
     lab = Stage(root, "labels", {"policy": s.settings, "prompts": scale.label_problems, "n": [scale.n_cov, scale.n_mc],
                                  "backend": scale.label_backend, "max_new_tokens": scale.max_new_tokens})
     pav = Stage(root, "pav", {"labels": lab.settings, "steps": scale.pav_steps, "batch": scale.pav_batch_size,
-                              "lr": scale.pav_lr, "warmup": scale.pav_warmup})
+                              "lr": scale.pav_lr, "warmup": scale.pav_warmup,
+                              "critic_init": asdict(scale.critic_init) if scale.critic_init else None,
+                              **({"data": d.settings} if scale.critic_init else {})})
     rl_settings = {"policy": s.settings, "prover": prover.settings, "critic": pav.settings, "rl": scale.rl,
                    "max_new_tokens": scale.max_new_tokens, "device": scale.device}
     # The runs are the stage's parts, each with its own settings (the learned critic's only in pav_learned runs):
@@ -641,7 +687,7 @@ def _run(scale: Scale, root: Path, stages: Sequence[str], progress: bool, log) -
         ("sft", lambda: stage_sft(s, scale, d.path, progress)),
         ("prover", lambda: stage_prover(named["prover"], scale, s.path)),
         ("label", lambda: stage_label(named["label"], scale, d.path, s.path, progress)),
-        ("pav", lambda: stage_pav(named["pav"], scale, named["label"].path, s.path, progress)),
+        ("pav", lambda: stage_pav(named["pav"], scale, named["label"].path, s.path, d.path, progress, log)),
         ("rl", lambda: stage_rl(named["rl"], scale, d.path, s.path, out["pav"]["checkpoint"],
                                 out["prover"]["step_accuracy"], log)),
         ("evaluate", lambda: stage_evaluate(named["evaluate"], scale, s.path, out["pav"]["checkpoint"],

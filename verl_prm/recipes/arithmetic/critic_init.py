@@ -29,7 +29,8 @@ import json
 import math
 import random
 import re
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CriticInitConfig", "ResultTargets", "result_targets", "train_critic_init"]
+__all__ = ["CriticInitConfig", "ResultTargets", "critic_init_from_sft", "result_targets", "train_critic_init"]
 
 # one operation line: written operand, operation, operand, "=", written result
 _OPERATION = re.compile(r"(\d+)([+\-*])(\d+)=(\d+)")
@@ -233,3 +234,26 @@ def train_critic_init(policy: str | Path, output_dir: str | Path, prompts: Seque
     return {"eval/slipped_accuracy": curve[-1]["eval/slipped_accuracy"], "eval/check_auroc": curve[-1]["eval/check_auroc"],
             "curve": curve,
             "train_solutions": len(train_set), "eval_solutions": len(eval_set)}
+
+
+def critic_init_from_sft(output_dir: Path, policy: Path, data_dir: Path, modulus: int, config: CriticInitConfig, *,
+                         device: str = "cpu", progress: bool = True, log: Callable[[str], None] = print) -> dict:
+    """``train_critic_init`` on the SFT solutions of the recipe's data stage (``data_dir/sft.jsonl``), once:
+    ``critic_init_summary.json`` (the result, its seconds and config) marks it complete and is returned on a rerun;
+    one trained with another config is an error naming both."""
+    summary_path = Path(output_dir) / "critic_init_summary.json"
+    if summary_path.exists():
+        summary = json.loads(summary_path.read_text())
+        if summary.get("config") != asdict(config):
+            raise ValueError(f"{output_dir} was trained with other critic_init settings ({summary.get('config')} vs "
+                             f"{asdict(config)}); delete it or use the same settings")
+        return summary
+    rows = [json.loads(line) for line in open(Path(data_dir) / "sft.jsonl")]
+    started = time.perf_counter()
+    result = train_critic_init(policy, output_dir, [r["prompt"] for r in rows], [r["response"] for r in rows], modulus,
+                               config, device=device, progress=progress,
+                               log=lambda record: log(f"critic_init {json.dumps(record)}"))
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    result["config"] = asdict(config)
+    summary_path.write_text(json.dumps(result, indent=2))
+    return result

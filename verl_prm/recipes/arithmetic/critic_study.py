@@ -214,44 +214,33 @@ def check_head_checkpoint(init: Path, output: Path) -> Path:
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from verl_prm.training.trainer import value_head_from_init
+    from verl_prm.training.trainer import value_head_from_init, value_head_of
 
     heads_path = init / "critic_init_heads.safetensors"
     if not heads_path.exists():
         raise FileNotFoundError(f"{heads_path}: no heads saved with this critic_init model; retrain it (delete {init})")
     heads = load_file(str(heads_path))
     model = value_head_from_init(str(init))
-    if model.score.weight.shape != heads["heads.1.weight"].shape:
+    value_head = value_head_of(model)
+    if value_head.weight.shape != heads["heads.1.weight"].shape:
         raise ValueError(f"{init}: check head {tuple(heads['heads.1.weight'].shape)} does not fit the value head "
-                         f"{tuple(model.score.weight.shape)}")
+                         f"{tuple(value_head.weight.shape)}")
     with torch.no_grad():
-        model.score.weight.copy_(heads["heads.1.weight"])
-        model.score.bias.copy_(heads["heads.1.bias"])
+        value_head.weight.copy_(heads["heads.1.weight"])
+        value_head.bias.copy_(heads["heads.1.bias"])
     model.save_pretrained(str(output), safe_serialization=True)
     AutoTokenizer.from_pretrained(str(init), trust_remote_code=False).save_pretrained(str(output))
     return output
 
 
 def _critic_init(output: Path, policy: Path, data_dir: Path, scale, config, progress: bool, log) -> Path:
-    """The ``critic_init`` model of the study (trained once; ``critic_init_summary.json`` marks it complete)."""
-    from verl_prm.recipes.arithmetic.critic_init import train_critic_init
+    """The ``critic_init`` model of the study (trained once, ``critic_init.critic_init_from_sft``)."""
+    from verl_prm.recipes.arithmetic.critic_init import critic_init_from_sft
 
-    from dataclasses import asdict
-
-    summary = output / "critic_init_summary.json"
-    if summary.exists():
-        recorded = json.loads(summary.read_text()).get("config")
-        if recorded != asdict(config):
-            raise ValueError(f"{output} was trained with other settings ({recorded} vs {asdict(config)}); delete it "
-                             "or pass the same --init-steps")
-    else:
-        rows = [json.loads(line) for line in open(data_dir / "sft.jsonl")]
-        started = time.perf_counter()
-        result = train_critic_init(policy, output, [r["prompt"] for r in rows], [r["response"] for r in rows],
-                                   scale.task.modulus, config, device=scale.device, progress=progress)
-        result["seconds"] = round(time.perf_counter() - started, 1)
-        result["config"] = asdict(config)
-        summary.write_text(json.dumps(result, indent=2))
+    trained = not (output / "critic_init_summary.json").exists()
+    result = critic_init_from_sft(output, policy, data_dir, scale.task.modulus, config, device=scale.device,
+                                  progress=progress, log=lambda line: None)
+    if trained:
         log(f"[critic study] critic_init: recomputed-result accuracy on held-out slipped steps "
             f"{result['eval/slipped_accuracy']:.3f} ({config.steps} steps, {result['seconds']} s)")
     return output

@@ -53,7 +53,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from verl_prm.recipes.arithmetic.critic_init import CriticInitConfig
+from verl_prm.recipes.arithmetic.critic_init import CriticInitConfig, critic_init_from_sft
 from verl_prm.recipes.arithmetic.model import ModelConfig, SFTConfig
 from verl_prm.recipes.arithmetic.rl import RLConfig
 from verl_prm.recipes.arithmetic.task import STEP_REGEX, TaskConfig
@@ -439,7 +439,9 @@ def stage_pav(stage: Stage, scale: Scale, labels: Path, policy: Path, data_dir: 
     init, outputs = policy, {}
     if scale.critic_init is not None:
         init = stage.path / "backbone"
-        outputs["critic_init"] = _critic_init(init, scale, policy, data_dir, progress, log)
+        outputs["critic_init"] = critic_init_from_sft(init, policy, data_dir, scale.task.modulus, scale.critic_init,
+                                                      device=scale.device, progress=progress,
+                                                      log=lambda line: log(f"[arithmetic] pav: {line}"))
     argv = ["train", "--labels", str(labels), "--init", str(init), "--output-dir", str(stage.path),
             "--max-steps", str(scale.pav_steps), "--batch-size", str(scale.pav_batch_size), "--lr", str(scale.pav_lr),
             "--warmup-steps", str(scale.pav_warmup), "--eval-fraction", "0.2", "--best-of-k", "1",
@@ -455,29 +457,6 @@ def stage_pav(stage: Stage, scale: Scale, labels: Path, policy: Path, data_dir: 
     metrics = json.loads((stage.path / "eval_metrics.json").read_text())
     return {"command": "verl-prm " + " ".join(argv), "checkpoint": str(latest_checkpoint(stage.path)),
             "eval_metrics": metrics, **outputs}
-
-
-def _critic_init(output: Path, scale: Scale, policy: Path, data_dir: Path, progress: bool, log) -> dict:
-    """The PAV's backbone: the policy taught to check each written result on the SFT solutions of the data
-    stage (``critic_init.train_critic_init``). Resumes as a whole: a finished one (its metrics file) is reused."""
-    from verl_prm.recipes.arithmetic.critic_init import train_critic_init
-
-    summary_path = output / "critic_init_summary.json"
-    if summary_path.exists():
-        summary = json.loads(summary_path.read_text())
-        if summary.get("config") != asdict(scale.critic_init):
-            raise ValueError(f"{output} was trained with other critic_init settings ({summary.get('config')} vs "
-                             f"{asdict(scale.critic_init)}); delete it or use another --work-dir")
-        return summary
-    rows = [json.loads(line) for line in open(data_dir / "sft.jsonl")]
-    started = time.perf_counter()
-    result = train_critic_init(policy, output, [r["prompt"] for r in rows], [r["response"] for r in rows],
-                               scale.task.modulus, scale.critic_init, device=scale.device, progress=progress,
-                               log=lambda record: log(f"[arithmetic] pav: critic_init {json.dumps(record)}"))
-    result["seconds"] = round(time.perf_counter() - started, 1)
-    result["config"] = asdict(scale.critic_init)
-    summary_path.write_text(json.dumps(result, indent=2))
-    return result
 
 
 def stage_prover(stage: Stage, scale: Scale, policy: Path) -> dict:

@@ -248,7 +248,7 @@ def critic_init_from_sft(output_dir: Path, policy: Path, data_dir: Path, modulus
             raise ValueError(f"{output_dir} was trained with other critic_init settings ({summary.get('config')} vs "
                              f"{asdict(config)}); delete it or use the same settings")
         return summary
-    rows = [json.loads(line) for line in open(Path(data_dir) / "sft.jsonl")]
+    rows = [json.loads(line) for line in (Path(data_dir) / "sft.jsonl").read_text().splitlines()]
     started = time.perf_counter()
     result = train_critic_init(policy, output_dir, [r["prompt"] for r in rows], [r["response"] for r in rows], modulus,
                                config, device=device, progress=progress,

@@ -38,7 +38,7 @@ HELP_COLUMNS = "100"  # argparse wraps help at $COLUMNS: fixed, so the pages do 
 # ------------------------------------------------------------------------------------------------ CLI help
 def cli_help(words: tuple[str, ...] = ()) -> str:
     """The text ``verl-prm WORDS --help`` prints (``verl-prm --help`` for no words), run in this process."""
-    from verl_prm.cli import COMMANDS, usage
+    from verl_prm.apps.cli import COMMANDS, usage
 
     if not words:
         return usage().rstrip("\n")
@@ -73,7 +73,7 @@ def cli_block(words: tuple[str, ...]) -> str:
 
 
 def cli_all() -> str:
-    from verl_prm.cli import COMMANDS
+    from verl_prm.apps.cli import COMMANDS
 
     parts = []
     for words, (_, summary) in COMMANDS.items():

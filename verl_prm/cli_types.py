@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Optional
 
-from verl_prm.config.checks import check_number, range_text
+from verl_prm.checks import check_number, range_text
 
 __all__ = ["finite_float", "finite_floats"]
 

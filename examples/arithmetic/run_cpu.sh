@@ -15,4 +15,4 @@
 set -euo pipefail
 WORK_DIR=${1:-${WORK_DIR:-runs/arithmetic_cpu}}
 shift || true
-exec python3 -m verl_prm.recipes.arithmetic --scale cpu --work-dir "$WORK_DIR" "$@"
+exec python3 -m verl_prm.apps.arithmetic --scale cpu --work-dir "$WORK_DIR" "$@"

@@ -7,7 +7,7 @@
 # The same stages and the same verl command as the CPU run (run_cpu.sh), at --scale gpu: data, SFT,
 # `verl-prm label` (vLLM back end), `verl-prm train`, then every RL arm (GRPO, PAV-GRPO with the exact prover,
 # PAV-GRPO with the learned PAV) and seed through `python -m verl.trainer.main_ppo` with the plugin
-# (+verl_prm=pav), built by verl_prm.recipes.arithmetic.verl_rl.main_ppo_command: the run settings are the
+# (+verl_prm=pav), built by verl_prm.apps.arithmetic.verl_rl.main_ppo_command: the run settings are the
 # scale's, the device block selects vLLM instead of the CPU platform's `hf` rollout. Each run's command is
 # written to WORK_DIR/rl/<arm>_seed<seed>/command.sh, its log next to it.
 #
@@ -16,4 +16,4 @@
 set -euo pipefail
 WORK_DIR=${1:-${WORK_DIR:-$HOME/verl_prm/arithmetic_gpu}}
 shift || true
-exec python3 -m verl_prm.recipes.arithmetic --scale gpu --work-dir "$WORK_DIR" "$@"
+exec python3 -m verl_prm.apps.arithmetic --scale gpu --work-dir "$WORK_DIR" "$@"

@@ -8,9 +8,9 @@
 # The same verl overrides as examples/pav_grpo/run_qwen2_5_0_5b_gsm8k_pav_grpo.sh, plus the code parts:
 # - the outcome reward is verl_prm.code.verl_score.compute_score (the task's unit tests in the sandbox; the
 #   ground truth of the rows of verl_prm.code.data is the task as JSON);
-# - steps are code blocks: the `ast` rule of verl_prm.code.steps at depth 1, i.e. a chat answer's function
+# - steps are code blocks: the `ast` rule of verl_prm.steps.code at depth 1, i.e. a chat answer's function
 #   signature and each statement of its body (with the body of a loop or if) is a step; CODE_STEP_RULE=line
-#   makes each line a step, CODE_STEP_RULE=indent uses the indentation regex (verl_prm.code.steps.block_regex).
+#   makes each line a step, CODE_STEP_RULE=indent uses the indentation regex (verl_prm.steps.code.block_regex).
 # ADV_ESTIMATOR=grpo runs the GRPO baseline with nothing else changed.
 set -xeuo pipefail
 

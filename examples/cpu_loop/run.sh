@@ -4,7 +4,7 @@
 #
 #   bash examples/cpu_loop/run.sh [WORK_DIR] [extra main_ppo overrides for both runs]
 #
-# 1. `python -m verl_prm.platform.loop prepare` writes WORK_DIR/policy (a Qwen2ForCausalLM with random weights,
+# 1. `python -m verl_prm.apps.cpu_loop prepare` writes WORK_DIR/policy (a Qwen2ForCausalLM with random weights,
 #    the arithmetic recipe's character tokenizer), WORK_DIR/critic (a value-head prover critic) and
 #    WORK_DIR/data/{train,val}.parquet (arithmetic problems in verl's RL layout).
 # 2. main_ppo runs twice with the same data, seeds and batch: algorithm.adv_estimator=grpo, then pav_grpo.
@@ -15,9 +15,9 @@ set -euo pipefail
 WORK_DIR=${1:-${WORK_DIR:-runs/cpu_loop}}
 shift || true
 STEPS=${STEPS:-2}
-SCORE_FILE=$(python3 -c "import verl_prm.recipes.arithmetic.score as s; print(s.__file__)")
+SCORE_FILE=$(python3 -c "import verl_prm.apps.arithmetic.score as s; print(s.__file__)")
 
-python3 -m verl_prm.platform.loop prepare "$WORK_DIR"
+python3 -m verl_prm.apps.cpu_loop prepare "$WORK_DIR"
 
 for ADV_ESTIMATOR in grpo pav_grpo; do
     VERL_FILE_LOGGER_PATH=$WORK_DIR/$ADV_ESTIMATOR.jsonl python3 -m verl.trainer.main_ppo \
@@ -52,7 +52,7 @@ for ADV_ESTIMATOR in grpo pav_grpo; do
         actor_rollout_ref.rollout.max_num_seqs=16 \
         actor_rollout_ref.rollout.val_kwargs.do_sample=False \
         actor_rollout_ref.rollout.val_kwargs.n=1 \
-        `# --- the CPU platform (verl_prm.platform) ---` \
+        `# --- the CPU platform (verl_prm.integrations.verl.platform) ---` \
         trainer.device=cpu \
         trainer.n_gpus_per_node=1 \
         trainer.nnodes=1 \

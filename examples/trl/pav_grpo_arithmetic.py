@@ -1,7 +1,7 @@
 """PAV-GRPO in TRL on the arithmetic task: the recipe's tiny policy and prover critic, TRL's GRPOTrainer, CPU.
 
     # a policy and a PAV critic from the arithmetic recipe (about 8 minutes on 2 CPU cores):
-    python -m verl_prm.recipes.arithmetic --scale cpu --work-dir runs/arithmetic_cpu --stages data,sft,label,pav
+    python -m verl_prm.apps.arithmetic --scale cpu --work-dir runs/arithmetic_cpu --stages data,sft,label,pav
     # PAV-GRPO in TRL (alpha 3, Best-of-4 prover, one step per operation):
     python examples/trl/pav_grpo_arithmetic.py --policy runs/arithmetic_cpu/policy \\
         --critic runs/arithmetic_cpu/pav/checkpoint-0000500 --output-dir runs/trl_pav_grpo
@@ -27,7 +27,7 @@ import torch
 
 def correct(prompts, completions, answer, **kwargs) -> list[float]:
     """The outcome reward: 1 when the completion's final ``answer N`` line is the problem's answer."""
-    from verl_prm.recipes.arithmetic.task import extract_answer
+    from verl_prm.apps.arithmetic.task import extract_answer
 
     return [1.0 if extract_answer(c) == a else 0.0 for c, a in zip(completions, answer)]
 
@@ -36,7 +36,7 @@ def random_models(directory: Path):
     """A random tiny policy and a random value-head critic with the recipe's tokenizer (no training)."""
     from transformers import Qwen2Config, Qwen2ForTokenClassification
 
-    from verl_prm.recipes.arithmetic.model import ModelConfig, build_model, build_tokenizer
+    from verl_prm.apps.arithmetic.model import ModelConfig, build_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     policy = build_model(tokenizer, ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -53,7 +53,7 @@ def random_models(directory: Path):
 
 def accuracy(model, tokenizer, prompts: list[str], answers: list[int], max_new_tokens: int, samples: int) -> float:
     """Share of correct answers of ``samples`` sampled completions (temperature 1) per held-out prompt."""
-    from verl_prm.recipes.arithmetic.task import extract_answer
+    from verl_prm.apps.arithmetic.task import extract_answer
 
     model.eval()
     hits = total = 0
@@ -95,9 +95,9 @@ def main(argv=None) -> int:
 
     from verl_prm.critic import ProverCritic
     from verl_prm.integrations.trl import PavGRPOTrainer
-    from verl_prm.recipes.arithmetic.model import render
-    from verl_prm.recipes.arithmetic.pipeline import SCALES
-    from verl_prm.recipes.arithmetic.task import generate_problems
+    from verl_prm.apps.arithmetic.model import render
+    from verl_prm.apps.arithmetic.pipeline import SCALES
+    from verl_prm.apps.arithmetic.task import generate_problems
 
     torch.manual_seed(args.seed)
     output_dir = Path(args.output_dir)

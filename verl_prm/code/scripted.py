@@ -2,7 +2,7 @@
 
 For tests and demos of labelling and search with the unit-test verifier, without a language model. Each
 problem's reference solution (HumanEval's canonical solution, a function body) is split into H steps by a code
-step rule (``verl_prm.code.steps``, default "block"). The policy continues a prefix of h steps by writing
+step rule (``verl_prm.steps.code``, default "block"). The policy continues a prefix of h steps by writing
 reference steps h+1..H, each one correct with probability ``p_correct`` and otherwise replaced by the
 *wrong step* ``<indent>return None  # wrong step`` (indent: the reference step's). A wrong step returns
 before the rest of the body runs, so the program fails its tests (for the problems whose tests never expect
@@ -15,7 +15,7 @@ steps:
 and the prompt value is ``p_correct ** H``, exactly as ``verl_prm.labeling.scripted`` for text.
 
 `ScriptedCodeGenerator` is a ``verl_prm.labeling.generators.Generator`` (texts = prompt + prefix) and a
-``verl_prm.search.core.StepSampler`` (nodes = problem + steps), so the same policy drives ``verl-prm label``'s
+``verl_prm.search.StepSampler`` (nodes = problem + steps), so the same policy drives ``verl-prm label``'s
 ``MonteCarloLabeler`` and the search functions.
 """
 
@@ -24,9 +24,9 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
-from verl_prm.code.steps import code_step_char_spans
+from verl_prm.steps.code import code_step_char_spans
 from verl_prm.labeling.generators import Completion
-from verl_prm.search.core import Node, StepSample
+from verl_prm.search import Node, StepSample
 
 __all__ = ["ScriptedCodeGenerator", "wrong_step"]
 

@@ -17,7 +17,7 @@ critic spent), so accuracy-against-compute plots count them.
 
 For ``verl-prm search --task text`` on code data no code is needed: pass
 ``--reward-fn verl_prm/code/verl_score.py:compute_score`` (the outcome of every chosen response) and a code step
-rule, e.g. ``--step-regex "$(python -c 'from verl_prm.code.steps import block_regex; print(block_regex(4))')"``.
+rule, e.g. ``--step-regex "$(python -c 'from verl_prm.steps.code import block_regex; print(block_regex(4))')"``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Sequence
 from verl_prm.code.sandbox import SandboxConfig
 from verl_prm.code.verifier import CodeTask, verify_many
 from verl_prm.labeling.generators import derive_seed
-from verl_prm.search.core import Node
+from verl_prm.search import Node
 
 __all__ = ["UnitTestCritic"]
 

@@ -14,7 +14,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from verl_prm.advantages import AGGREGATIONS, COMPILE_MODES
-from verl_prm.config.checks import check_number
+from verl_prm.checks import check_number
 
 __all__ = ["PavConfig", "read_pav_config"]
 

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from verl_prm.config import PavConfig, read_pav_config
+from verl_prm.estimators import ESTIMATORS
 
 __all__ = [
     "CHECKPOINT_CRITIC_FORMATS",
@@ -38,27 +39,25 @@ __all__ = [
     "HookConfig",
     "PLACEMENT_POOLS",
     "PlacementSection",
-    "STEP_ESTIMATORS",
     "StepsSection",
     "read_hook_config",
     "validate_run_config",
 ]
 
 DEFAULT_DELIMITER = "\n\n"  # verl_prm.steps.DEFAULT_DELIMITER (kept here so the check imports no tensor code)
-# The name verl's ``trainer.v1.trainer_mode`` selects the hook by (verl_prm.trainer.PavSyncTrainer).
+# The name verl's ``trainer.v1.trainer_mode`` selects the hook by (verl_prm.integrations.verl.hook_trainer.PavSyncTrainer).
 HOOK_TRAINER_NAME = "pav_sync"
 # Estimators that read the step tensors, so they only work with the hook (verl passes plugin estimators no
 # batch keys besides the rewards, the mask and the uid).
-STEP_ESTIMATORS = ("pav_grpo", "pav_rloo", "pav_reinforce", "prm_aggregate", "pav_pure", "pav_prime")
 # Checkpoint formats a prover critic can be read from (DESIGN.md section 4; verl_prm.critic.formats.FORMATS,
 # which a test holds equal to this tuple: the config check must not import torch models).
 CHECKPOINT_CRITIC_FORMATS = ("value_head", "qwen_prm", "math_shepherd", "value_head_lm")
 # No checkpoint: the values of an exact prover (verl_prm.critic.exact.EXACT_FORMAT, held equal by a test),
-# chosen by verl_prm.critic.options.data_source.
+# named by verl_prm.critic.options.prover ("module:Class").
 EXACT_CRITIC_FORMAT = "exact"
 CRITIC_FORMATS = CHECKPOINT_CRITIC_FORMATS + (EXACT_CRITIC_FORMAT,)
 TRUNCATIONS = ("error", "left_prompt")
-# verl_prm.code.steps.CODE_STEP_RULES without "delimiter" (the text rules cover it); a test holds them equal.
+# verl_prm.steps.code.CODE_STEP_RULES without "delimiter" (the text rules cover it); a test holds them equal.
 CODE_STEP_RULES = ("line", "block", "indent")
 # "colocated": the critic's workers share verl's global pool (the actor/rollout GPUs);
 # "own": a resource pool of its own (``n_gpus_per_node`` x ``nnodes``).
@@ -79,11 +78,11 @@ class CriticSection:
     # Checkpoint format: "value_head" (the native one: token-classification head, num_labels=1, as
     # `verl-prm train` writes), "qwen_prm" (separator token with a two-class head, Qwen2.5-Math-PRM style),
     # "math_shepherd" ("+"/"-" logits of the LM head at a tag token), "value_head_lm" (Skywork-style value head);
-    # "exact": no checkpoint, the closed-form values of the exact prover of options.data_source
-    # (verl_prm.critic.exact; e.g. {data_source: arithmetic_mod, step_accuracy: 0.8}).
+    # "exact": no checkpoint, the closed-form values of the exact prover options.prover ("module:Class";
+    # verl_prm.critic.exact; e.g. {prover: "verl_prm.apps.arithmetic.prover:ArithmeticProver", step_accuracy: 0.8}).
     format: str = "value_head"
     # Options of the format, e.g. {separator: "<extra_0>"} (qwen_prm), {tag: "ки"} (math_shepherd),
-    # {data_source: ..., <the prover's options>} (exact).
+    # {prover: "module:Class", <the prover's options>} (exact).
     options: dict[str, Any] = field(default_factory=dict)
     # Token budget of one critic micro-batch (sequences are packed or length-bucketed up to it).
     max_tokens_per_batch: int = 16384
@@ -110,7 +109,7 @@ class StepsSection:
     max_tokens: Optional[int] = None
     # Merge trailing steps so that a response has at most this many (the merge count is a metric).
     max_steps: Optional[int] = None
-    # Code responses: a step rule of verl_prm.code.steps instead of a delimiter: "block" (Python statements
+    # Code responses: a step rule of verl_prm.steps.code instead of a delimiter: "block" (Python statements
     # found by `ast`, the indentation rule when the text does not parse), "line" or "indent".
     code_rule: Optional[str] = None
     # ... and the statement nesting depth that still starts a step (1: a function's signature, then each
@@ -121,7 +120,7 @@ class StepsSection:
         """``verl_prm.steps.StepSplit`` of a batch of responses under this rule (the hook and the reward
         manager both split through here, so the steps the critic scores are the steps the metrics count)."""
         if self.code_rule is not None:
-            from verl_prm.code.steps import code_split_steps
+            from verl_prm.steps.code import code_split_steps
 
             return code_split_steps(response_ids, response_mask, tokenizer, self.code_rule, depth=self.code_depth,
                                     max_steps=self.max_steps)
@@ -264,37 +263,36 @@ def _check_ranges(config: HookConfig) -> None:
 
 
 def _check_exact_critic_section(critic: CriticSection) -> None:
-    """format=exact: no checkpoint path, and a data source naming the exact prover (built by
-    ``_check_exact_prover`` at startup; here only what needs no prover registry)."""
+    """format=exact: no checkpoint path, and ``options.prover`` naming the exact prover (built by
+    ``_check_exact_prover`` at startup; here only what needs no import)."""
     if critic.path is not None and str(critic.path).strip() != "":
         raise ConfigError(
             f"verl_prm.critic.path={critic.path!r} is unused with verl_prm.critic.format=exact (the values come "
-            "from the exact prover of verl_prm.critic.options.data_source, not a checkpoint): set "
+            "from the exact prover of verl_prm.critic.options.prover, not a checkpoint): set "
             "verl_prm.critic.path=null"
         )
-    data_source = critic.options.get("data_source")
-    if not isinstance(data_source, str) or not data_source:
+    prover = critic.options.get("prover")
+    if not isinstance(prover, str) or prover.count(":") != 1 or not all(prover.split(":")):
         raise ConfigError(
-            "verl_prm.critic.format=exact needs verl_prm.critic.options.data_source, the verl data_source whose "
-            f"exact prover gives the values (got {data_source!r}): add "
-            "+verl_prm.critic.options.data_source=NAME (e.g. arithmetic_mod; verl_prm.critic.exact.EXACT_PROVERS "
-            "lists the registered ones)"
+            "verl_prm.critic.format=exact needs verl_prm.critic.options.prover, the 'module:Class' of the exact "
+            f"prover that gives the values (got {prover!r}): add +verl_prm.critic.options.prover=module:Class "
+            "(e.g. verl_prm.apps.arithmetic.prover:ArithmeticProver)"
         )
 
 
 def _check_exact_prover(critic: CriticSection) -> None:
-    """Build the exact prover of ``verl_prm.critic.options`` once, so that an unknown data source or a bad
+    """Build the exact prover of ``verl_prm.critic.options`` once, so that a prover that cannot be imported or a bad
     prover option fails at startup; errors name the option's key."""
     from verl_prm.critic.exact import ProverOptionError, build_exact_prover
 
     options = dict(critic.options)
-    data_source = options.pop("data_source")
+    prover = options.pop("prover")
     try:
-        build_exact_prover(data_source, options)
+        build_exact_prover(prover, options)
     except ProverOptionError as error:
         raise ConfigError(f"verl_prm.critic.options.{error.option}: {error}") from None
     except ValueError as error:
-        raise ConfigError(f"verl_prm.critic.options.data_source: {error}") from None
+        raise ConfigError(f"verl_prm.critic.options.prover: {error}") from None
 
 
 def _select(config: Any, dotted: str, default: Any = None) -> Any:
@@ -347,7 +345,7 @@ def known_estimators() -> Optional[set[str]]:
         from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
     except ImportError:
         return None
-    return set(ADV_ESTIMATOR_REGISTRY) | set(STEP_ESTIMATORS)
+    return set(ADV_ESTIMATOR_REGISTRY) | set(ESTIMATORS)
 
 
 def _check_estimator(estimator: Any) -> None:
@@ -374,7 +372,7 @@ def validate_run_config(config: Any) -> tuple[HookConfig, PavConfig]:
     ``trainer.v1.trainer_mode=pav_sync`` (the hook); the hook without ``verl_prm.critic.path``, or with a path
     that does not exist, is a file, has no weights or only pickle weights (``verl_prm.critic.allow_pickle``), or
     is a hub id that is not cached while offline; with ``verl_prm.critic.format=exact``: a path set, no
-    ``options.data_source``, an unknown data source or a bad prover option (the prover is built once);
+    ``options.prover``, a prover that cannot be imported or a bad prover option (the prover is built once);
     out-of-range step, critic and placement settings.
     """
     hook = read_hook_config(_select(config, "verl_prm"))
@@ -390,13 +388,13 @@ def validate_run_config(config: Any) -> tuple[HookConfig, PavConfig]:
     _check_estimator(estimator)
     trainer_mode = _select(config, "trainer.v1.trainer_mode")
     hook_selected = trainer_mode == HOOK_TRAINER_NAME
-    if estimator in STEP_ESTIMATORS and not hook_selected:
+    if estimator in ESTIMATORS and not hook_selected:
         raise ConfigError(
             f"algorithm.adv_estimator={estimator} needs the step tensors that only the verl-prm trainer hook "
             f"computes, but trainer.v1.trainer_mode={trainer_mode}: set trainer.v1.trainer_mode={HOOK_TRAINER_NAME} "
             "(or add +verl_prm=pav with hydra.searchpath=[pkg://verl_prm.config], which sets it)"
         )
-    if hook_selected and (estimator in STEP_ESTIMATORS or hook.score_outcome_estimators):
+    if hook_selected and (estimator in ESTIMATORS or hook.score_outcome_estimators):
         if hook.critic.format == EXACT_CRITIC_FORMAT:
             _check_exact_prover(hook.critic)
         else:

@@ -8,9 +8,9 @@ With an exact critic, PAV runs with the true progress values, which separates "d
 
 Pieces:
 
-- ``EXACT_PROVERS``: verl ``data_source`` name -> ``"module:attr"`` of the prover class (lazy strings, so the
-  startup config check imports nothing heavy); ``register_exact_prover`` adds one, ``build_exact_prover``
-  builds one from its options (``verl_prm.critic.options`` minus ``data_source``).
+- ``build_exact_prover``: the prover named by ``verl_prm.critic.options.prover`` (``"module:Class"``, imported
+  when a run builds it: the application that owns a prover names it, the library names none), built by the
+  class's ``from_options`` from the other options.
 - ``ExactProver``: the protocol a prover implements (``from_options`` and ``values``).
 - ``ExactCritic``: what a ``ProverCriticWorker`` holds for ``verl_prm.critic.format=exact``; it has the
   ``ProverCritic`` entry points ``score_policy_batch`` and ``score_texts`` and returns ``CriticScores``.
@@ -18,7 +18,8 @@ Pieces:
 
 Config of a verl run::
 
-    verl_prm.critic.format=exact +verl_prm.critic.options.data_source=arithmetic_mod
+    verl_prm.critic.format=exact
+    +verl_prm.critic.options.prover=verl_prm.apps.arithmetic.prover:ArithmeticProver
     +verl_prm.critic.options.step_accuracy=0.8
 """
 
@@ -34,25 +35,17 @@ from verl_prm.critic.scorer import CriticScores
 
 __all__ = [
     "EXACT_FORMAT",
-    "EXACT_PROVERS",
     "ExactCritic",
     "ExactPrefixCritic",
     "ExactProver",
     "ProverOptionError",
     "build_exact_prover",
-    "register_exact_prover",
     "step_texts_at_char_ends",
 ]
 
 # The value of ``verl_prm.critic.format`` that selects an exact critic (not a checkpoint format of
 # ``verl_prm.critic.formats.FORMATS``).
 EXACT_FORMAT = "exact"
-
-# verl data_source -> "module:attr" of its exact prover class.
-EXACT_PROVERS: dict[str, Any] = {
-    "arithmetic_mod": "verl_prm.recipes.arithmetic.prover:ArithmeticProver",
-}
-
 
 class ProverOptionError(ValueError):
     """An option of an exact prover is missing, unknown or out of range; ``option`` names it."""
@@ -63,9 +56,9 @@ class ProverOptionError(ValueError):
 
 
 class ExactProver(Protocol):
-    """An exact prover of one data source.
+    """An exact prover of one task.
 
-    ``from_options(options)`` builds it from ``verl_prm.critic.options`` (without ``data_source``) and raises
+    ``from_options(options)`` builds it from ``verl_prm.critic.options`` (without ``prover``) and raises
     ``ProverOptionError`` naming a bad option. ``values(prompt_text, step_texts, sample, complete=True)``
     returns ``[v_0, ..., v_H]``: v_0 the value of the prompt, v_h the value after step h, i.e. of the prefix
     ``"".join(step_texts[:h])``; ``complete``: the last step ends the response (its value is the outcome).
@@ -78,43 +71,25 @@ class ExactProver(Protocol):
     def values(self, prompt_text: str, step_texts: Sequence[str], sample: int, complete: bool = True) -> list[float]: ...
 
 
-def register_exact_prover(data_source: str, target: Any) -> None:
-    """Register the exact prover of ``data_source``: ``target`` is a ``"module:attr"`` string (imported when a
-    run builds it) or the class itself; the class implements ``ExactProver`` (``from_options``, ``values``)."""
-    if not isinstance(data_source, str) or not data_source:
-        raise ValueError(f"register_exact_prover: data_source must be a non-empty string, got {data_source!r}")
-    if isinstance(target, str) and target.count(":") != 1:
-        raise ValueError(f"register_exact_prover: target must be 'module:attr' or a class, got {target!r}")
-    EXACT_PROVERS[data_source] = target
-
-
-def _resolve(data_source: str, target: Any) -> Any:
-    if not isinstance(target, str):
-        return target
-    module_name, attr = target.split(":")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"the exact prover of data source {data_source!r} ({target!r}) cannot be imported: {error}") from None
-
-
-def build_exact_prover(data_source: str, options: Mapping[str, Any] | None = None) -> ExactProver:
-    """The exact prover of ``data_source``, built by its class's ``from_options(options)``.
+def build_exact_prover(prover: Any, options: Mapping[str, Any] | None = None) -> ExactProver:
+    """The exact prover ``prover`` (a ``"module:Class"`` string or the class itself), built by the class's
+    ``from_options(options)``.
 
     Raises:
-        ValueError: an unknown data source (naming the known ones and how to register one), a target that
-            cannot be imported or has no ``from_options``.
+        ValueError: a target that is not ``"module:Class"``, cannot be imported or has no ``from_options``.
         ProverOptionError: a bad option (raised by the prover class; names the option).
     """
-    if data_source not in EXACT_PROVERS:
-        raise ValueError(
-            f"no exact prover for data source {data_source!r}; known: {sorted(EXACT_PROVERS)}. Register one with "
-            "verl_prm.critic.exact.register_exact_prover(data_source, 'module:ProverClass') in a module the run "
-            "imports (e.g. a verl plugin), or add it to EXACT_PROVERS"
-        )
-    cls = _resolve(data_source, EXACT_PROVERS[data_source])
+    cls = prover
+    if isinstance(prover, str):
+        if prover.count(":") != 1 or not all(prover.split(":")):
+            raise ValueError(f"an exact prover is named 'module:Class', got {prover!r}")
+        module_name, attr = prover.split(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"the exact prover {prover!r} cannot be imported: {error}") from None
     if not callable(getattr(cls, "from_options", None)):
-        raise ValueError(f"the exact prover of data source {data_source!r} ({cls!r}) has no from_options(options)")
+        raise ValueError(f"the exact prover {cls!r} has no from_options(options) (the ExactProver protocol)")
     return cls.from_options(dict(options or {}))
 
 
@@ -167,25 +142,24 @@ class ExactCritic:
     critic tokens).
     """
 
-    def __init__(self, prover: ExactProver, data_source: str | None = None):
+    def __init__(self, prover: ExactProver):
         if not callable(getattr(prover, "values", None)):
             raise ValueError(f"ExactCritic needs a prover with values(prompt_text, step_texts, sample), got {prover!r}")
         self.prover = prover
-        self.data_source = data_source
         self.device = torch.device("cpu")
         self.best_of_k = 1
         self.packing = "none"
         self.tokenizer = None
 
     @classmethod
-    def from_options(cls, data_source: str | None = None, **options: Any) -> "ExactCritic":
-        """The exact critic of ``data_source`` (``build_exact_prover(data_source, options)``)."""
-        if data_source is None:
+    def from_options(cls, prover: Any = None, **options: Any) -> "ExactCritic":
+        """The exact critic of ``prover`` (``"module:Class"`` or the class; ``build_exact_prover(prover, options)``)."""
+        if prover is None:
             raise ValueError(
-                "ExactCritic.from_options needs data_source (verl_prm.critic.options.data_source); known: "
-                f"{sorted(EXACT_PROVERS)}"
+                "ExactCritic.from_options needs prover, the exact prover's 'module:Class' "
+                "(verl_prm.critic.options.prover)"
             )
-        return cls(build_exact_prover(data_source, options), data_source=data_source)
+        return cls(build_exact_prover(prover, options))
 
     # ------------------------------------------------------------------ entry points
     def score_steps(

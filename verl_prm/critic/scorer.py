@@ -18,7 +18,7 @@ import torch
 
 from verl_prm.advantages import best_of_k as best_of_k_transform
 from verl_prm.checkpoints import allow_pickle_default, resolve_checkpoint
-from verl_prm.config.checks import check_number
+from verl_prm.checks import check_number
 from verl_prm.critic.formats import FORMATS, CriticFormat, default_attn_implementation, resolve_dtype
 from verl_prm.critic.packing import (
     CriticInput,

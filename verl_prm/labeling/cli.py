@@ -74,7 +74,7 @@ def label_parser() -> argparse.ArgumentParser:
     p.add_argument("--delimiter", default="\\n\\n", help="step delimiter (escapes like \\n are decoded)")
     p.add_argument("--step-regex", default=None, help="steps end at matches of this regex instead")
     p.add_argument("--code-rule", choices=CODE_STEP_RULES, default=None,
-                   help="code responses: steps by a rule of verl_prm.code.steps instead (block: Python statements "
+                   help="code responses: steps by a rule of verl_prm.steps.code instead (block: Python statements "
                    "by ast), as verl_prm.steps.code_rule in the trainer hook")
     p.add_argument("--code-depth", type=int, default=None,
                    help="--code-rule: statement depth that still starts a step (default 0; 1: each statement of a "

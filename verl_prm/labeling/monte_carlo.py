@@ -49,7 +49,7 @@ class LabelSettings:
     delimiter: str = "\n\n"
     step_regex: str | None = None
     max_steps: int | None = None
-    # code responses: a rule of verl_prm.code.steps ("block", "line", "indent") instead of delimiter/step_regex
+    # code responses: a rule of verl_prm.steps.code ("block", "line", "indent") instead of delimiter/step_regex
     code_rule: str | None = None
     code_depth: int = 0
     prompt_value: bool = True
@@ -76,7 +76,7 @@ class LabelSettings:
     def step_spans(self, text: str) -> list[tuple[int, int]]:
         """Character spans of the steps of ``text`` under these settings."""
         if self.code_rule is not None:
-            from verl_prm.code.steps import code_step_char_spans
+            from verl_prm.steps.code import code_step_char_spans
 
             spans = code_step_char_spans(text, self.code_rule, depth=self.code_depth, max_steps=self.max_steps)
         else:

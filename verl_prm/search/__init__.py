@@ -6,7 +6,7 @@ language-model critic adapter; ``toy`` the planted sub-sequence task with exact 
 ``verl-prm search`` command.
 """
 
-from verl_prm.search.core import (
+from verl_prm.search import (
     BeamConfig,
     BestOfNConfig,
     CachedCritic,

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 from verl_prm.advantages import AGGREGATIONS
 from verl_prm.checkpoints import resolve_checkpoint
 from verl_prm.cli_types import finite_float
-from verl_prm.search.core import (
+from verl_prm.search import (
     BeamConfig,
     BestOfNConfig,
     CachedCritic,
@@ -143,7 +143,7 @@ class _Setup:
 
 
 def _toy_setup(args) -> _Setup:
-    from verl_prm.search.toy import ToySearchTask
+    from verl_prm.apps.demo.search import ToySearchTask
 
     task = ToySearchTask(args.problems, policy_gamma=args.policy_gamma, step_tokens=args.step_tokens, seed=args.seed)
     problems = list(range(task.num_problems if args.limit is None else min(args.limit, task.num_problems)))

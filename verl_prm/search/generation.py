@@ -1,6 +1,6 @@
 """Step-wise generation from language models, and language-model critics of prefixes.
 
-Samplers (the ``StepSampler`` protocol of :mod:`verl_prm.search.core`):
+Samplers (the ``StepSampler`` protocol of :mod:`verl_prm.search`):
 
 - :class:`HFStepSampler`: Hugging Face transformers (CPU or GPU), batched, left padded. A step ends at the
   first delimiter match that follows non-whitespace text (the segmentation rule of ``verl_prm.steps``: a
@@ -28,7 +28,7 @@ import re
 import warnings
 from typing import Any, Sequence
 
-from verl_prm.search.core import Node, StepSample
+from verl_prm.search import Node, StepSample
 
 __all__ = [
     "HFStepSampler",

@@ -1,5 +1,5 @@
 """Search data: a node (a response prefix), a sampled step, compute counters, results, and the two
-protocols a back end implements (`StepSampler`, `PrefixCritic`); see ``verl_prm.search.core``."""
+protocols a back end implements (`StepSampler`, `PrefixCritic`); see ``verl_prm.search``."""
 
 from __future__ import annotations
 

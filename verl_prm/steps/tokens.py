@@ -145,7 +145,7 @@ def steps_at_char_ends(
     """Step tensors of responses whose steps are given as character ends in their decoded texts.
 
     The token-level half of ``split_steps``, for any step rule that works on text (``split_steps``'s delimiters,
-    ``verl_prm.code.steps``'s ast blocks, your own): step h of response b spans
+    ``verl_prm.steps.code``'s ast blocks, your own): step h of response b spans
     ``decoded.texts[b][step_char_ends[b][h-1]:step_char_ends[b][h]]``, and
 
         end_token[b, h] = min {t : char_ends[b, t] >= step_char_ends[b][h]}   (the token holding its last character)

@@ -1,7 +1,7 @@
 """`verl-prm train`: train a PAV on step labels (label shards of `verl-prm label` or of a converter).
 
     verl-prm train --labels labels/ --init PATH_TO_CAUSAL_LM --output-dir pav/ [options]
-    accelerate launch --num_processes 8 -m verl_prm.cli train ...     (several GPUs, DDP)
+    accelerate launch --num_processes 8 -m verl_prm.apps.cli train ...     (several GPUs, DDP)
 """
 
 from __future__ import annotations

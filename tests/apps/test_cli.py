@@ -1,0 +1,188 @@
+"""The `verl-prm` dispatcher: every command resolves to a callable, unknown commands fail with usage."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from verl_prm import cli
+
+
+@pytest.mark.parametrize("words", list(cli.COMMANDS))
+def test_every_command_resolves_to_a_main_function(words):
+    module_name, function_name = cli.COMMANDS[words][0].split(":")
+    assert callable(getattr(importlib.import_module(module_name), function_name))
+
+
+def test_unknown_command_prints_usage_and_fails(capsys):
+    assert cli.main(["no-such-command"]) == 2
+    assert "unknown command 'no-such-command'" in capsys.readouterr().err
+
+
+def test_help_lists_every_command(capsys):
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for words in cli.COMMANDS:
+        assert " ".join(words) in out
+
+
+def test_bench_steps_prints_the_machine_load_with_every_figure(capsys, monkeypatch):
+    import os
+
+    import torch
+
+    from verl_prm.apps.bench import steps
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.25, 0.5, 0.25))
+    # --threads: keep this test process's torch thread count as it is
+    assert steps.main(["--responses", "4", "--length", "32", "--repeats", "1", "--vocab-size", "300",
+                       "--threads", str(torch.get_num_threads())]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    load = f"load average 1.25 / 0.50 / 0.25 (1 / 5 / 15 min) on {os.cpu_count()} CPUs"
+    assert f"before the runs: {load}" in lines and f"after the runs: {load}" in lines
+    header = next(i for i, line in enumerate(lines) if line.startswith("method"))
+    assert lines[header].split()[-3:] == ["load", "1", "min"]
+    rows = lines[header + 1: lines.index(f"after the runs: {load}")]
+    assert len(rows) == 7 and all(row.split()[-1] == "1.25" for row in rows)
+
+
+# ---------------------------------------------------------------------------------------------- float flags
+
+FLOAT_FLAGS = [
+    (("label",), "--temperature"), (("label",), "--top-p"), (("label",), "--gpu-memory-utilization"),
+    (("label",), "--success-threshold"),
+    (("train",), "--eval-fraction"), (("train",), "--lr"), (("train",), "--min-lr-ratio"),
+    (("train",), "--weight-decay"), (("train",), "--grad-clip"),
+    (("search",), "--alpha"), (("search",), "--threshold"), (("search",), "--policy-gamma"),
+    (("search",), "--prover-gamma"), (("search",), "--temperature"), (("search",), "--top-p"),
+    (("eval", "processbench"), "--threshold"), (("eval", "processbench"), "--tune-fraction"),
+    (("demo",), "--gamma"), (("demo",), "--alpha"),
+    (("bench", "gpu"), "--budget-s"), (("bench", "gpu"), "--tests-timeout-s"), (("bench", "gpu"), "--peak-tflops"),
+    (("bench", "loop"), "--timeout"),
+]
+
+
+@pytest.mark.parametrize("words, flag", FLOAT_FLAGS, ids=[f"{' '.join(w)} {f}" for w, f in FLOAT_FLAGS])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e999"])
+def test_float_flags_reject_nan_and_inf_naming_the_flag(words, flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*words, f"{flag}={value}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"verl-prm {' '.join(words)}: error: argument {flag}: must be " in err
+    assert f"a finite number), got {value!r}" in err or f"a finite number, got {value!r}" in err
+
+
+@pytest.mark.parametrize("words, argv, message", [
+    (("search",), ["--alpha", "-0.5"], "argument --alpha: must be >= 0 (a finite number), got '-0.5'"),
+    (("search",), ["--top-p", "0"], "argument --top-p: must be in (0, 1] (a finite number), got '0'"),
+    (("train",), ["--lr", "0"], "argument --lr: must be > 0 (a finite number), got '0'"),
+    (("train",), ["--eval-fraction", "1"], "argument --eval-fraction: must be in [0, 1) (a finite number), got '1'"),
+    (("label",), ["--temperature", "-1"], "argument --temperature: must be >= 0 (a finite number), got '-1'"),
+    (("eval", "processbench"), ["--tune-fraction", "1.0"],
+     "argument --tune-fraction: must be in (0, 1) (a finite number), got '1.0'"),
+    (("eval", "processbench"), ["--thresholds", "0:nan:5"],
+     "argument --thresholds: must be START:STOP:COUNT (finite numbers, COUNT >= 1), got '0:nan:5'"),
+    (("demo",), ["--gammas", "1,nan,3"], "argument --gammas: 'nan' in '1,nan,3': must be > 0 (a finite number)"),
+    (("demo",), ["--gammas", "1,,3"], "argument --gammas: must be comma-separated numbers, got '1,,3'"),
+])
+def test_float_flags_check_their_range(words, argv, message, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([*words, *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_no_command_parses_a_plain_float():
+    """Every float flag goes through verl_prm.cli_types (`type=float` accepts 'nan' and 'inf')."""
+    import re
+    from pathlib import Path
+
+    import verl_prm
+
+    offenders = [f"{path}:{n}" for path in Path(verl_prm.__file__).parent.rglob("*.py")
+                 for n, line in enumerate(path.read_text().splitlines(), 1)
+                 if re.search(r"add_argument\(.*type=float\b", line)]
+    assert offenders == []
+
+
+def test_finite_float_accepts_finite_numbers_in_range():
+    from verl_prm.cli_types import finite_float, finite_floats
+
+    assert finite_float(0.0, 1.0)("1") == 1.0 and finite_float()("-1e-5") == -1e-5
+    assert finite_floats(0.0, low_open=True)("1, 3,10") == (1.0, 3.0, 10.0)
+
+
+# ---------------------------------------------------------------------------------------------- error output
+
+
+@pytest.fixture
+def fake_commands(tmp_path, monkeypatch):
+    """Commands that raise: expected errors (bad input) and unexpected ones (bugs)."""
+    (tmp_path / "fake_verl_prm_commands.py").write_text(
+        "from verl_prm.config.hook import ConfigError\n"
+        "def bad_value(argv): raise ValueError('row 3 of data.jsonl: q=5 is not a probability')\n"
+        "def bad_config(argv): raise ConfigError('verl_prm.critic.path is required')\n"
+        "def missing_file(argv): open('/no/such/file.jsonl')\n"
+        "def bug(argv): return {}['missing']\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    commands = dict(cli.COMMANDS)
+    for name in ("bad_value", "bad_config", "missing_file", "bug"):
+        commands[("fake", name)] = (f"fake_verl_prm_commands:{name}", "raises")
+    monkeypatch.setattr(cli, "COMMANDS", commands)
+    monkeypatch.setenv(cli.LOG_DIR_ENV, str(tmp_path / "logs"))
+    monkeypatch.delenv(cli.DEBUG_ENV, raising=False)
+    return tmp_path / "logs"
+
+
+@pytest.mark.parametrize("name, line, error_type", [
+    ("bad_value", "verl-prm fake bad_value: error: row 3 of data.jsonl: q=5 is not a probability", "ValueError"),
+    ("bad_config", "verl-prm fake bad_config: error: verl_prm.critic.path is required", "ConfigError"),
+    ("missing_file", "verl-prm fake missing_file: error: [Errno 2] No such file or directory: '/no/such/file.jsonl'",
+     "FileNotFoundError"),
+])
+def test_expected_errors_print_one_line_and_the_log_path(fake_commands, name, line, error_type, capsys):
+    assert cli.main(["fake", name, "--x"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == line and len(err) == 2
+    log = next(fake_commands.glob(f"fake-{name}-*.log"))
+    assert err[1] == f"verl-prm fake {name}: traceback in {log} (--debug or VERL_PRM_DEBUG=1 prints it here)"
+    text = log.read_text()
+    assert "Traceback (most recent call last)" in text and f"{error_type}:" in text
+
+
+def test_debug_flag_or_variable_shows_the_traceback(fake_commands, monkeypatch):
+    with pytest.raises(ValueError, match="q=5 is not a probability"):
+        cli.main(["--debug", "fake", "bad_value"])
+    with pytest.raises(ValueError, match="q=5 is not a probability"):
+        cli.main(["fake", "bad_value", "--debug"])
+    monkeypatch.setenv(cli.DEBUG_ENV, "1")
+    with pytest.raises(ValueError, match="q=5 is not a probability"):
+        cli.main(["fake", "bad_value"])
+    assert not fake_commands.exists()  # no log: the traceback went to the terminal
+
+
+def test_unexpected_errors_keep_their_traceback(fake_commands):
+    with pytest.raises(KeyError, match="missing"):
+        cli.main(["fake", "bug"])
+
+
+def test_real_command_error_is_one_line_without_traceback(tmp_path):
+    """`verl-prm eval processbench` on a missing input, as a user runs it: one line and the log path."""
+    import os
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "verl_prm.apps.cli", "eval", "processbench", "--input", str(tmp_path / "no.jsonl"),
+               "--scores-field", "scores"]
+    env = dict(os.environ, VERL_PRM_LOG_DIR=str(tmp_path / "logs"))
+    env.pop("VERL_PRM_DEBUG", None)
+    quiet = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert quiet.returncode == 1
+    lines = quiet.stderr.splitlines()
+    assert lines[0] == f"verl-prm eval processbench: error: [Errno 2] No such file or directory: '{tmp_path / 'no.jsonl'}'"
+    assert len(lines) == 2 and "Traceback" not in quiet.stderr
+    loud = subprocess.run(command + ["--debug"], capture_output=True, text=True, env=env, timeout=120)
+    assert loud.returncode == 1 and "Traceback (most recent call last)" in loud.stderr
+    assert "FileNotFoundError" in loud.stderr

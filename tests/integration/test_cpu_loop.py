@@ -1,0 +1,406 @@
+"""verl's own training loop on CPU: the CPU platform, the hf rollout, the startup check, and `main_ppo` end to end.
+
+Fast tests: platform selection (accelerator checks mocked), the device id, the runtime fixes' gating (a fresh
+process with VERL_PLATFORM=nvidia gets none of them), the rollout server against the model itself, the CPU
+startup check (also in a real `main_ppo` process, before Ray), `verl-prm patches --help`.
+
+Slow tests (two real `python -m verl.trainer.main_ppo` runs on a tiny Qwen2, one after the other):
+1. PAV-GRPO (`+verl_prm=pav`), 2 steps, critic on verl's pool (`placement.pool=colocated`), checkpoint at step
+   2, validation at step 2 with the `pav` reward manager;
+2. GRPO resumed from that checkpoint (`trainer.resume_mode=auto`) for step 3, critic on its own pool
+   (`placement.pool=own`, scoring the pav/* metrics of an outcome estimator).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ---------------------------------------------------------------------------------------------- platform
+
+
+def test_cpu_platform_is_chosen_only_without_an_accelerator():
+    from verl_prm.integrations.verl.platform import cpu
+
+    platform = cpu.CPUPlatform()
+    with mock.patch.object(cpu.torch.cuda, "is_available", return_value=False), \
+            mock.patch.object(cpu.shutil, "which", return_value=None):
+        assert platform.is_platform_available(use_smi_check=True)
+    with mock.patch.object(cpu.torch.cuda, "is_available", return_value=True), \
+            mock.patch.object(cpu.shutil, "which", return_value=None):
+        assert not platform.is_platform_available(use_smi_check=True)
+    for tool in cpu.ACCELERATOR_TOOLS:  # a CPU-only Ray actor on a GPU host: no device, but the vendor tool
+        with mock.patch.object(cpu.torch.cuda, "is_available", return_value=False), \
+                mock.patch.object(cpu.shutil, "which", side_effect=lambda name, t=tool: "/usr/bin/x" if name == t else None):
+            assert not platform.is_platform_available(use_smi_check=True), tool
+
+
+def test_verl_detection_picks_nvidia_on_a_gpu_host_and_cpu_without_one(monkeypatch):
+    from verl.plugin.platform import platform_manager
+    from verl.plugin.platform.platform_cuda import PlatformCUDA
+
+    from verl_prm.integrations.verl.platform import cpu
+
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    assert platform_manager.PlatformRegistry.get("cpu") is cpu.CPUPlatform  # registered by the plugin
+    with mock.patch.object(PlatformCUDA, "is_platform_available", return_value=True), \
+            mock.patch.object(cpu.torch.cuda, "is_available", return_value=True):
+        assert platform_manager._detect_platform_name() == "nvidia"
+    with mock.patch.object(PlatformCUDA, "is_platform_available", return_value=False), \
+            mock.patch.object(cpu, "accelerator_present", return_value=False):
+        assert platform_manager._detect_platform_name() == "cpu"
+    monkeypatch.setenv("VERL_PLATFORM", "cpu")
+    assert platform_manager._detect_platform_name() == "cpu"
+
+
+def test_cpu_device_id_is_the_cpu_and_formats_as_zero():
+    from verl_prm.integrations.verl.platform.cpu import CPU_DEVICE_ID, CPU_DEVICE_MODULE, CPUPlatform
+
+    platform = CPUPlatform()
+    assert f"{platform.device_name}:{platform.current_device()}" == "cpu:0"
+    assert torch.device(CPU_DEVICE_ID) == torch.device("cpu")
+    assert torch.zeros(2).to(CPU_DEVICE_ID).device == torch.device("cpu")
+    assert platform.communication_backend_name() == "gloo" and not platform.is_ipc_supported()
+    free, total = CPU_DEVICE_MODULE.mem_get_info()
+    assert 0 < free <= total
+    state = CPU_DEVICE_MODULE.get_rng_state()
+    first = torch.rand(3)
+    CPU_DEVICE_MODULE.set_rng_state(state)
+    assert torch.equal(torch.rand(3), first)
+
+
+def test_fixes_run_only_where_the_cpu_platform_is_active():
+    from verl_prm.integrations.verl.platform import fixes
+
+    calls = []
+    with mock.patch.object(fixes, "cpu_platform_active", return_value=False):
+        fixes._when_cpu(lambda: calls.append("fix"))()
+    assert calls == []
+    with mock.patch.object(fixes, "cpu_platform_active", return_value=True):
+        fixes._when_cpu(lambda: calls.append("fix"))()
+    assert calls == ["fix"]
+
+
+GPU_PLATFORM_SCRIPT = """
+import verl
+import verl.utils.distributed as distributed
+from verl.workers.engine.base import EngineRegistry
+import verl.workers.engine  # registers the engines
+from verl.plugin.platform import get_platform
+from verl_prm.integrations.verl.platform.fixes import installed_fixes
+engines = EngineRegistry._engines["language_model"]["fsdp2"]
+print("PLATFORM", get_platform().device_name)
+print("FIXES", list(installed_fixes()))
+print("DEFAULTS", distributed.initialize_global_process_group_ray.__defaults__)
+print("CPU_ENGINE", "cpu" in engines)
+import verl.models.transformers.monkey_patch as monkey_patch  # the TRL import fix applies on every platform
+from verl_prm.integrations.verl.trl_fix import trl_fix_installed, trl_has_value_head
+print("TRL_FIX", monkey_patch.is_trl_available() is False or trl_has_value_head())
+print("TRL_FIX_INSTALLED", trl_fix_installed())
+"""
+
+
+@pytest.mark.slow
+def test_nothing_of_the_cpu_platform_is_active_on_a_gpu_platform():
+    """A fresh process on the nvidia platform (VERL_PLATFORM=nvidia; this host has no GPU): the plugin registers
+    the cpu platform name, but no CPU fix is applied and verl's functions and engine registry are untouched."""
+    env = dict(os.environ, VERL_PLATFORM="nvidia")
+    result = subprocess.run([sys.executable, "-c", GPU_PLATFORM_SCRIPT], env=env, capture_output=True, text=True,
+                            timeout=240, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "PLATFORM cuda" in result.stdout
+    import importlib.util
+
+    from verl_prm.integrations.verl.trl_fix import trl_has_value_head
+
+    assert "FIXES []" in result.stdout
+    # The fix that is not about the CPU: verl's TRL import, needed on any device when TRL lacks the class.
+    trl_fix = importlib.util.find_spec("trl") is not None and not trl_has_value_head()
+    assert f"TRL_FIX_INSTALLED {trl_fix}" in result.stdout
+    assert "DEFAULTS (None, None)" in result.stdout
+    assert "CPU_ENGINE False" in result.stdout
+    assert "TRL_FIX True" in result.stdout
+
+
+def test_flops_counter_runs_on_the_cpu_platform(monkeypatch):
+    from verl.plugin.platform import platform_manager
+    from verl.utils.flops_counter import get_device_flops
+
+    from verl_prm.integrations.verl.platform.cpu import CPUPlatform
+
+    monkeypatch.setattr(platform_manager, "_current_platform", CPUPlatform())
+    assert math.isfinite(get_device_flops()) and get_device_flops() > 0
+
+
+# ---------------------------------------------------------------------------------------------- hf rollout
+
+
+@pytest.fixture(scope="module")
+def loop_dir(tmp_path_factory):
+    from verl_prm.apps.cpu_loop import prepare
+
+    work = tmp_path_factory.mktemp("cpu_loop")
+    prepare(work)
+    return work
+
+
+def _server(loop_dir, **config):
+    from omegaconf import OmegaConf
+
+    from verl_prm.integrations.verl.platform.rollout import HFRolloutServer
+
+    rollout = OmegaConf.create({"dtype": "float32", "max_model_len": None, "prompt_length": 64,
+                                "response_length": 12, "seed": 0, **config})
+    server = HFRolloutServer(rollout, OmegaConf.create({"path": str(loop_dir / "policy")}), replica_rank=0,
+                             max_batch_size=8)
+    server.load()
+    return server
+
+
+def test_sample_groups_batch_requests_with_equal_settings():
+    from verl_prm.integrations.verl.platform.rollout import sample_groups
+
+    base = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 8, "logprobs": True}
+    requests = [base, {**base, "temperature": 0.0}, base, {**base, "max_tokens": 4}]
+    assert sorted(sample_groups(requests).values()) == [[0, 2], [1], [3]]
+
+
+def test_hf_rollout_greedy_batch_matches_the_model_and_its_log_probs(loop_dir):
+    """Concurrent requests are generated as one left-padded batch: each greedy response equals the model's
+    own greedy continuation of that prompt alone, and the log-probs are those of the model on prompt + response."""
+    server = _server(loop_dir)
+    prompts = [[40, 41, 42, 10], [50, 51, 10], [60, 61, 62, 63, 64, 10]]
+
+    async def generate_all():
+        return await asyncio.gather(*[
+            server.generate(prompt_ids=p, sampling_params={"temperature": 0.0, "top_p": 1.0, "top_k": -1,
+                                                             "logprobs": True}, request_id=str(i))
+            for i, p in enumerate(prompts)])
+
+    outputs = asyncio.run(generate_all())
+    model = server.model
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ids = torch.tensor([prompt])
+        alone = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                               max_new_tokens=12, eos_token_id=server.eos_token_ids, pad_token_id=server.pad_token_id)
+        expected = alone[0, len(prompt):].tolist()
+        if server.eos_token_ids[0] in expected:
+            expected = expected[: expected.index(server.eos_token_ids[0]) + 1]
+        assert output.token_ids == expected
+        full = torch.tensor([prompt + output.token_ids])
+        with torch.no_grad():
+            log_probs = torch.log_softmax(model(full).logits[0, len(prompt) - 1:-1].float(), dim=-1)
+        reference = log_probs.gather(-1, torch.tensor(output.token_ids)[:, None]).squeeze(-1)
+        assert torch.allclose(torch.tensor(output.log_probs), reference, atol=1e-4)
+        assert output.stop_reason == "completed"
+
+
+def test_hf_rollout_loads_weights_and_rejects_foreign_names(loop_dir):
+    server = _server(loop_dir)
+    state = {name: torch.zeros_like(t) for name, t in server.model.state_dict().items() if name != "lm_head.weight"}
+    assert server.load_weights(state) == len(state)
+    assert all(float(t.abs().sum()) == 0.0 for t in server.model.state_dict().values())
+    with pytest.raises(KeyError, match="does not have: \\['model.extra.weight'\\]"):
+        server.load_weights({**state, "model.extra.weight": torch.zeros(1)})
+    missing = dict(state)
+    missing.pop("model.norm.weight")
+    with pytest.raises(KeyError, match="lacks parameters of the rollout model: \\['model.norm.weight'\\]"):
+        server.load_weights(missing)
+
+
+def test_hf_rollout_rejects_a_prompt_without_room(loop_dir):
+    server = _server(loop_dir, max_model_len=8)
+    with pytest.raises(ValueError, match="max_model_len=8"):
+        server._request(list(range(8)), {})
+
+
+# ---------------------------------------------------------------------------------------------- startup check
+
+
+def _good_cpu_config():
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({
+        "trainer": {"device": "cpu", "n_gpus_per_node": 1, "nnodes": 1},
+        "actor_rollout_ref": {"actor": {"strategy": "fsdp2"}, "ref": {"strategy": "fsdp2"}, "rollout": {"name": "hf"},
+                              "model": {"override_config": {"attn_implementation": "sdpa"}}},
+        "ray_kwargs": {"ray_init": {"num_gpus": 1}},
+    })
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("actor_rollout_ref.actor.strategy", "fsdp", "set actor_rollout_ref.actor.strategy=fsdp2"),
+    ("actor_rollout_ref.rollout.name", "vllm", "set actor_rollout_ref.rollout.name=hf"),
+    ("actor_rollout_ref.model.override_config.attn_implementation", "flash_attention_2",
+     "set +actor_rollout_ref.model.override_config.attn_implementation=sdpa"),
+    ("ray_kwargs.ray_init.num_gpus", None, "set +ray_kwargs.ray_init.num_gpus=1"),
+    ("ray_kwargs.ray_init.num_gpus", float("nan"), "ray_kwargs.ray_init.num_gpus must be >= 0 \\(a finite number\\), got nan"),
+])
+def test_cpu_startup_check_names_the_key_and_the_value_to_use(key, value, message):
+    from omegaconf import OmegaConf
+
+    from verl_prm.config.hook import ConfigError
+    from verl_prm.integrations.verl.platform.checks import CPUStartupCheck
+
+    config = _good_cpu_config()
+    OmegaConf.update(config, key, value)
+    pattern = message if "\\(" in message else message.replace("+", "\\+")
+    with pytest.raises(ConfigError, match="verl-prm startup check failed: trainer.device=cpu: .*" + pattern):
+        CPUStartupCheck(config.trainer, config.actor_rollout_ref, config.ray_kwargs)
+
+
+def test_cpu_startup_check_passes_a_cpu_run_and_leaves_gpu_runs_alone():
+    from verl_prm.config.hook import ConfigError
+    from verl_prm.integrations.verl.platform.checks import check_cpu_run
+
+    config = _good_cpu_config()
+    check_cpu_run(config.trainer, config.actor_rollout_ref, config.ray_kwargs)
+    config.trainer.device = "cuda"
+    config.actor_rollout_ref.actor.strategy = "fsdp"  # a GPU run: nothing of the CPU check applies
+    check_cpu_run(config.trainer, config.actor_rollout_ref, config.ray_kwargs, accelerator=True)
+    with pytest.raises(ConfigError, match="no accelerator .*: set trainer.device=cpu"):
+        check_cpu_run(config.trainer, config.actor_rollout_ref, config.ray_kwargs, accelerator=False)
+
+
+@pytest.mark.slow
+def test_main_ppo_with_a_gpu_only_setting_on_cpu_fails_before_ray(loop_dir):
+    from verl_prm.apps.cpu_loop import main_ppo_args
+
+    args = main_ppo_args(loop_dir, "pav_grpo", steps=1, extra=["actor_rollout_ref.actor.strategy=fsdp"])
+    result = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *args], capture_output=True, text=True,
+                            timeout=240, cwd=REPO)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert ("verl-prm startup check failed: trainer.device=cpu: actor_rollout_ref.actor.strategy=fsdp needs an "
+            "accelerator") in output
+    assert "set actor_rollout_ref.actor.strategy=fsdp2" in output
+    assert "ray init kwargs" not in output  # raised while Hydra builds its callbacks: Ray never started
+
+
+def test_patches_help_is_plain_text():
+    from verl_prm.integrations.verl.patches import main
+
+    with pytest.raises(SystemExit) as exit_info, mock.patch("sys.stdout") as stdout:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = "".join(call.args[0] for call in stdout.write.call_args_list)
+    assert "verl-prm patches" in text and "``" not in text
+
+
+# ---------------------------------------------------------------------------------------------- main_ppo end to end
+
+
+def _step_metrics(result, step: int) -> dict:
+    records = {record["step"]: record["data"] for record in result.metrics}
+    assert step in records, f"main_ppo logged steps {sorted(records)}, not step {step}; log tail:\n{result.tail()}"
+    return records[step]
+
+
+@pytest.fixture(scope="module")
+def loop_runs(loop_dir):
+    """PAV-GRPO for 2 steps (checkpoint + validation at step 2), then GRPO resumed for step 3 (critic on its own
+    pool). Sequential: each run peaks at ~7 GiB."""
+    from verl_prm.apps.cpu_loop import main_ppo_args, run_main_ppo
+
+    runs = {}
+    runs["pav_grpo"] = run_main_ppo(
+        main_ppo_args(loop_dir, "pav_grpo", steps=2, save_freq=2, test_freq=2, critic_pool="colocated"),
+        loop_dir / "pav_grpo.jsonl", loop_dir / "pav_grpo.log", timeout=600)
+    if runs["pav_grpo"].returncode == 0:
+        runs["grpo_resumed"] = run_main_ppo(
+            main_ppo_args(loop_dir, "grpo", steps=3, run_name="grpo_resumed", checkpoint_name="pav_grpo",
+                          resume=True, critic_pool="own"),
+            loop_dir / "grpo_resumed.jsonl", loop_dir / "grpo_resumed.log", timeout=600)
+    return runs
+
+
+@pytest.mark.slow
+def test_main_ppo_pav_grpo_two_steps_on_cpu(loop_runs):
+    result = loop_runs["pav_grpo"]
+    assert result.returncode == 0, f"main_ppo pav_grpo exited {result.returncode}; log tail:\n{result.tail()}"
+    assert [record["step"] for record in result.metrics] == [1, 2]
+    for step in (1, 2):
+        metrics = _step_metrics(result, step)
+        pav = {key: value for key, value in metrics.items() if key.startswith("pav/")}
+        assert {"pav/steps_per_response", "pav/process_term/mean", "pav/v0_mean", "pav/critic_seconds"} <= set(pav), \
+            f"step {step}: pav metrics {sorted(pav)}"
+        bad = {key: value for key, value in pav.items() if not math.isfinite(value)}
+        assert not bad, f"step {step}: non-finite pav metrics {bad}"
+        assert pav["pav/steps_per_response"] > 0, f"step {step}: no steps were scored"
+        assert metrics["actor/grad_norm"] > 0, f"step {step}: actor grad norm {metrics['actor/grad_norm']}"
+        # rewards are all 0 for a random policy: the non-zero advantages are PAV's process term
+        assert metrics["critic/advantages/max"] > metrics["critic/advantages/min"], f"step {step}: constant advantages"
+        assert "timing_s/pav_critic" in metrics, f"step {step}: no critic timing"
+
+
+@pytest.mark.slow
+def test_main_ppo_validation_with_the_pav_reward_manager(loop_runs):
+    metrics = _step_metrics(loop_runs["pav_grpo"], 2)
+    source = "arithmetic_mod"
+    assert math.isfinite(metrics[f"val-core/{source}/acc/mean@1"])
+    # the pav reward manager's extra info, averaged by verl's validation
+    for key in ("pav_num_steps", "pav_response_tokens", "pav_truncated"):
+        assert math.isfinite(metrics[f"val-aux/{source}/{key}/mean@1"]), key
+    assert metrics[f"val-aux/{source}/pav_response_tokens/mean@1"] > 0
+
+
+@pytest.mark.slow
+def test_main_ppo_checkpoint_resume_continues_at_the_next_step(loop_runs, loop_dir):
+    assert (loop_dir / "checkpoints" / "pav_grpo" / "global_step_2" / "actor").is_dir()
+    assert "grpo_resumed" in loop_runs, "the PAV-GRPO run failed, nothing to resume"
+    result = loop_runs["grpo_resumed"]
+    assert result.returncode == 0, f"main_ppo grpo (resumed) exited {result.returncode}; log tail:\n{result.tail()}"
+    assert [record["step"] for record in result.metrics] == [3]
+    assert "Resuming from" in result.log_path.read_text() and "global_step_2" in result.log_path.read_text()
+    metrics = _step_metrics(result, 3)
+    # GRPO with the critic on its own pool: verl's advantages, the hook's pav/* metrics only
+    assert math.isfinite(metrics["pav/v0_mean"]) and metrics["pav/steps_per_response"] > 0
+    assert metrics["training/global_step"] == 3
+
+
+def test_launcher_runs_the_same_main_ppo_command_as_the_tests(tmp_path):
+    """examples/cpu_loop/run.sh spells the command out for users; it must be main_ppo_args' command."""
+    from verl_prm.apps.cpu_loop import main_ppo_args
+    from verl_prm.apps.arithmetic import score
+
+    lines = (REPO / "examples" / "cpu_loop" / "run.sh").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.rstrip().endswith("python3 -m verl.trainer.main_ppo \\"))
+    overrides = []
+    for line in lines[start + 1:]:
+        item = line.strip().rstrip("\\").strip()
+        if item == '"$@"':
+            break
+        if item.startswith("`#"):
+            continue
+        overrides.append(item)
+    for estimator in ("grpo", "pav_grpo"):
+        values = {"$WORK_DIR": str(tmp_path), "$ADV_ESTIMATOR": estimator, "$SCORE_FILE": score.__file__, "$STEPS": "2"}
+        script = []
+        for item in overrides:
+            for name, value in values.items():
+                item = item.replace(name, value)
+            script.append(item.replace('"', "").replace("'", ""))
+        assert script == main_ppo_args(tmp_path, estimator, steps=2)
+
+
+def test_bench_loop_averages_steps_after_the_first():
+    from verl_prm.apps.bench.loop import phase_means, table
+
+    metrics = [{"step": 2, "data": {"timing_s/step": 3.0, "timing_s/adv": 0.3}},
+               {"step": 1, "data": {"timing_s/step": 10.0, "timing_s/adv": 1.0}},
+               {"step": 3, "data": {"timing_s/step": 5.0, "timing_s/adv": 0.1}}]
+    assert phase_means(metrics) == {"step": 4.0, "adv": 0.2}
+    assert phase_means(metrics[1:2]) == {"step": 10.0, "adv": 1.0}  # one step: nothing to skip
+    text = table({"step": 2.0, "adv": 0.1}, {"step": 4.0, "adv": 0.2})
+    assert "adv" in text and "2.00" in text and "5.0%" in text

@@ -1,0 +1,585 @@
+"""Prover critic: every format scores all steps in one packed pass exactly as one forward pass per prefix does.
+
+Tiny Qwen2 models with random weights are built from configs, saved with ``save_pretrained`` (safetensors) and
+loaded back through ``ProverCritic.from_pretrained`` (trust_remote_code=False). The reference is independent of
+the scorer: the plain transformers model run on each prefix separately, markers inserted by a loop here.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2ForTokenClassification,
+)
+
+from verl_prm.critic import ProverCritic
+from verl_prm.critic.packing import padding_share, plan_micro_batches
+
+TOL = 1e-4
+FORMATS = ("value_head", "qwen_prm", "qwen_prm_public", "math_shepherd", "value_head_lm")
+MARKERS = {"qwen_prm": "<extra_0>", "qwen_prm_public": "<extra_0>", "math_shepherd": "ки"}
+
+
+def _config(vocab_size: int, **extra) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        **extra,
+    )
+
+
+def _copy_tokenizer(tokenizer, directory: Path, marker: str | None) -> PreTrainedTokenizerFast:
+    """A fresh copy (the session fixture must stay unchanged), with the format's marker as a special token."""
+    tokenizer.save_pretrained(directory)
+    copy = PreTrainedTokenizerFast.from_pretrained(directory)
+    if marker is not None:
+        copy.add_special_tokens({"additional_special_tokens": [marker]})
+        copy.save_pretrained(directory)
+    return copy
+
+
+def _add_tensors(directory: Path, extra: dict[str, torch.Tensor]) -> None:
+    """Append head tensors to model.safetensors, the layout of public PRM checkpoints with custom heads."""
+    file = directory / "model.safetensors"
+    tensors = load_file(file)
+    tensors.update({k: v.contiguous() for k, v in extra.items()})
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+CALIBRATION_TEXT = (
+    "Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for her "
+    "friends every day with four.\nShe sells the remainder at the farmers' market daily for $2 per fresh duck egg."
+)
+
+
+def _spread_direction(features: torch.Tensor, scale: float = 2.0) -> torch.Tensor:
+    """A random direction w with w . mean(features) = 0 and std(features @ w) = scale: a head along it gives
+    values spread over (0, 1) instead of the near-constant output of a random head on a tiny random model."""
+    mean = features.mean(0)
+    w = torch.linalg.svd(features - mean, full_matrices=False).Vh[0]  # the direction of largest spread
+    w = w - (w @ mean) / (mean @ mean) * mean
+    return w * (scale / (features @ w).std())
+
+
+def _shrink_marker_embedding(model, marker: int) -> None:
+    """A marker's hidden state in a tiny random model is dominated by its own embedding, so all markers look
+    alike; a small embedding lets attention over the context dominate, as in a trained PRM."""
+    with torch.no_grad():
+        model.get_input_embeddings().weight[marker] *= 0.02
+
+
+def build_checkpoint(kind: str, tokenizer, directory: Path, seed: int = 0) -> Path:
+    """Save a tiny random critic of format ``kind`` (see FORMATS) with its tokenizer in ``directory``."""
+    torch.manual_seed(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = _copy_tokenizer(tokenizer, directory, MARKERS.get(kind))
+    vocab = len(tok)
+    ids = tok.encode(CALIBRATION_TEXT, add_special_tokens=False)
+    if kind in MARKERS:  # values are read at markers: calibrate on hidden states of a text with markers
+        marker = tok.convert_tokens_to_ids(MARKERS[kind])
+        ids = [t for i in range(0, len(ids), 5) for t in ids[i : i + 5] + [marker]]
+    x = torch.tensor([ids])
+    read = x[0] == marker if kind in MARKERS else torch.ones(len(ids), dtype=torch.bool)
+    if kind in ("value_head", "qwen_prm"):
+        model = Qwen2ForTokenClassification(_config(vocab, num_labels=1 if kind == "value_head" else 2)).eval()
+        if kind in MARKERS:
+            _shrink_marker_embedding(model, marker)
+        with torch.no_grad():
+            w = _spread_direction(model.model(x).last_hidden_state[0][read])
+            model.score.weight.copy_(torch.stack([w] if kind == "value_head" else [-w / 2, w / 2]))
+            model.score.bias.zero_()
+        model.save_pretrained(directory)
+    elif kind == "math_shepherd":
+        model = Qwen2ForCausalLM(_config(vocab)).eval()
+        _shrink_marker_embedding(model, marker)
+        with torch.no_grad():
+            w = _spread_direction(model.model(x).last_hidden_state[0][read])
+            model.lm_head.weight[tok.convert_tokens_to_ids("+")] = w / 2
+            model.lm_head.weight[tok.convert_tokens_to_ids("-")] = -w / 2
+        model.save_pretrained(directory)
+    elif kind in ("value_head_lm", "qwen_prm_public"):
+        model = Qwen2ForCausalLM(_config(vocab)).eval()
+        if kind in MARKERS:
+            _shrink_marker_embedding(model, marker)
+        model.save_pretrained(directory)
+        with torch.no_grad():
+            hidden_states = model.model(x).last_hidden_state[0][read]
+        size = model.config.hidden_size
+        if kind == "value_head_lm":  # Skywork layout: v_head.summary = Linear(H, 1)
+            extra = {"v_head.summary.weight": _spread_direction(hidden_states)[None], "v_head.summary.bias": torch.zeros(1)}
+        else:  # Qwen2.5-Math-PRM layout: score = Sequential(Linear(H, H), ReLU, Linear(H, 2)), custom architecture
+            w0, b0 = torch.randn(size, size) / size**0.5, torch.randn(size) * 0.1
+            w = _spread_direction(torch.relu(hidden_states @ w0.T + b0))
+            extra = {"score.0.weight": w0, "score.0.bias": b0, "score.2.weight": torch.stack([-w / 2, w / 2]),
+                     "score.2.bias": torch.zeros(2)}
+            config = json.loads((directory / "config.json").read_text())
+            config["architectures"] = ["Qwen2ForProcessRewardModel"]
+            (directory / "config.json").write_text(json.dumps(config))
+        _add_tensors(directory, extra)
+    else:
+        raise ValueError(kind)
+    return directory
+
+
+def format_name(kind: str) -> str:
+    return "qwen_prm" if kind == "qwen_prm_public" else kind
+
+
+class PrefixReference:
+    """Values by one forward pass of the plain transformers model per prefix (the naive public-script way)."""
+
+    def __init__(self, kind: str, path: Path):
+        self.kind = kind
+        tok = PreTrainedTokenizerFast.from_pretrained(path)
+        self.marker = tok.convert_tokens_to_ids(MARKERS[kind]) if kind in MARKERS else None
+        if kind in ("value_head", "qwen_prm"):
+            self.model = AutoModelForTokenClassification.from_pretrained(path).eval()
+        elif kind == "math_shepherd":
+            self.model = AutoModelForCausalLM.from_pretrained(path).eval()
+            self.candidates = [tok.convert_tokens_to_ids("+"), tok.convert_tokens_to_ids("-")]
+        else:
+            self.model = AutoModel.from_pretrained(path).eval()
+            self.head = load_file(path / "model.safetensors")
+
+    @torch.inference_mode()
+    def value_at_last(self, ids: list[int]) -> float:
+        x = torch.tensor([ids])
+        if self.kind == "value_head":
+            return torch.sigmoid(self.model(x).logits[0, -1, 0]).item()
+        if self.kind == "qwen_prm":
+            return torch.softmax(self.model(x).logits[0, -1], -1)[1].item()
+        if self.kind == "math_shepherd":
+            return torch.softmax(self.model(x).logits[0, -1, self.candidates], -1)[0].item()
+        h = self.model(x).last_hidden_state[0, -1]
+        if self.kind == "value_head_lm":
+            return torch.sigmoid(h @ self.head["v_head.summary.weight"][0] + self.head["v_head.summary.bias"][0]).item()
+        z = torch.relu(self.head["score.0.weight"] @ h + self.head["score.0.bias"])
+        return torch.softmax(self.head["score.2.weight"] @ z + self.head["score.2.bias"], -1)[1].item()
+
+    def prefix(self, ids: list[int], ends: list[int]) -> list[int]:
+        """ids up to ends[-1] with a marker after every end (marker formats), written independently of
+        verl_prm.critic.packing."""
+        if self.marker is None:
+            return ids[: ends[-1] + 1]
+        out, start = [], 0
+        for end in ends:
+            out += ids[start : end + 1] + [self.marker]
+            start = end + 1
+        return out
+
+    def score(self, ids: list[int], prompt_end: int, step_ends: list[int]) -> list[float]:
+        ends = [prompt_end, *step_ends]
+        return [self.value_at_last(self.prefix(ids, ends[: h + 1])) for h in range(len(ends))]
+
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, bpe_small) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("critics")
+    return {kind: build_checkpoint(kind, bpe_small, root / kind, seed=i) for i, kind in enumerate(FORMATS)}
+
+
+@pytest.fixture(scope="module")
+def samples(repo_data) -> list[tuple[str, str]]:
+    """GSM8K question/answer pairs; answers are split into steps at "\\n"."""
+    rows = [json.loads(line) for line in (repo_data / "gsm8k_test.jsonl").read_text().splitlines()[:40]]
+    rng = random.Random(0)
+    picked = rng.sample(rows, 6)
+    return [(r["question"], r["answer"]) for r in picked]
+
+
+def _sequences(tokenizer, samples, rng: random.Random, steps: int = 4):
+    """Critic-side ids with random step ends (the tensor entry point takes arbitrary valid positions)."""
+    input_ids, prompt_ends, step_ends = [], [], []
+    for question, answer in samples:
+        p = tokenizer.encode(question, add_special_tokens=False)
+        r = tokenizer.encode(answer, add_special_tokens=False)
+        cut = rng.randint(len(r) // 2, len(r))  # varied lengths
+        r = r[:cut]
+        h = rng.randint(0, min(steps, len(r)))
+        ends = sorted(rng.sample(range(len(r)), h))
+        input_ids.append(p + r)
+        prompt_ends.append(len(p) - 1)
+        step_ends.append([len(p) + e for e in ends])
+    return input_ids, prompt_ends, step_ends
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize("packing", ["varlen", "padded"])
+def test_packed_equals_per_prefix(kind, packing, checkpoints, samples):
+    path = checkpoints[kind]
+    critic = ProverCritic.from_pretrained(str(path), format=format_name(kind), packing=packing, max_tokens_per_batch=400)
+    assert critic.packing == packing
+    ids, prompt_ends, step_ends = _sequences(critic.tokenizer, samples, random.Random(1))
+    scores = critic.score_sequences(ids, prompt_ends, step_ends)
+    reference = PrefixReference(kind, path)
+    all_values = []
+    for b in range(len(ids)):
+        expected = reference.score(ids[b], prompt_ends[b], step_ends[b])
+        h = len(step_ends[b])
+        assert int(scores.num_steps[b]) == h
+        got = [float(scores.prompt_values[b])] + scores.step_values[b, :h].tolist()
+        assert got == pytest.approx(expected, abs=TOL), f"{kind} sample {b}"
+        assert torch.all(scores.step_values[b, h:] == 0)
+        all_values += expected
+    # the random heads spread values over (0, 1): a misread position would not go unnoticed
+    assert torch.tensor(all_values).std() > 0.02
+
+
+@pytest.mark.parametrize("kind", ["value_head", "math_shepherd"])
+def test_order_preserved_under_shuffled_lengths(kind, checkpoints, samples):
+    critic = ProverCritic.from_pretrained(str(checkpoints[kind]), format=kind, max_tokens_per_batch=300)
+    rng = random.Random(2)
+    ids, prompt_ends, step_ends = _sequences(critic.tokenizer, samples * 2, rng)
+    base = critic.score_sequences(ids, prompt_ends, step_ends)
+    assert len(critic.plan(critic.build_inputs(ids, prompt_ends, step_ends))) > 2  # several micro-batches
+    order = list(range(len(ids)))
+    rng.shuffle(order)
+    shuffled = critic.score_sequences([ids[i] for i in order], [prompt_ends[i] for i in order],
+                                      [step_ends[i] for i in order])
+    torch.testing.assert_close(shuffled.prompt_values, base.prompt_values[order], atol=TOL, rtol=0)
+    torch.testing.assert_close(shuffled.step_values, base.step_values[order], atol=TOL, rtol=0)
+    torch.testing.assert_close(shuffled.num_steps, base.num_steps[order])
+    # each sample alone gives the same values as in the batch
+    alone = critic.score_sequences(ids[3:4], prompt_ends[3:4], step_ends[3:4])
+    h = int(alone.num_steps[0])
+    torch.testing.assert_close(alone.step_values[0, :h], base.step_values[3, :h], atol=TOL, rtol=0)
+
+
+def test_best_of_k_applied_only_when_asked(checkpoints, samples):
+    path = str(checkpoints["value_head"])
+    raw_critic = ProverCritic.from_pretrained(path)
+    bo4_critic = ProverCritic.from_pretrained(path, best_of_k=4)
+    ids, prompt_ends, step_ends = _sequences(raw_critic.tokenizer, samples, random.Random(3))
+    raw = raw_critic.score_sequences(ids, prompt_ends, step_ends)
+    bo4 = bo4_critic.score_sequences(ids, prompt_ends, step_ends)
+    torch.testing.assert_close(bo4.prompt_values, 1 - (1 - raw.prompt_values) ** 4)
+    valid = torch.arange(raw.step_values.shape[1])[None] < raw.num_steps[:, None]
+    torch.testing.assert_close(bo4.step_values, torch.where(valid, 1 - (1 - raw.step_values) ** 4, 0.0))
+    with pytest.raises(ValueError, match="k must be an integer"):
+        ProverCritic.from_pretrained(path, best_of_k=0)
+
+
+def test_too_long_names_the_sample_and_left_prompt_truncation(checkpoints, samples):
+    path = checkpoints["qwen_prm"]
+    ids, prompt_ends, step_ends = _sequences(
+        PreTrainedTokenizerFast.from_pretrained(path), samples, random.Random(4)
+    )
+    lengths = [len(x) + 1 + len(e) for x, e in zip(ids, step_ends)]  # with markers
+    longest = max(range(len(ids)), key=lambda i: lengths[i])
+    limit = sorted(lengths)[-2]  # only the longest sample does not fit
+    assert lengths[longest] > limit
+    strict = ProverCritic.from_pretrained(str(path), format="qwen_prm", max_length=limit)
+    with pytest.raises(ValueError, match=rf"sample {longest}: the critic input has {lengths[longest]} tokens"):
+        strict.score_sequences(ids, prompt_ends, step_ends)
+
+    truncating = ProverCritic.from_pretrained(str(path), format="qwen_prm", max_length=limit, truncation="left_prompt")
+    scores = truncating.score_sequences(ids, prompt_ends, step_ends)
+    drop = lengths[longest] - limit
+    assert drop <= prompt_ends[longest]
+    reference = PrefixReference("qwen_prm", path)
+    expected = reference.score(ids[longest][drop:], prompt_ends[longest] - drop,
+                               [e - drop for e in step_ends[longest]])
+    h = len(step_ends[longest])
+    got = [float(scores.prompt_values[longest])] + scores.step_values[longest, :h].tolist()
+    assert got == pytest.approx(expected, abs=TOL)
+
+    # the response alone is too long: still an error, also with left_prompt
+    response_only = ProverCritic.from_pretrained(str(path), format="qwen_prm", max_length=lengths[longest] - prompt_ends[longest] - 1,
+                                                 truncation="left_prompt")
+    with pytest.raises(ValueError, match=rf"sample {longest}: .*alone needs"):
+        response_only.score_sequences(ids, prompt_ends, step_ends)
+
+
+def test_nan_from_the_model_names_the_sample(tmp_path, bpe_small, samples):
+    path = build_checkpoint("value_head", bpe_small, tmp_path / "nan")
+    critic = ProverCritic.from_pretrained(str(path))
+    ids, prompt_ends, step_ends = _sequences(critic.tokenizer, samples, random.Random(5))
+    used = {t for x in ids for t in x} | {critic.pad_id}
+    poison = next(t for t in range(len(critic.tokenizer)) if t not in used)  # in no sample, and not padding
+    with torch.no_grad():
+        critic.adapter.backbone.embed_tokens.weight[poison] = float("nan")
+    # the poisoned token appears only in sample 2's response, before its last step end
+    ids[2] = list(ids[2])
+    ids[2][step_ends[2][-1] if step_ends[2] else prompt_ends[2]] = poison
+    with pytest.raises(FloatingPointError, match="sample 2: the critic produced NaN/inf"):
+        critic.score_sequences(ids, prompt_ends, step_ends)
+
+
+def test_bad_positions_name_the_sample(checkpoints):
+    critic = ProverCritic.from_pretrained(str(checkpoints["value_head"]))
+    with pytest.raises(ValueError, match=r"sample 1: step_ends\[1\]=3"):
+        critic.score_sequences([[5, 6, 7, 8], [5, 6, 7, 8]], [0, 0], [[2], [3, 3]])
+    with pytest.raises(ValueError, match="unknown critic format"):
+        ProverCritic.from_pretrained(str(checkpoints["value_head"]), format="nope")
+    with pytest.raises(ValueError, match="num_labels=1"):
+        ProverCritic.from_pretrained(str(checkpoints["qwen_prm"]), format="value_head")
+
+
+# ---------------------------------------------------------------------------------------------- policy tokens
+
+
+def _policy_batch(tokenizer, samples):
+    """verl layout: prompts left-padded [B, P], responses right-padded with EOS [B, T], attention_mask [B, P+T]."""
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    prompt_rows = [tokenizer.encode(q, add_special_tokens=False) for q, _ in samples]
+    response_rows = [tokenizer.encode(a, add_special_tokens=False) + [eos] for _, a in samples]
+    width_p = max(map(len, prompt_rows))
+    width_r = max(map(len, response_rows)) + 3
+    prompts = torch.tensor([[pad] * (width_p - len(r)) + r for r in prompt_rows])
+    responses = torch.tensor([r + [pad] * (width_r - len(r)) for r in response_rows])
+    mask = torch.cat(
+        [
+            torch.tensor([[0] * (width_p - len(r)) + [1] * len(r) for r in prompt_rows]),
+            torch.tensor([[1] * len(r) + [0] * (width_r - len(r)) for r in response_rows]),
+        ],
+        dim=1,
+    )
+    return prompts, responses, mask
+
+
+@pytest.mark.parametrize("kind", ["value_head", "qwen_prm"])
+def test_policy_tokens_with_another_tokenizer_equal_scoring_the_text(kind, checkpoints, samples, bpe_large, bpe_small):
+    from verl_prm.steps import split_steps
+
+    critic = ProverCritic.from_pretrained(str(checkpoints[kind]), format=kind)
+    texts = [(q, a) for q, a in samples]
+    expected = critic.score_texts([q for q, _ in texts], [a for _, a in texts], delimiter="\n")
+    assert int(expected.num_steps.min()) >= 2
+    for policy_tokenizer in (bpe_large, bpe_small):  # another tokenizer; the critic's own (fast path for value_head)
+        prompts, responses, mask = _policy_batch(policy_tokenizer, texts)
+        split = split_steps(responses, mask[:, prompts.shape[1]:], policy_tokenizer, "\n")
+        got = critic.score_policy_batch(prompts, responses, mask, split, policy_tokenizer,
+                                        prompt_texts=[q for q, _ in texts])
+        torch.testing.assert_close(got.num_steps, expected.num_steps)
+        torch.testing.assert_close(got.prompt_values, expected.prompt_values, atol=TOL, rtol=0)
+        width = expected.step_values.shape[1]
+        torch.testing.assert_close(got.step_values[:, :width], expected.step_values, atol=TOL, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------- Ray worker
+
+
+@pytest.mark.ray
+def test_worker_group_matches_in_process_critic(ray_local, checkpoints, samples, bpe_large, tmp_path):
+    import numpy as np
+    from verl import DataProto
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+    from verl_prm.integrations.verl.critic_worker import ProverCriticWorker, compute_step_values
+    from verl_prm.steps import split_steps
+
+    policy_dir = tmp_path / "policy_tokenizer"
+    bpe_large.save_pretrained(policy_dir)
+    texts = samples[:5]  # 5 rows on 2 workers: padded to 6 and unpadded again
+    prompts, responses, mask = _policy_batch(bpe_large, texts)
+    split = split_steps(responses, mask[:, prompts.shape[1]:], bpe_large, "\n")
+    data = DataProto.from_dict(
+        tensors={
+            "prompts": prompts, "responses": responses, "attention_mask": mask, "step_ends": split.step_ends,
+            "num_steps": split.num_steps, "step_ids": split.step_ids, "merged_steps": split.merged_steps,
+            "step_char_ends": split.step_char_ends,
+        },
+        non_tensors={"critic_prompts": np.array([q for q, _ in texts], dtype=object)},
+    )
+    path = str(checkpoints["qwen_prm"])
+    kwargs = {"format": "qwen_prm", "max_tokens_per_batch": 512}
+    pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1)
+    worker_cls = RayClassWithInitArgs(cls=ray_local.remote(ProverCriticWorker), model_path=path, critic_kwargs=kwargs,
+                                      policy_tokenizer_path=str(policy_dir))
+    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker_cls, device_name="cpu")
+    info = group.init_model()
+    assert [i["rank"] for i in info] == [0, 1] and all(i["device"] == "cpu" for i in info)
+
+    out = compute_step_values(group, data)
+    critic = ProverCritic.from_pretrained(path, **kwargs)
+    expected = critic.score_policy_batch(prompts, responses, mask, split, bpe_large, prompt_texts=[q for q, _ in texts])
+    assert len(out) == 5
+    assert out.batch["step_values"].shape == split.step_ends.shape
+    torch.testing.assert_close(out.batch["num_steps"], expected.num_steps)
+    torch.testing.assert_close(out.batch["prompt_values"], expected.prompt_values, atol=TOL, rtol=0)
+    torch.testing.assert_close(out.batch["step_values"], expected.step_values, atol=TOL, rtol=0)
+
+    # an error inside a worker names the sample of the whole batch: sample 3 is the first row of rank 1's shard
+    long_prompts = np.array([q if b != 3 else q * 40 for b, (q, _) in enumerate(texts)], dtype=object)
+    data.non_tensor_batch["critic_prompts"] = long_prompts
+    with pytest.raises(Exception, match=r"sample 3: the critic input has \d+ tokens, more than the critic's context"):
+        compute_step_values(group, data)
+
+
+def test_micro_batch_plan_respects_budget_and_padding_bound():
+    rng = random.Random(7)
+    lengths = [int(64 * 16 ** rng.random()) for _ in range(200)]
+    for mode in ("varlen", "padded"):
+        plan = plan_micro_batches(lengths, 4096, mode, max_padding_share=0.1)
+        assert sorted(i for b in plan for i in b.indices) == list(range(len(lengths)))  # each sample once
+        for b in plan:
+            assert b.total_tokens == sum(lengths[i] for i in b.indices)
+            cost = b.total_tokens if mode == "varlen" else b.max_length * len(b.indices)
+            assert cost <= 4096 or len(b.indices) == 1
+            if mode == "padded":
+                assert 1 - b.total_tokens / (b.max_length * len(b.indices)) <= 0.1 + 1e-12
+        assert padding_share(plan, mode) <= 0.1
+    alone = plan_micro_batches([5000, 10, 10], 4096, "varlen")
+    assert [b.indices for b in alone] == [[0], [1, 2]]  # longer than the budget: runs alone
+
+
+# ---------------------------------------------------------------------------------------------- loading safely
+
+
+def _variant(checkpoints, tmp_path, kind: str = "value_head") -> Path:
+    """A private copy of a checkpoint of the module fixture, to damage."""
+    import shutil
+
+    target = tmp_path / f"{kind}_copy"
+    shutil.copytree(checkpoints[kind], target)
+    return target
+
+
+def _drop_tensors(directory: Path, prefixes: tuple[str, ...]) -> None:
+    tensors = load_file(directory / "model.safetensors")
+    kept = {k: v for k, v in tensors.items() if not k.startswith(prefixes)}
+    assert len(kept) < len(tensors)
+    save_file(kept, directory / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("kind", ["value_head", "qwen_prm"])
+def test_checkpoint_without_its_head_weights_is_an_error(kind, checkpoints, tmp_path):
+    from verl_prm.checkpoints import CheckpointError
+
+    path = _variant(checkpoints, tmp_path, kind)
+    _drop_tensors(path, ("score.",))
+    with pytest.raises(CheckpointError) as error:
+        ProverCritic.from_pretrained(str(path), format=kind, device="cpu")
+    message = str(error.value)
+    assert f"critic checkpoint {str(path)!r} lacks weights the model needs: score.bias, score.weight" in message
+    assert "random values that change on every load" in message
+
+
+@pytest.mark.parametrize("kind", ["value_head", "qwen_prm"])
+def test_head_check_reads_the_safetensors_not_the_load_report(kind, checkpoints, tmp_path, monkeypatch):
+    """Even if transformers reported nothing missing, the head's keys are checked against the file's headers."""
+    from verl_prm.checkpoints import CheckpointError, safetensors_keys
+    from verl_prm.critic import formats
+
+    def silent_load(auto_class, path, dtype, attn_implementation, allow_pickle, quiet=False):
+        return auto_class.from_pretrained(path, **formats._common_kwargs(dtype, attn_implementation, allow_pickle))
+
+    monkeypatch.setattr(formats, "_load_complete", silent_load)
+    path = _variant(checkpoints, tmp_path, kind)
+    assert {"score.weight", "score.bias"} <= safetensors_keys(path)
+    ProverCritic.from_pretrained(str(path), format=kind, device="cpu")
+    _drop_tensors(path, ("score.bias",))
+    assert "score.bias" not in safetensors_keys(path) and "score.weight" in safetensors_keys(path)
+    with pytest.raises(CheckpointError, match=r"lacks weights the model needs: score\.bias\. Loading it"):
+        ProverCritic.from_pretrained(str(path), format=kind, device="cpu")
+
+
+def test_checkpoint_missing_a_backbone_weight_is_an_error(checkpoints, tmp_path):
+    from verl_prm.checkpoints import CheckpointError
+
+    path = _variant(checkpoints, tmp_path)
+    _drop_tensors(path, ("model.norm.",))
+    with pytest.raises(CheckpointError, match=r"lacks weights the model needs: model\.norm\.weight"):
+        ProverCritic.from_pretrained(str(path), device="cpu")
+
+
+def test_pickle_only_checkpoint_needs_the_opt_in(checkpoints, samples, tmp_path, monkeypatch):
+    from verl_prm.checkpoints import CheckpointError
+
+    path = _variant(checkpoints, tmp_path)
+    torch.save(load_file(path / "model.safetensors"), path / "pytorch_model.bin")
+    (path / "model.safetensors").unlink()
+    monkeypatch.delenv("VERL_PRM_ALLOW_PICKLE", raising=False)
+    with pytest.raises(CheckpointError) as error:
+        ProverCritic.from_pretrained(str(path), device="cpu")
+    assert f"critic checkpoint {str(path)!r} has only pickle weights (pytorch_model.bin)" in str(error.value)
+    assert "allow_pickle=True" in str(error.value) and "VERL_PRM_ALLOW_PICKLE=1" in str(error.value)
+    prompts, responses = [p for p, _ in samples[:3]], [r for _, r in samples[:3]]
+    reference = ProverCritic.from_pretrained(str(checkpoints["value_head"]), device="cpu").score_texts(prompts, responses)
+    opted_in = ProverCritic.from_pretrained(str(path), device="cpu", allow_pickle=True).score_texts(prompts, responses)
+    assert torch.equal(opted_in.step_values, reference.step_values)
+    monkeypatch.setenv("VERL_PRM_ALLOW_PICKLE", "1")
+    by_env = ProverCritic.from_pretrained(str(path), device="cpu").score_texts(prompts, responses)
+    assert torch.equal(by_env.prompt_values, reference.prompt_values)
+
+
+def _no_transformers_call(monkeypatch):
+    """Any transformers load from here on fails the test: the checks must answer before transformers is asked."""
+    import transformers
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("transformers was asked to load the checkpoint")
+
+    for name in ("AutoTokenizer", "AutoModelForTokenClassification", "AutoConfig"):
+        monkeypatch.setattr(getattr(transformers, name), "from_pretrained", forbidden)
+
+
+def test_bad_paths_are_named_before_transformers_is_asked(checkpoints, tmp_path, monkeypatch):
+    from verl_prm.checkpoints import CheckpointError
+
+    _no_transformers_call(monkeypatch)
+    for missing in (str(tmp_path / "no_such_critic"), "relative/critic/dir", "critic_dir"):
+        with pytest.raises(FileNotFoundError, match=rf"^critic checkpoint {missing!r}: no such directory$"):
+            ProverCritic.from_pretrained(missing, device="cpu")
+    weights = checkpoints["value_head"] / "model.safetensors"
+    with pytest.raises(CheckpointError, match="is a file, not a checkpoint directory"):
+        ProverCritic.from_pretrained(str(weights), device="cpu")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text((checkpoints["value_head"] / "config.json").read_text())
+    with pytest.raises(CheckpointError, match=r"has no model weights \(no model\.safetensors"):
+        ProverCritic.from_pretrained(str(empty), device="cpu")
+    (empty / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="has no config.json"):
+        ProverCritic.from_pretrained(str(empty), device="cpu")
+
+
+@pytest.mark.parametrize("variable", ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"])
+def test_hub_id_offline_fails_at_once_or_loads_from_the_cache(variable, checkpoints, samples, tmp_path,
+                                                              monkeypatch):
+    """Offline, an `org/model` id is looked up in the local hub cache only: absent, an error before transformers
+    (and so before any network retry) is reached; present, the cached snapshot loads."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, "1")
+    with monkeypatch.context() as guarded:
+        _no_transformers_call(guarded)
+        with pytest.raises(FileNotFoundError) as error:
+            ProverCritic.from_pretrained("some-org/some-critic", device="cpu")
+    assert f"critic checkpoint 'some-org/some-critic': no such directory, and {variable} is set (offline)" in str(
+        error.value)
+    assert "not in the local hub cache" in str(error.value)
+    revision = "0" * 40
+    repo = cache / "models--some-org--some-critic"
+    shutil.copytree(checkpoints["value_head"], repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    prompts, responses = [p for p, _ in samples[:2]], [r for _, r in samples[:2]]
+    cached = ProverCritic.from_pretrained("some-org/some-critic", device="cpu").score_texts(prompts, responses)
+    local = ProverCritic.from_pretrained(str(checkpoints["value_head"]), device="cpu").score_texts(prompts, responses)
+    assert torch.equal(cached.step_values, local.step_values)

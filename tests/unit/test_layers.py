@@ -1,0 +1,137 @@
+"""The package's two layers, read from the code's own imports (ast, every module, imports inside functions
+included): the library never imports an application (``verl_prm.apps``), directly, lazily or by a
+``"module:attr"`` string, and no two modules import each other, directly or through others."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import verl_prm
+
+PACKAGE_DIR = Path(verl_prm.__file__).parent
+APPS = "verl_prm.apps"
+
+
+def module_files() -> dict[str, Path]:
+    modules = {}
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        parts = ["verl_prm", *path.relative_to(PACKAGE_DIR).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    return modules
+
+
+MODULES = module_files()
+
+
+def _known(name: str) -> str | None:
+    """The module that ``name`` (a module, or a module's attribute) refers to, if it is one of ours."""
+    while name:
+        if name in MODULES:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def imports_of(module: str) -> set[str]:
+    """The modules of this package that ``module`` imports anywhere in its code, or names in a string
+    ``"package.module"`` / ``"package.module:attr"`` (how a lazy target is written)."""
+    path = MODULES[module]
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            targets = [f"{source}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            text = node.value.split(":")[0]
+            if text in MODULES:  # a string names a module only when it is the module's whole name
+                targets = [text]
+        for target in targets:
+            known = _known(target)
+            if known is not None and known != module:
+                found.add(known)
+    return found
+
+
+GRAPH = {module: imports_of(module) for module in MODULES}
+
+
+def is_application(module: str) -> bool:
+    return module == APPS or module.startswith(APPS + ".")
+
+
+def test_the_graph_sees_lazy_and_string_imports():
+    """The reader of imports finds what the rule is about (else the tests below could not fail)."""
+    assert "verl_prm.integrations.verl.hook_trainer" in GRAPH["verl_prm.integrations.verl.plugin"]  # a string
+    assert "verl_prm.integrations.verl.platform.fixes" in GRAPH["verl_prm.integrations.verl.platform"]  # in a function
+    assert "verl_prm.apps.arithmetic.prover" in GRAPH["verl_prm.apps.arithmetic.verl_rl"]
+    assert len(MODULES) > 80
+
+
+def test_no_library_module_imports_an_application():
+    upward = sorted(f"{module} -> {target}" for module, targets in GRAPH.items() if not is_application(module)
+                    for target in targets if is_application(target))
+    assert upward == [], "library modules that import applications:\n" + "\n".join(upward)
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return components
+
+
+def test_find_cycles_finds_a_cycle():
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circles():
+    cycles = find_cycles(GRAPH)
+    assert cycles == [], "import circles:\n" + "\n".join(" <-> ".join(cycle) for cycle in cycles)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if not is_application(m)))
+def test_library_module_docstrings_point_at_the_docs_not_at_a_missing_file(module):
+    assert "DESIGN.md" not in MODULES[module].read_text(), f"{module} cites DESIGN.md, which users do not have"

@@ -1,0 +1,557 @@
+"""Test-time search (verl_prm.search): the algorithms on the planted sub-sequence task with exact critics and on
+a scripted task with a hand-traced run, the compute counters, and step-wise generation with tiny random
+Qwen2 models (stopping at delimiters, batching), plus the `verl-prm search` recipe end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
+
+from verl_prm.search import (
+    BeamConfig,
+    BestOfNConfig,
+    CachedCritic,
+    GreedyConfig,
+    Node,
+    StepSample,
+    beam_scores,
+    beam_search,
+    best_of_n,
+    greedy_step_search,
+    response_scores,
+    step_accepted,
+    top_per_group,
+)
+from verl_prm.search.generation import HFStepSampler, first_step_end, delimiter_regex
+from verl_prm.apps.demo.search import ToySearchTask
+
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+class RecordingSampler:
+    """Wraps a sampler; records every sampled step (parent key, tokens) and every call."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.steps: list[tuple[tuple, int, int]] = []  # (parent key, problem, tokens)
+        self.responses: list[tuple[int, int]] = []  # (problem, tokens)
+
+    def sample_steps(self, nodes, n, seeds):
+        out = self.inner.sample_steps(nodes, n, seeds)
+        for node, group in zip(nodes, out):
+            assert len(group) == n
+            for sample in group:
+                self.steps.append((node.key, node.problem, sample.num_tokens))
+        return out
+
+    def sample_responses(self, problems, n, seeds):
+        out = self.inner.sample_responses(problems, n, seeds)
+        for problem, group in zip(problems, out):
+            for node in group:
+                self.responses.append((problem, node.num_tokens))
+        return out
+
+
+class RecordingCritic:
+    """Wraps a prefix critic; records every scored node and the number of calls."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.scored: list[tuple[tuple, int, int]] = []  # (key, problem, tokens)
+        self.calls = 0
+
+    def score_nodes(self, nodes):
+        self.calls += 1
+        values, tokens = self.inner.score_nodes(nodes)
+        for node, t in zip(nodes, tokens):
+            self.scored.append((node.key, node.problem, t))
+        return values, tokens
+
+
+@pytest.fixture(scope="module")
+def toy() -> ToySearchTask:
+    return ToySearchTask(150, policy_gamma=2.0, step_tokens=2, seed=0)
+
+
+def _accuracy(task, results) -> float:
+    return sum(task.reward(r.node) for r in results) / len(results)
+
+
+def _mean_tokens(results) -> float:
+    return sum(r.compute.generated_tokens for r in results) / len(results)
+
+
+# ------------------------------------------------------------------------------------------------ pure rules
+def test_top_per_group_equals_reference_loop():
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 5, (60,), generator=generator).double()  # many ties
+    groups = torch.randint(0, 7, (60,), generator=generator)
+    for k in (1, 2, 5, 100):
+        expected = []
+        for g in range(7):
+            members = [i for i in range(60) if int(groups[i]) == g]
+            members.sort(key=lambda i: (-float(scores[i]), i))
+            expected += members[:k]
+        assert top_per_group(scores, groups, k).tolist() == expected
+
+
+def test_beam_scores_and_acceptance_by_hand():
+    q = torch.tensor([0.2, 0.5])
+    after, before = torch.tensor([0.5, 0.1]), torch.tensor([0.25, 0.3])
+    # K = 1: Q + alpha * (v - v_parent)
+    assert torch.allclose(beam_scores(q, after, before, 0.5), torch.tensor([0.2 + 0.5 * 0.25, 0.5 + 0.5 * -0.2]))
+    # K = 2: BoK(v) = 1 - (1 - v)^2: 0.75, 0.4375 / 0.19, 0.51
+    assert torch.allclose(beam_scores(q, after, before, 1.0, 2), torch.tensor([0.2 + 0.75 - 0.4375, 0.5 + 0.19 - 0.51]))
+    assert torch.equal(beam_scores(q, None, None, 0.0), q)
+    with pytest.raises(ValueError, match="prover values"):
+        beam_scores(q, None, None, 0.5)
+    accepted, scores = step_accepted(after, before, 0.0, "progress")
+    assert accepted.tolist() == [True, False] and torch.allclose(scores, torch.tensor([0.25, -0.2]))
+    accepted, _ = step_accepted(after, before, 0.5, "value")
+    assert accepted.tolist() == [True, False]
+
+
+def test_response_scores_orm_and_aggregates():
+    prompt = torch.tensor([0.5, 0.4, 0.3])
+    values = torch.tensor([[0.6, 0.2, 0.9], [0.8, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    steps = torch.tensor([3, 1, 0])
+    assert torch.allclose(response_scores(prompt, values, steps, "orm"), torch.tensor([0.9, 0.8, 0.3]))
+    assert torch.allclose(response_scores(prompt, values, steps, "min"), torch.tensor([0.2, 0.8, 0.0]))
+    assert torch.allclose(response_scores(prompt, values, steps, "sum", "progress"), torch.tensor([0.4, 0.4, 0.0]))
+    with pytest.raises(ValueError, match="rank"):
+        BestOfNConfig(rank="median")
+
+
+# ------------------------------------------------------------------------------------------------ toy task
+def test_pav_beam_beats_best_of_n_and_beam_on_q_at_equal_tokens(toy):
+    """The PAV paper's search result on the planted task: Q^pi of a weak policy fitted to 16 rollouts per state
+    is 0 almost everywhere, so beam search on Q is nearly blind; the progress of a prover of the right strength
+    (mu_10) guides it. Best-of-N with the (exact at the end) ORM gets at least as many tokens."""
+    problems = list(range(toy.num_problems))
+    q = lambda: CachedCritic(toy.critic(rollouts=16, seed=1))
+    pav = beam_search(problems, toy, q(), CachedCritic(toy.critic(10.0)), BeamConfig(beam_width=8, alpha=1.0, seed=3))
+    on_q = beam_search(problems, toy, q(), None, BeamConfig(beam_width=8, alpha=0.0, seed=3))
+    bon_n = math.ceil(_mean_tokens(pav) / 6.0)  # responses average ~7.5 tokens (EOS has p ~ 1/15 per token)
+    bon = best_of_n(problems, toy, q(), BestOfNConfig(n=bon_n, seed=3))
+    assert _mean_tokens(bon) >= _mean_tokens(pav) >= _mean_tokens(on_q)
+    acc_pav, acc_q, acc_bon = _accuracy(toy, pav), _accuracy(toy, on_q), _accuracy(toy, bon)
+    assert acc_pav >= acc_bon + 0.08, (acc_pav, acc_bon)
+    assert acc_pav >= acc_q + 0.06, (acc_pav, acc_q)
+    # The answer is chosen by Q as an ORM: every chosen beam has the highest Q among its final beams, and a
+    # solved problem's answer has Q = 1 (finished states are exact).
+    for result in pav:
+        assert result.score == (1.0 if toy.reward(result.node) else result.score)
+
+
+def _candidate_progress(task: ToySearchTask, gamma: float) -> float:
+    """Mean |A^mu| of steps sampled by the base policy from early prefixes (the first three steps) that do not
+    end the response: after them a prover can still write y* (4 tokens) in the positions left. (A step that
+    writes EOS without y* loses everything for every prover, so it is excluded: no prover is "too strong" for
+    it.)"""
+    responses = task.sample_responses(list(range(40)), 8, [0] * 40)
+    nodes = [Node(r.problem, r.steps[:h]) for group in responses for r in group for h in range(min(r.num_steps, 3))]
+    samples = task.sample_steps(nodes, 1, [1] * len(nodes))
+    pairs = [(node, node.extend(group[0])) for node, group in zip(nodes, samples) if not group[0].finished]
+    assert len(pairs) > 300
+    critic = CachedCritic(task.critic(gamma))
+    compute: dict = {}
+    progress = critic.values([c for _, c in pairs], compute) - critic.values([p for p, _ in pairs], compute)
+    return float(progress.abs().mean())
+
+
+def test_too_strong_and_too_weak_provers_give_no_progress(toy):
+    right = _candidate_progress(toy, 10.0)
+    strong = _candidate_progress(toy, 1e4)
+    weak = _candidate_progress(toy, 1.0)
+    assert right > 0.02
+    assert strong < 0.1 * right and weak < 0.1 * right, (weak, right, strong)
+
+
+def test_compute_counters_add_up_and_prefixes_are_scored_once(toy):
+    problems = list(range(30))
+    sampler = RecordingSampler(toy)
+    q_inner, p_inner = RecordingCritic(toy.critic(rollouts=16, seed=1)), RecordingCritic(toy.critic(10.0))
+    config = BeamConfig(beam_width=4, samples_per_beam=3, alpha=0.5, seed=0)
+    results = beam_search(problems, sampler, CachedCritic(q_inner), CachedCritic(p_inner), config)
+    for critic in (q_inner, p_inner):
+        keys = [key for key, _, _ in critic.scored]
+        assert len(keys) == len(set(keys)), "a prefix was scored twice"
+    # Batched: one sampler round and at most one call per critic and round (+ the final ORM pass, cached).
+    rounds = 10 // 2
+    assert q_inner.calls <= rounds + 1 and p_inner.calls <= rounds
+    for result in results:
+        p = result.problem
+        mine = [t for _, problem, t in sampler.steps if problem == p]
+        assert result.compute.generated_tokens == sum(mine)
+        assert result.compute.step_samples == len(mine)
+        scored = [t for c in (q_inner, p_inner) for _, problem, t in c.scored if problem == p]
+        assert result.compute.critic_tokens == sum(scored)
+        assert result.compute.critic_sequences == len(scored)
+        # the root spawns N * M candidates, every later round M per unfinished beam
+        assert len(mine) >= config.beam_width * config.samples_per_beam
+        assert (len(mine) - config.beam_width * config.samples_per_beam) % config.samples_per_beam == 0
+        assert result.node.finished
+    # alpha = 0: the prover is never called
+    p_inner2 = RecordingCritic(toy.critic(10.0))
+    beam_search(problems, toy, CachedCritic(toy.critic()), CachedCritic(p_inner2), BeamConfig(beam_width=2, alpha=0.0))
+    assert p_inner2.calls == 0
+    # best-of-N: tokens are the sampled responses' tokens; ORM = exact reward with the exact critic
+    sampler = RecordingSampler(toy)
+    results = best_of_n(problems, sampler, CachedCritic(toy.critic()), BestOfNConfig(n=6))
+    for result in results:
+        mine = [t for problem, t in sampler.responses if problem == result.problem]
+        assert result.compute.generated_tokens == sum(mine) and result.compute.step_samples == 6
+        assert result.score == toy.reward(result.node)
+
+
+def test_greedy_with_exact_prover_progress_on_toy(toy):
+    problems = list(range(60))
+    sampler = RecordingSampler(toy)
+    config = GreedyConfig(threshold=0.0, accept_on="progress", max_retries=7, max_backtracks=2, max_steps=5)
+    results = greedy_step_search(problems, sampler, CachedCritic(toy.critic(10.0)), config)
+    per_prefix = Counter((key, problem) for key, problem, _ in sampler.steps)
+    assert max(per_prefix.values()) <= 1 + config.max_retries
+    for result in results:
+        assert result.compute.step_samples <= config.max_step_samples
+        assert result.info["backtracks"] <= config.max_backtracks
+        assert result.node.finished
+    # accepting only steps that do not lose the prover's value finds y* far more often than the base policy
+    assert _accuracy(toy, results) > 0.2
+
+
+# ------------------------------------------------------------------------------------------------ scripted task
+class ScriptedSampler:
+    """Step contents "d{depth}.{i}" (i counts samples per prefix); a response is finished at depth H."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.drawn: Counter = Counter()
+
+    def sample_steps(self, nodes, n, seeds):
+        out = []
+        for node in nodes:
+            group = []
+            for _ in range(n):
+                i = self.drawn[node.key]
+                self.drawn[node.key] += 1
+                group.append(StepSample(f"d{node.num_steps}.{i}|", 1, finished=node.num_steps + 1 == self.depth))
+            out.append(group)
+        return out
+
+
+class ConstantCritic:
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def score_nodes(self, nodes):
+        return [[self.value] * (n.num_steps + 1) for n in nodes], [n.num_steps + 1 for n in nodes]
+
+
+def test_greedy_never_accepting_follows_the_hand_trace():
+    """H = 3, R = 1 (2 samples per prefix), B = 2, nothing accepted. Trace: root draws 2, falls back to A;
+    A draws 2, backtracks; root (spent) falls back to A' (A is abandoned); A' draws 2, backtracks; root falls
+    back to A again (both abandoned, A first); A has spent its samples and no backtrack is left, so it falls
+    back to its best child D2, which draws 2 and falls back to a finished depth-3 response: 8 samples,
+    2 backtracks, 5 fallbacks."""
+    sampler = ScriptedSampler(depth=3)
+    config = GreedyConfig(threshold=2.0, accept_on="value", max_retries=1, max_backtracks=2, max_steps=3)
+    (result,) = greedy_step_search([0], sampler, CachedCritic(ConstantCritic(0.5)), config)
+    assert result.compute.step_samples == 8 <= config.max_step_samples == 12
+    assert result.info == dict(accepted=0, rejected=8, backtracks=2, fallbacks=5, max_samples_at_a_prefix=2)
+    assert result.node.steps == ("d0.0|", "d1.0|", "d2.0|")
+    assert result.node.num_steps == 3 and result.node.finished and not result.node.truncated
+    assert max(sampler.drawn.values()) == 2
+    # accepting everything: one sample per step
+    sampler = ScriptedSampler(depth=3)
+    (result,) = greedy_step_search([0], sampler, CachedCritic(ConstantCritic(0.5)), GreedyConfig(threshold=0.0))
+    assert result.compute.step_samples == 3 and result.info["accepted"] == 3 and result.info["backtracks"] == 0
+    # a response longer than max_steps is truncated
+    (result,) = greedy_step_search([0], ScriptedSampler(depth=9), CachedCritic(ConstantCritic(0.5)),
+                                   GreedyConfig(threshold=0.0, max_steps=4))
+    assert result.node.num_steps == 4 and result.node.truncated
+
+
+# ------------------------------------------------------------------------------------------------ generation
+def _qwen2_config(vocab: int, **extra) -> Qwen2Config:
+    return Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       tie_word_embeddings=False, **extra)
+
+
+def _biased_policy(tokenizer, logits: dict[str, float]) -> Qwen2ForCausalLM:
+    """A random tiny Qwen2 whose next-token distribution is ~softmax(logits) over a few tokens at every
+    position: dimension 0 of every embedding is large, so the final norm's output is ~constant there, and
+    the LM head reads only that dimension."""
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(_qwen2_config(len(tokenizer))).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 50.0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0 / math.sqrt(32)
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[:, 0] = -30.0
+        for text, logit in logits.items():
+            ids = tokenizer.encode(text, add_special_tokens=False) if text != "<eos>" else [tokenizer.eos_token_id]
+            assert len(ids) == 1, text
+            model.lm_head.weight[ids[0], 0] = logit
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+LOGITS = {"x": 1.0, " y": 0.5, "he": 0.3, "\n": 0.6, "<eos>": -1.5}
+
+
+def _reference_step(model, tokenizer, text: str, seed: int, budget: int, pattern) -> tuple[str | None, int, bool]:
+    """One row generated without stopping (same seed, so the same tokens), then cut by a reference loop."""
+    encoded = tokenizer([text], return_tensors="pt", add_special_tokens=False)
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        ids = model.generate(**encoded, max_new_tokens=budget, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=[tokenizer.eos_token_id])[0, encoded["input_ids"].shape[1]:].tolist()
+    for count in range(1, len(ids) + 1):
+        if ids[count - 1] == tokenizer.eos_token_id:
+            rest = tokenizer.decode(ids[: count - 1])
+            return (rest if rest.strip() else None), count, True
+        decoded = tokenizer.decode(ids[:count])
+        end = first_step_end(decoded, pattern)
+        if end is not None:
+            return decoded[:end], count, False
+    return tokenizer.decode(ids), len(ids), False
+
+
+@pytest.mark.parametrize("delimiter", ["\n\n", "h"])
+def test_hf_steps_stop_at_the_delimiter_exactly_as_a_reference_cut(bpe_large, delimiter):
+    """Each step equals the reference: the continuation sampled with the same seed, cut after the first
+    delimiter that follows non-whitespace text; its token count is the tokens up to the one completing the
+    delimiter (with "h" the delimiter ends inside the token "he": its "e" is dropped but counted)."""
+    model = _biased_policy(bpe_large, LOGITS)
+    prompts = ["Question one?\n", "Another, longer question with more words?\n"]
+    sampler = HFStepSampler(model, bpe_large, prompts, delimiter=delimiter, max_step_tokens=24,
+                            max_response_tokens=60, batch_size=1)
+    nodes = [Node(0), Node(1), Node(0, ("x y" + delimiter,), num_tokens=3)]
+    seeds = [11, 22, 33]
+    out = sampler.sample_steps(nodes, 1, seeds)
+    pattern = delimiter_regex(delimiter)
+    seen_cut = False
+    for node, seed, (sample,) in zip(nodes, seeds, out):
+        content, count, finished = _reference_step(model, bpe_large, sampler.text(node), seed, 24, pattern)
+        assert (sample.content, sample.num_tokens, sample.finished) == (content, count, finished)
+        if sample.content is not None and not sample.finished and count < 24:
+            assert first_step_end(sample.content, pattern) == len(sample.content)
+            seen_cut = True
+    assert seen_cut
+    # many samples: every unfinished step holds exactly one delimiter-ended step
+    many = sampler.sample_steps([Node(0), Node(1)], 6, [5, 6])
+    for group in many:
+        for sample in group:
+            assert 1 <= sample.num_tokens <= 24
+            if sample.content is not None and not sample.finished and sample.num_tokens < 24:
+                assert first_step_end(sample.content, pattern) == len(sample.content)
+
+
+def test_hf_batching_with_left_padding_equals_one_by_one(bpe_large):
+    """Greedy decoding of a random model: batched (left padded, rows sorted by budget) == one row at a time."""
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(_qwen2_config(len(bpe_large))).eval()
+    prompts = ["Short?\n", "A much longer prompt, with many more tokens than the first one.\n", "Mid length prompt\n"]
+    nodes = [Node(0), Node(1), Node(2, ("step one\n\n",), num_tokens=20), Node(1, ("a\n\n",), num_tokens=2)]
+    results = []
+    for batch_size in (4, 1):
+        sampler = HFStepSampler(model, bpe_large, prompts, max_step_tokens=12, max_response_tokens=26,
+                                temperature=0.0, batch_size=batch_size)
+        results.append(sampler.sample_steps(nodes, 2, [1, 2, 3, 4]))
+    assert results[0] == results[1]
+    # the node with 20 of 26 tokens used gets a 6-token budget and is truncated there
+    assert all(s.num_tokens == 6 and s.truncated for s in results[0][2])
+    full = HFStepSampler(model, bpe_large, prompts, max_response_tokens=16, temperature=0.0).sample_responses([0, 2], 2, [1, 2])
+    for group in full:
+        for node in group:
+            assert node.finished and node.num_tokens <= 16 and node.num_steps >= 1
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def test_search_cli_toy_writes_results_summary_and_plot(tmp_path):
+    from verl_prm.search.cli import main
+
+    out = tmp_path / "toy"
+    assert main(["--task", "toy", "--problems", "30", "--n", "1,2", "--methods", "best_of_n,beam_q,beam_pav,greedy",
+                 "--output-dir", str(out)]) == 0
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(records) == 4 * 2 * 30
+    assert {(r["method"], r["n"]) for r in records} == {
+        ("best_of_n", 3), ("best_of_n", 6), ("beam_q", 1), ("beam_q", 2), ("beam_pav", 1), ("beam_pav", 2),
+        ("greedy", 1), ("greedy", 2)}
+    summary = (out / "summary.csv").read_text().splitlines()
+    assert summary[0].startswith("method,n,problems,accuracy") and len(summary) == 9
+    assert (out / "accuracy_vs_compute.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def text_models(tmp_path_factory, bpe_large):
+    root = tmp_path_factory.mktemp("search_models")
+    policy = _biased_policy(bpe_large, LOGITS)
+    policy.save_pretrained(root / "policy")
+    bpe_large.save_pretrained(root / "policy")
+    for name, seed in (("q", 0), ("prover", 1)):
+        torch.manual_seed(seed)
+        critic = Qwen2ForTokenClassification(_qwen2_config(len(bpe_large), num_labels=1)).eval()
+        critic.save_pretrained(root / name)
+        bpe_large.save_pretrained(root / name)
+    return root
+
+
+def test_search_cli_text_runs_every_method_with_tiny_models(tmp_path, text_models, repo_data):
+    from verl_prm.search.cli import main
+
+    reward = tmp_path / "reward.py"
+    reward.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(solution_str.count('x') % 2 == 0)\n")
+    data = tmp_path / "problems.jsonl"
+    with open(repo_data / "gsm8k_test.jsonl") as f, open(data, "w") as g:
+        for line, _ in zip(f, range(3)):
+            g.write(line)
+    out = tmp_path / "text"
+    args = ["--task", "text", "--input", str(data), "--prompt-field", "question", "--answer-field", "answer",
+            "--answer-regex", "#### (.*)", "--data-source", "openai/gsm8k", "--reward-fn", f"{reward}:score",
+            "--policy", str(text_models / "policy"), "--q-critic", str(text_models / "q"),
+            "--prover", str(text_models / "prover"), "--device", "cpu", "--n", "1,2", "--samples-per-beam", "2",
+            "--max-step-tokens", "8", "--max-response-tokens", "24", "--max-steps", "4",
+            "--methods", "best_of_n,beam_q,beam_pav,greedy", "--output-dir", str(out)]
+    assert main(args) == 0
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(records) == 4 * 2 * 3
+    for r in records:
+        assert r["generated_tokens"] >= r["response_tokens"] >= 1
+        assert r["critic_tokens"] > 0 and r["reward"] in (0.0, 1.0)
+        assert r["response"].count("x") % 2 == (0 if r["reward"] else 1)
+    assert (out / "accuracy_vs_compute.png").exists()
+
+
+def test_cache_scores_only_the_longest_of_nested_prefixes():
+    inner = RecordingCritic(ConstantCritic(0.25))
+    critic = CachedCritic(inner)
+    compute: dict = {}
+    nodes = [Node(0), Node(0, ("a",)), Node(0, ("a", "b")), Node(1, ("c",)), Node(0, ("a", "b"))]
+    assert critic.values(nodes, compute).tolist() == [0.25] * 5
+    assert [key for key, _, _ in inner.scored] == [(0, ("a", "b")), (1, ("c",))]
+    assert compute[0].critic_sequences == 1 and compute[0].critic_tokens == 3 and compute[1].critic_tokens == 2
+    critic.values([Node(0, ("a",)), Node(0, ("a", "x"))], compute)  # only the new branch is scored
+    assert [key for key, _, _ in inner.scored][2:] == [(0, ("a", "x"))] and inner.calls == 2
+
+
+# ------------------------------------------------------------------------------------------------ steps sharing a critic token
+def test_merge_shared_step_ends_by_hand():
+    from verl_prm.search.generation import merge_shared_step_ends
+
+    assert merge_shared_step_ends([5, 7, 7, 9, 9, 9, 12]) == ([5, 7, 9, 12], [0, 1, 1, 2, 2, 2, 3])
+    assert merge_shared_step_ends([3, 4]) == ([3, 4], [0, 1])
+    assert merge_shared_step_ends([]) == ([], [])
+    with pytest.raises(ValueError, match=r"step_ends\[2\]=6 is before step_ends\[1\]=7: step ends must not decrease"):
+        merge_shared_step_ends([5, 7, 6])
+
+
+class PositionCritic:
+    """A critic whose value at a read position is position / 1000, checking its inputs as ProverCritic does."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.calls: list[list[list[int]]] = []
+
+    def score_sequences(self, input_ids, prompt_ends, step_ends):
+        from types import SimpleNamespace
+
+        from verl_prm.critic.packing import check_step_positions
+
+        for i, (ids, prompt_end, ends) in enumerate(zip(input_ids, prompt_ends, step_ends)):
+            check_step_positions(i, len(ids), prompt_end, ends)
+        self.calls.append([list(e) for e in step_ends])
+        width = max(len(e) for e in step_ends)
+        values = torch.zeros(len(step_ends), width)
+        for i, ends in enumerate(step_ends):
+            values[i, : len(ends)] = torch.tensor(ends, dtype=torch.float32) / 1000
+        return SimpleNamespace(prompt_values=torch.tensor(prompt_ends, dtype=torch.float32) / 1000,
+                               step_values=values, num_steps=torch.tensor([len(e) for e in step_ends]))
+
+
+def test_text_critic_merges_steps_that_end_in_one_critic_token(bpe_large):
+    """Issue 16: with the delimiter " ", the steps "x " and "y" both end in the critic token " y". The critic reads
+    that token once, both steps get its value, and the merge is counted and warned about (it used to abort the
+    search with `step_ends[1]=k must lie in (k, k+1)`)."""
+    from verl_prm.search.generation import TextCritic
+
+    assert bpe_large.convert_ids_to_tokens(bpe_large.encode("x y he", add_special_tokens=False)) == ["x", "Ġy", "Ġhe"]
+    inner = PositionCritic(bpe_large)
+    critic = TextCritic(inner, ["Question?\n", "Other?\n"])
+    prompt_tokens = len(bpe_large.encode("Question?\n", add_special_tokens=False))
+    x, y = prompt_tokens, prompt_tokens + 1  # positions of "x" and " y"
+    nodes = [Node(0, ("x ", "y")), Node(1, ("x ", "y ", "he "))]
+    with pytest.warns(UserWarning, match=r"problem 0: step 1 \('y'\) ends in the critic token that also ends step 0"):
+        values, tokens = critic.score_nodes(nodes)
+    # "x " ends at " y" (which holds its space), and so does "y": one read at " y" for both
+    assert inner.calls[0][0] == [y]
+    assert values[0] == pytest.approx([(x - 1) / 1000, y / 1000, y / 1000])
+    assert critic.merged_steps == {0: 1}
+    # "x ", "y ", "he " end in " y", " he" and " ": one read per step, nothing merged
+    other = len(bpe_large.encode("Other?\n", add_special_tokens=False))
+    assert inner.calls[0][1] == [other + 1, other + 2, other + 3]
+    assert values[1] == pytest.approx([(other - 1) / 1000] + [(other + k) / 1000 for k in (1, 2, 3)])
+    assert tokens == [prompt_tokens + 2, other + 4]
+    # CachedCritic accepts the merged values (H + 1 per node)
+    cached = CachedCritic(TextCritic(inner, ["Question?\n", "Other?\n"]))
+    with pytest.warns(UserWarning, match="merged"):
+        assert cached.values(nodes, {}).tolist() == pytest.approx([y / 1000, (other + 3) / 1000])
+
+
+def test_search_cli_text_with_space_delimiter_merges_shared_critic_tokens(tmp_path, text_models, repo_data, capsys):
+    """Issue 16 end to end: `--delimiter ' '` makes best-of-N responses whose last step ("y", "x") lies inside the
+    critic token that ends the step before it (" y"); the sweep finishes, and the merges are counted per problem
+    and reported."""
+    from verl_prm.search.cli import main
+
+    reward = tmp_path / "reward.py"
+    reward.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(solution_str.count('x') % 2 == 0)\n")
+    data = tmp_path / "problems.jsonl"
+    with open(repo_data / "gsm8k_test.jsonl") as f, open(data, "w") as g:
+        for line, _ in zip(f, range(3)):
+            g.write(line)
+    out = tmp_path / "space"
+    args = ["--task", "text", "--input", str(data), "--prompt-field", "question", "--answer-field", "answer",
+            "--answer-regex", "#### (.*)", "--data-source", "openai/gsm8k", "--reward-fn", f"{reward}:score",
+            "--policy", str(text_models / "policy"), "--q-critic", str(text_models / "q"), "--device", "cpu",
+            "--n", "1", "--bon-n", "8", "--max-response-tokens", "24", "--methods", "best_of_n",
+            "--delimiter", " ", "--output-dir", str(out)]
+    with pytest.warns(UserWarning, match="ends in the critic token that also ends step"):
+        assert main(args) == 0
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(records) == 3
+    merged = sum(r["critic_merged_steps"] for r in records)
+    assert merged > 0
+    assert f"{merged} critic step values in" in capsys.readouterr().out
+
+
+def test_search_plot_labels_several_ticks_on_a_log_axis_under_a_decade_and_a_half():
+    """Issue 19: tokens from 22 to 450 used to get one labelled tick ("100"); 1-2-5 ticks label 20..500."""
+    import matplotlib.pyplot as plt
+
+    from verl_prm.search.cli import accuracy_vs_compute_figure
+
+    rows = [dict(method=m, n=n, accuracy=0.01 * n, generated_tokens=t)
+            for m, points in (("best_of_n", ((3, 22.6), (48, 358.0))), ("beam_pav", ((1, 28.2), (16, 452.4))))
+            for n, t in points]
+    figure = accuracy_vs_compute_figure(rows, "t")
+    try:
+        figure.canvas.draw()
+        axis = figure.axes[0]
+        low, high = axis.get_xlim()
+        labelled = [(tick.get_position()[0], tick.get_text()) for tick in axis.xaxis.get_majorticklabels()
+                    if tick.get_text() and low <= tick.get_position()[0] <= high]
+        assert [text for _, text in labelled] == ["20", "50", "100", "200", "500"]
+    finally:
+        plt.close(figure)

@@ -1,0 +1,460 @@
+"""PAV training (verl_prm.training): metrics, loss, schedule, sampling, encoding, and a tiny critic trained on
+Monte-Carlo labels of a scripted task whose exact values are known; resume; the label -> train -> score CLI."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from verl_prm.labeling.format import read_labels
+from verl_prm.labeling.inputs import PromptItem
+from verl_prm.labeling.monte_carlo import LabelSettings, MonteCarloLabeler
+from verl_prm.labeling.scoring import OutcomeScorer
+from verl_prm.labeling.scripted import ScriptedStepGenerator, ScriptedStepTask, scripted_step_score
+from verl_prm.labeling.store import ShardStore
+from verl_prm.steps import encode_with_step_ends, step_char_spans
+from verl_prm.training.data import (
+    EncodedRollout,
+    class_balanced_weights,
+    collate,
+    encode_labels,
+    sample_batch_indices,
+    split_by_prompt,
+)
+from verl_prm.training.losses import gather_step_logits, soft_label_bce, warmup_cosine_factor
+from verl_prm.training.metrics import auroc, expected_calibration_error, mse, value_metrics
+from verl_prm.training.trainer import TrainConfig, latest_checkpoint, train
+
+P_PROVER, P_POLICY, NUM_STEPS = 0.7, 0.75, 4
+
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+
+def test_auroc_hand_computed_with_ties():
+    # positives score 0.35, 0.8, 0.4; negatives 0.1, 0.4. Pairs won: (0.35>0.1), (0.8>0.1), (0.8>0.4),
+    # (0.4>0.1) = 4, the tie (0.4, 0.4) counts 1/2, (0.35<0.4) = 0: AUROC = 4.5 / 6.
+    assert auroc([0.1, 0.4, 0.35, 0.8, 0.4], [0, 0, 1, 1, 1]) == pytest.approx(0.75)
+    assert auroc([0.5, 0.5, 0.5], [1, 0, 1]) == pytest.approx(0.5)
+    assert auroc([0.2, 0.9], [0, 1]) == 1.0 and auroc([0.9, 0.2], [0, 1]) == 0.0
+    assert math.isnan(auroc([0.1, 0.2], [1, 1]))
+    rng = np.random.default_rng(0)
+    scores = rng.integers(0, 5, 40) / 4.0  # many ties
+    labels = rng.random(40) < 0.4
+    pairs = [(p, n) for p, n in itertools.product(scores[labels], scores[~labels])]
+    brute = np.mean([1.0 if p > n else 0.5 if p == n else 0.0 for p, n in pairs])
+    assert auroc(scores, labels) == pytest.approx(brute, abs=1e-12)
+
+
+def test_ece_and_mse_hand_computed():
+    # 2 bins: {0.1, 0.2} vs targets {0, 1}: |0.15 - 0.5| = 0.35, weight 1/2; {0.9, 0.6} vs {1, 0.5}: means
+    # 0.75 and 0.75 -> 0.175. 4 bins: the upper bin splits into {0.6} vs 0.5 and {0.9} vs 1, 0.1 x 1/4 each.
+    assert expected_calibration_error([0.1, 0.2, 0.9, 0.6], [0, 1, 1, 0.5], num_bins=2) == pytest.approx(0.175)
+    assert expected_calibration_error([0.1, 0.2, 0.9, 0.6], [0, 1, 1, 0.5], num_bins=4) == pytest.approx(0.225)
+    assert expected_calibration_error([1.0, 1.0], [1.0, 1.0], num_bins=10) == 0.0
+    assert mse([0.0, 1.0], [0.5, 0.5]) == 0.25
+    metrics = value_metrics([0.2, 0.8], [0.0, 1.0])
+    assert metrics["auroc"] == 1.0 and metrics["mse_constant"] == 0.25
+
+
+# ------------------------------------------------------------------------------------------------ loss, schedule
+
+
+def test_soft_label_bce_matches_a_loop_and_is_minimised_at_q():
+    logits = torch.tensor([[0.3, -1.2, 2.0], [0.5, 0.0, 9.0]])
+    targets = torch.tensor([[0.25, 0.0, 1.0], [0.6, 0.5, 0.5]])
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    expected, count = 0.0, 0
+    for b in range(2):
+        for s in range(3):
+            if mask[b, s]:
+                p, q = 1 / (1 + math.exp(-logits[b, s].item())), targets[b, s].item()
+                expected -= q * math.log(p) + (1 - q) * math.log(1 - p)
+                count += 1
+    assert soft_label_bce(logits, targets, mask).item() == pytest.approx(expected / count, rel=1e-6)
+    z = torch.logit(torch.tensor([0.3, 0.85])).requires_grad_()
+    soft_label_bce(z[None], torch.tensor([[0.3, 0.85]]), torch.ones(1, 2, dtype=torch.bool)).backward()
+    assert torch.allclose(z.grad, torch.zeros(2), atol=1e-6)
+    token_logits = torch.arange(12.0).view(2, 6, 1)
+    assert gather_step_logits(token_logits, torch.tensor([[5, 0], [2, 2]])).tolist() == [[5.0, 0.0], [8.0, 8.0]]
+
+
+def test_warmup_cosine_factor():
+    assert [warmup_cosine_factor(t, 4, 20) for t in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert warmup_cosine_factor(4, 4, 20) == 1.0
+    assert warmup_cosine_factor(12, 4, 20) == pytest.approx(0.5)  # half way through the decay
+    assert warmup_cosine_factor(20, 4, 20, min_ratio=0.1) == pytest.approx(0.1)
+    assert warmup_cosine_factor(19, 4, 20, min_ratio=0.1) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 15 / 16)))
+
+
+# ------------------------------------------------------------------------------------------------ sampling, data
+
+
+def _expected_positive_share(examples, weights):
+    positive = sum(w * sum(t >= 0.5 for t in e.targets) for e, w in zip(examples, weights))
+    total = sum(w * len(e.targets) for e, w in zip(examples, weights))
+    return positive / total
+
+
+def test_class_balanced_weights_balance_the_step_classes():
+    # 1 rollout of 5 positive steps, 6 rollouts of 1-3 negative steps: 5 vs 12 steps before balancing
+    examples = [EncodedRollout([1], [0] * 5, [0.9] * 5)] + [
+        EncodedRollout([1], [0] * n, [0.1] * n) for n in (1, 2, 3, 1, 2, 3)
+    ]
+    uniform = np.full(len(examples), 1 / len(examples))
+    assert _expected_positive_share(examples, uniform) == pytest.approx(5 / 17)
+    weights = class_balanced_weights(examples)
+    assert weights.sum() == pytest.approx(1.0)
+    assert _expected_positive_share(examples, weights) == pytest.approx(0.5)  # exact for one-class rollouts
+    mixed = examples + [EncodedRollout([1], [0, 0], [0.2, 0.7])]
+    assert abs(_expected_positive_share(mixed, class_balanced_weights(mixed)) - 0.5) < 0.05
+    draws = sample_batch_indices(weights, 20000, step=3, seed=1)
+    assert np.array_equal(draws, sample_batch_indices(weights, 20000, step=3, seed=1))
+    assert not np.array_equal(draws[:50], sample_batch_indices(weights, 50, step=4, seed=1))
+    assert np.bincount(draws, minlength=7)[0] / 20000 == pytest.approx(weights[0], abs=0.01)
+
+
+def _label_rows(task: ScriptedStepTask, prompts: range, n_cov: int, n_mc: int, seed: int = 0) -> list[dict]:
+    items = [PromptItem(i, task.prompt(i), str(task.num_steps), "scripted") for i in prompts]
+    labeler = MonteCarloLabeler(ScriptedStepGenerator(P_POLICY), ScriptedStepGenerator(P_PROVER),
+                                OutcomeScorer(scripted_step_score), LabelSettings(n_cov=n_cov, n_mc=n_mc, seed=seed))
+    return labeler.label(items, [item.prompt for item in items])
+
+
+def test_encode_labels_positions_targets_and_truncation(bpe_small):
+    task = ScriptedStepTask(num_steps=3)
+    frame = pd.DataFrame(_label_rows(task, range(3), n_cov=2, n_mc=4))
+    frame.at[0, "q"] = [math.nan] + list(frame.at[0, "q"][1:])  # an unlabelled step is skipped
+    examples, stats = encode_labels(frame, bpe_small)
+    assert len(examples) == 6 and stats.unlabelled_steps == 1 and stats.steps == 18
+    for e, row in zip(examples, frame.itertuples()):
+        encoded = encode_with_step_ends(bpe_small, row.prompt, row.response, list(zip(row.step_starts, row.step_ends)))
+        labelled = [end for end, q in zip(encoded.step_ends, row.q) if not math.isnan(q)]
+        assert e.input_ids == list(encoded.input_ids)
+        assert e.positions == [encoded.prompt_end] + labelled
+        assert e.targets == [row.prompt_value] + [q for q in row.q if not math.isnan(q)]
+    limit = examples[1].positions[2] + 1  # keeps the prompt and two steps of rollout 1, cuts its last step
+    short, stats = encode_labels(frame, bpe_small, max_length=limit, use_prompt_value=False)
+    assert stats.truncated_rollouts == sum(len(e.input_ids) > limit for e in examples) >= 1
+    assert "not trained on" in stats.notes[0]
+    dropped = 0
+    for cut, full in zip(short, examples):
+        assert cut.input_ids == full.input_ids[:limit]
+        assert cut.positions == [p for p in full.positions[1:] if p < limit]  # [1:]: no prompt value here
+        dropped += sum(p >= limit for p in full.positions[1:])
+    assert stats.steps_beyond_max_length == dropped >= 1
+    bok, _ = encode_labels(frame.iloc[1:2], bpe_small, best_of_k=2, use_prompt_value=False)
+    q, s, n = (np.asarray(frame.at[1, c], dtype=float) for c in ("q", "n_success", "n_mc"))
+    expected = np.where(n > 0, 1 - (n - s) * (n - s - 1) / np.maximum(n * (n - 1), 1), 1 - (1 - q) ** 2)
+    assert bok[0].targets == pytest.approx(expected.tolist())
+    batch = collate(examples[:2], pad_token_id=bpe_small.pad_token_id)
+    assert batch["input_ids"].shape[0] == 2 and batch["step_mask"].sum().item() == sum(len(e.positions) for e in examples[:2])
+
+
+def test_split_by_prompt_keeps_rollouts_of_a_prompt_together():
+    frame = pd.DataFrame({"prompt": [f"p{i // 4}" for i in range(400)], "x": range(400)})
+    train_part, eval_part = split_by_prompt(frame, 0.25, seed=3)
+    assert not set(train_part["prompt"]) & set(eval_part["prompt"])
+    assert len(train_part) + len(eval_part) == 400 and 10 <= eval_part["prompt"].nunique() <= 40
+    again = split_by_prompt(frame.sample(frac=1.0, random_state=0), 0.25, seed=3)[1]
+    assert set(again["prompt"]) == set(eval_part["prompt"])
+
+
+# ------------------------------------------------------------------------------------------------ training
+
+
+@pytest.fixture(scope="module")
+def critic_setup(tmp_path_factory, bpe_small):
+    """MC labels of the scripted task (64 prompts x 4 rollouts, n_mc = 16), the tokenizer, a tiny config."""
+    root = tmp_path_factory.mktemp("pav")
+    bpe_small.save_pretrained(root / "tokenizer")
+    config = dict(model_type="qwen2", vocab_size=len(bpe_small), hidden_size=48, intermediate_size=96,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    (root / "config.json").write_text(json.dumps(config))
+    task = ScriptedStepTask(num_steps=NUM_STEPS)
+    rows = _label_rows(task, range(64), n_cov=4, n_mc=16)
+    ShardStore(root / "labels").write_shard(rows)
+    return root, task, rows
+
+
+def _config(root: Path, output: str, **overrides) -> TrainConfig:
+    settings = dict(labels=[str(root / "labels")], output_dir=str(root / output), init_config=str(root / "config.json"),
+                    tokenizer=str(root / "tokenizer"), eval_fraction=0.2, batch_size=16, max_steps=80, lr=4e-3,
+                    warmup_steps=8, max_length=256, progress=False, log_every=20)
+    settings.update(overrides)
+    return TrainConfig(**settings)
+
+
+def test_trained_critic_beats_a_constant_on_exact_values(critic_setup):
+    """Trained on Monte-Carlo labels (n_mc = 16), the critic's values on unseen prompts approach the exact Q."""
+    from verl_prm.critic import ProverCritic
+
+    root, task, rows = critic_setup
+    summary = train(_config(root, "run"))
+    assert summary["eval_rollouts"] > 0 and summary["metrics"]["eval/num_steps"] > 0
+    critic = ProverCritic.from_pretrained(summary["checkpoint"], format="value_head", device="cpu")
+    seeds = ScriptedStepGenerator(P_POLICY).generate([task.prompt(i) for i in range(1000, 1030)], 4, list(range(30)))
+    prompts = [task.prompt(1000 + i) for i, samples in enumerate(seeds) for _ in samples]
+    responses = [sample.text for samples in seeds for sample in samples]
+    scores = critic.score_texts(prompts, responses, delimiter="\n\n")
+    predicted, exact = [], []
+    for b, response in enumerate(responses):
+        ends = [end for _, end in step_char_spans(response, "\n\n")]
+        predicted += scores.step_values[b, : len(ends)].tolist() + [float(scores.prompt_values[b])]
+        exact += task.exact_values(response, ends, P_PROVER) + [P_PROVER**NUM_STEPS]
+    predicted, exact = np.array(predicted), np.array(exact)
+    constant = np.mean([q for row in rows for q in row["q"]])  # the best constant fitted on the training labels
+    critic_mse, constant_mse = mse(predicted, exact), mse(np.full_like(exact, constant), exact)
+    held_out = summary["metrics"]
+    print(f"\nPAV on the scripted task: MSE vs exact Q {critic_mse:.4f} (constant {constant_mse:.4f}); held-out MC "
+          f"labels: MSE {held_out['eval/mse']:.4f} AUROC {held_out['eval/auroc']:.3f} ECE {held_out['eval/ece']:.3f}")
+    assert critic_mse < 0.4 * constant_mse
+    assert auroc(predicted, exact >= 0.5) > 0.85 and held_out["eval/auroc"] > 0.8
+    assert held_out["eval/mse"] < held_out["eval/mse_constant"]
+
+
+def test_interrupted_training_resumes_to_the_same_weights(critic_setup):
+    root, _, _ = critic_setup
+    settings = dict(max_steps=6, save_every=2, keep_checkpoints=5, log_every=1, eval_every=3, warmup_steps=2)
+    reference = train(_config(root, "straight", **settings))
+
+    class Crash(RuntimeError):
+        pass
+
+    def crash_at_three(step, record):
+        if step == 3:
+            raise Crash
+
+    with pytest.raises(Crash):
+        train(_config(root, "crashed", **settings), on_step=crash_at_three)
+    assert latest_checkpoint(root / "crashed").name == "checkpoint-0000002"
+    with pytest.raises(ValueError, match="lr: 0.004 -> 0.001"):
+        train(_config(root, "crashed", **dict(settings, lr=1e-3)))
+    resumed = train(_config(root, "crashed", **settings))
+    assert resumed["start_step"] == 2
+    want = load_file(Path(reference["checkpoint"]) / "model.safetensors")
+    got = load_file(Path(resumed["checkpoint"]) / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    want_state = torch.load(Path(reference["checkpoint"]) / "training_state.pt", weights_only=False)
+    got_state = torch.load(Path(resumed["checkpoint"]) / "training_state.pt", weights_only=False)
+    for a, b in zip(want_state["optimizer"]["state"].values(), got_state["optimizer"]["state"].values()):
+        assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"]) and torch.equal(a["step"], b["step"])
+    log = [json.loads(line) for line in (root / "crashed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "loss" in r] == [1, 2, 3, 4, 5, 6]  # no step lost or logged twice
+    assert [r["step"] for r in log if "eval/mse" in r] == [3, 6]
+    assert resumed["metrics"] == reference["metrics"]
+
+
+def test_freeze_backbone_trains_only_the_value_head(critic_setup):
+    """--freeze-backbone: every backbone tensor keeps the --init weights bit for bit; the head moves."""
+    root, _, _ = critic_setup
+    base = train(_config(root, "freeze_init", max_steps=2, warmup_steps=1))
+    frozen = train(_config(root, "freeze_run", init=base["checkpoint"], init_config=None, tokenizer=None, max_steps=30,
+                           warmup_steps=2, freeze_backbone=True))
+    before = load_file(Path(base["checkpoint"]) / "model.safetensors")
+    after = load_file(Path(frozen["checkpoint"]) / "model.safetensors")
+    assert before.keys() == after.keys()
+    head = [k for k in before if k.startswith("score.")]
+    assert head and all(torch.equal(before[k], after[k]) for k in before if k not in head)
+    assert all(not torch.equal(before[k], after[k]) for k in head)
+    with pytest.raises(ValueError, match="freeze_backbone: True -> False"):
+        train(_config(root, "freeze_run", init=base["checkpoint"], init_config=None, tokenizer=None, max_steps=40,
+                      warmup_steps=2))
+
+
+def test_label_train_score_cli_end_to_end(tmp_path, bpe_small):
+    """`verl-prm label` (tiny causal LM) -> `verl-prm train --init` that LM -> ProverCritic scores."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from verl_prm.apps.cli import main
+    from verl_prm.critic import ProverCritic
+
+    config = Qwen2Config(vocab_size=len(bpe_small), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         eos_token_id=bpe_small.eos_token_id, pad_token_id=bpe_small.pad_token_id)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "lm")
+    bpe_small.save_pretrained(tmp_path / "lm")
+    prompts = [{"prompt": [{"role": "user", "content": f"Count to {i}."}], "data_source": "toy",
+                "reward_model": {"ground_truth": str(i)}} for i in range(6)]
+    pd.DataFrame(prompts).to_parquet(tmp_path / "prompts.parquet")
+    (tmp_path / "reward.py").write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                        "    return float(solution_str.count(' ') % 2 == 1)\n")
+    assert main(["label", "--input", str(tmp_path / "prompts.parquet"), "--output-dir", str(tmp_path / "labels"),
+                 "--policy", str(tmp_path / "lm"), "--n-cov", "2", "--n-mc", "2", "--max-new-tokens", "10",
+                 "--delimiter", " ", "--max-steps", "3", "--reward-fn", f"{tmp_path / 'reward.py'}:score",
+                 "--device", "cpu", "--no-progress"]) == 0
+    labels = read_labels(tmp_path / "labels")
+    assert len(labels) == 12 and labels["step_ends"].map(len).max() <= 3
+    assert main(["train", "--labels", str(tmp_path / "labels"), "--output-dir", str(tmp_path / "pav"), "--init",
+                 str(tmp_path / "lm"), "--max-steps", "3", "--batch-size", "4", "--warmup-steps", "1",
+                 "--eval-fraction", "0.3", "--lr", "1e-3", "--no-progress"]) == 0
+    checkpoint = latest_checkpoint(tmp_path / "pav")
+    assert checkpoint.name == "checkpoint-0000003" and (checkpoint / "model.safetensors").is_file()
+    critic = ProverCritic.from_pretrained(str(checkpoint), format="value_head", device="cpu")
+    row = labels.iloc[0]
+    scores = critic.score_texts([row["prompt"]], [row["response"]], delimiter=" ", max_steps=3)
+    assert int(scores.num_steps[0]) == len(row["step_ends"])
+    assert torch.all((scores.step_values[0, : len(row["step_ends"])] > 0) & (scores.step_values[0, : len(row["step_ends"])] < 1))
+    # the checkpoint's backbone came from the causal LM (--init), the value head is new
+    lm = load_file(tmp_path / "lm" / "model.safetensors")
+    pav = load_file(checkpoint / "model.safetensors")
+    assert "score.weight" in pav and pav["score.weight"].shape[0] == 1
+    assert lm["model.embed_tokens.weight"].shape == pav["model.embed_tokens.weight"].shape
+
+
+# ------------------------------------------------------------------------------------------------ safe resumes
+
+
+def test_keep_checkpoints_zero_is_refused_and_rotation_keeps_the_final_model(critic_setup, tmp_path):
+    from verl_prm.apps.cli import main
+
+    root, _, _ = critic_setup
+    message = "keep_checkpoints (--keep-checkpoints) must be an integer >= 1, got 0: the newest checkpoint is the model"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _config(root, "keep0", keep_checkpoints=0)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        main(["--debug", "train", "--labels", str(root / "labels"), "--output-dir", str(tmp_path / "pav"), "--init-config",
+              str(root / "config.json"), "--tokenizer", str(root / "tokenizer"), "--keep-checkpoints", "0"])
+    assert not (tmp_path / "pav").exists()
+    summary = train(_config(root, "keep1", max_steps=3, save_every=1, keep_checkpoints=1, warmup_steps=1))
+    kept = sorted(p.name for p in (root / "keep1").glob("checkpoint-*"))
+    assert kept == ["checkpoint-0000003"] and summary["checkpoint"] == str(root / "keep1" / "checkpoint-0000003")
+    assert (root / "keep1" / "checkpoint-0000003" / "model.safetensors").is_file()
+
+
+_STALLING_TRAINER = """
+import json, sys, time
+import torch
+from verl_prm.training.trainer import TrainConfig, train
+
+torch.set_num_threads(1)
+
+def stall(step, record):
+    if step == 2:
+        print("step 2", flush=True)
+        time.sleep(120)
+
+train(TrainConfig(**json.loads(sys.argv[1])), on_step=stall)
+"""
+
+
+def test_second_train_writer_is_refused_and_a_killed_trainer_resumes(critic_setup):
+    """A real `train` process, killed with SIGKILL after its step-2 checkpoint while it held the directory: while
+    it lives a second train() is refused naming its pid; after the kill the rerun resumes at step 2 and ends with
+    the weights of an uninterrupted run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from dataclasses import asdict
+
+    from verl_prm.locking import DirectoryLockedError
+
+    root, _, _ = critic_setup
+    settings = dict(max_steps=4, save_every=2, keep_checkpoints=5, log_every=1, warmup_steps=1)
+    reference = train(_config(root, "uninterrupted", **settings))
+    config = _config(root, "killed", **settings)
+    child = subprocess.Popen([sys.executable, "-c", _STALLING_TRAINER, json.dumps(asdict(config))],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert any(line.strip() == "step 2" for line in child.stdout)  # after the trainer's own log lines
+        with pytest.raises(DirectoryLockedError, match=re.escape(f"{root / 'killed'} is being written by another "
+                                                                 f"process: pid {child.pid} on host ")):
+            train(config)
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+        child.stdout.close()
+    resumed = train(config)
+    assert resumed["start_step"] == 2
+    want = load_file(Path(reference["checkpoint"]) / "model.safetensors")
+    got = load_file(Path(resumed["checkpoint"]) / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_torn_last_metrics_line_is_skipped_and_a_torn_middle_line_is_an_error(critic_setup, capsys):
+    from verl_prm.training.trainer import read_log
+
+    root, _, _ = critic_setup
+    settings = dict(max_steps=4, save_every=2, keep_checkpoints=5, log_every=1, warmup_steps=1)
+
+    class Crash(RuntimeError):
+        pass
+
+    def crash_at_three(step, record):
+        if step == 3:
+            raise Crash
+
+    with pytest.raises(Crash):
+        train(_config(root, "torn", **settings), on_step=crash_at_three)
+    log_path = root / "torn" / "metrics.jsonl"
+    with open(log_path, "a") as f:
+        f.write('{"step": 4, "lo')  # the process died while appending a line
+    capsys.readouterr()
+    assert train(_config(root, "torn", **settings))["start_step"] == 2
+    assert f"{log_path} line 4 is torn (cut off while it was written" in capsys.readouterr().out
+    assert [json.loads(line)["step"] for line in log_path.read_text().splitlines()] == [1, 2, 3, 4, 4]  # loss + eval
+    lines = log_path.read_text().splitlines()
+    log_path.write_text("\n".join([lines[0], lines[1][:7]] + lines[2:]) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{log_path} line 2 is not a JSON record") + ".*not the last line"):
+        read_log(log_path)
+    with pytest.raises(ValueError, match=re.escape(f"{log_path} line 2 is not a JSON record")):
+        train(_config(root, "torn", **settings))
+
+
+def test_rerunning_a_finished_run_logs_no_second_eval_line(critic_setup):
+    root, _, _ = critic_setup
+    first = train(_config(root, "finished", max_steps=2, warmup_steps=1, log_every=1))
+    log = (root / "finished" / "metrics.jsonl").read_text()
+    again = train(_config(root, "finished", max_steps=2, warmup_steps=1, log_every=1))
+    assert again["start_step"] == 2 and again["metrics"] == first["metrics"]
+    assert (root / "finished" / "metrics.jsonl").read_text() == log
+    assert sum("eval/mse" in line for line in log.splitlines()) == 1
+
+
+def test_nan_auroc_says_why_and_held_out_labels_must_not_be_training_labels(critic_setup, capsys):
+    root, _, rows = critic_setup
+    one_class = [dict(row, q=[1.0] * len(row["q"]), n_success=[0] * len(row["q"]), n_mc=[0] * len(row["q"]),
+                      first_pit=-1, outcome=1.0, prompt_value=math.nan, prompt_n_mc=0, prompt_n_success=0)
+                 for row in rows[:8]]
+    ShardStore(root / "one_class").write_shard(one_class)
+    capsys.readouterr()
+    summary = train(_config(root, "nan_auroc", max_steps=2, warmup_steps=1, eval_labels=[str(root / "one_class")]))
+    metrics = summary["metrics"]
+    steps = sum(len(row["q"]) for row in one_class)
+    why = (f"AUROC is NaN: all {steps} held-out step labels are at or above 0.5 (one class); it needs both classes. "
+           "Hold out more prompts (--eval-fraction) or pass --eval-labels with mixed outcomes")
+    assert math.isnan(metrics["eval/auroc"]) and metrics["eval/auroc_note"] == why
+    assert f"verl-prm train: step 2: {why}" in capsys.readouterr().out
+    logged = json.loads((root / "nan_auroc" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert logged["eval/auroc_note"] == why
+    assert json.loads((root / "nan_auroc" / "eval_metrics.json").read_text())["eval/auroc_note"] == why
+    with pytest.raises(ValueError, match="--eval-labels and --labels share shards"):
+        train(_config(root, "leak", eval_labels=[str(root / "labels" / "shard-00000.parquet")]))
+
+
+def test_train_refuses_labels_that_break_the_format(critic_setup, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from verl_prm.labeling.format import LABEL_SCHEMA
+
+    root, _, rows = critic_setup
+    bad = [dict(row) for row in rows[:4]]
+    bad[2]["q"] = bad[2]["q"][:-1]  # fewer values than steps
+    pq.write_table(pa.Table.from_pylist(bad, schema=LABEL_SCHEMA), tmp_path / "shard-00000.parquet")
+    with pytest.raises(ValueError, match=re.escape(f"label shard {tmp_path / 'shard-00000.parquet'} row 2 (prompt_index="
+                                                   f"{bad[2]['prompt_index']}, rollout_index={bad[2]['rollout_index']}): "
+                                                   f"q has {NUM_STEPS - 1} entries but there are {NUM_STEPS} steps")):
+        train(_config(root, "bad_labels", labels=[str(tmp_path)]))

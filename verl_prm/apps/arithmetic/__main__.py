@@ -1,0 +1,3 @@
+from verl_prm.apps.arithmetic.pipeline import main
+
+raise SystemExit(main())

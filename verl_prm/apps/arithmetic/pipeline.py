@@ -1,0 +1,724 @@
+"""The arithmetic recipe end to end, stage by stage, each stage resuming from its outputs.
+
+    python -m verl_prm.apps.arithmetic --scale cpu --work-dir runs/arithmetic_cpu
+
+Stages (``--stages``, default all, in this order), each writing under ``--work-dir``:
+
+==========  ===========================================================================================
+data        ``data/``: verl parquet rows (``rl_train``, ``test``; the label stage adds its prompts) and the SFT solutions
+            (``sft.jsonl``, with slips)
+sft         ``policy/``: a tiny Qwen2 causal LM trained from scratch (HF format, safetensors, tokenizer)
+prover      ``prover/``: the SFT policy measured on the label prompts: success, groups with no outcome signal and
+            its per-step accuracy p, the exact prover's parameter (:mod:`.prover`)
+label       ``labels/``: ``verl-prm label`` (Monte-Carlo values of step prefixes; the prover is the policy,
+            raw success counts kept so that the Best-of-K prover's values follow)
+pav         ``pav/``: the learned PAV. With ``Scale.critic_init`` (the CPU and GPU scales): the policy is first
+            taught to check each written result on the SFT solutions (``pav/backbone/``, :mod:`.critic_init`),
+            then ``verl-prm train --freeze-backbone`` fits a value head on it to the Monte-Carlo labels; without
+            it, ``verl-prm train`` fine-tunes a value head on the whole policy (the PAV paper's choice)
+rl          ``rl/<arm>_seed<seed>/``: every arm (GRPO, PAV-GRPO with the exact prover, PAV-GRPO with the learned
+            PAV) with every seed through ``python -m verl.trainer.main_ppo`` (:mod:`.verl_rl`), the same prompts,
+            seeds and budget; on CPU with the plugin's CPU platform, on GPU with vLLM
+evaluate    ``results/``: ``results.md``, ``results.json`` and the plots
+==========  ===========================================================================================
+
+The command of a verl run is built by ``verl_rl.main_ppo_command`` for the scale's device, so the CPU run and
+the GPU run (``examples/arithmetic/run_gpu.sh``: ``--scale gpu``) differ only in scale and device settings.
+
+A stage is skipped when its ``DONE.json`` marker exists and records the same settings; a marker with other
+settings is an error (use another work directory). ``verl-prm label``, ``verl-prm train`` and the RL loop also
+resume inside a stage that was interrupted.
+
+Reproducibility. The numbers are a function of the settings, the package versions and the machine's float
+kernels: the recipe runs torch on a fixed number of threads (``Scale.threads``, 1 by default, part of every
+stage's settings; ``--threads`` overrides it), seeds Python's, numpy's and torch's generators at the start of
+every stage (a stage gives the same outputs whether it runs after the others in one process or alone in a
+resumed run), and every ``DONE.json`` and ``results.json`` records the environment (:func:`environment`:
+python, torch, transformers, tokenizers, numpy, verl, ... versions, torch threads, CPU). Skipping a stage
+that was made under another environment is logged with the differences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import sys
+import time
+import zlib
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from verl_prm.apps.arithmetic.critic_init import CriticInitConfig, critic_init_from_sft
+from verl_prm.apps.arithmetic.model import ModelConfig, SFTConfig
+from verl_prm.apps.arithmetic.rl import RLConfig
+from verl_prm.apps.arithmetic.task import STEP_REGEX, TaskConfig
+
+__all__ = ["Scale", "SCALES", "STAGES", "environment", "run", "main", "seed_everything"]
+
+DATA_SOURCE_NAME = "arithmetic_mod"
+STAGES = ("data", "sft", "prover", "label", "pav", "rl", "evaluate")
+SCORE_FILE = Path(__file__).with_name("score.py")
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Every setting of one run of the recipe."""
+
+    task: TaskConfig = field(default_factory=TaskConfig)
+    # The RL, label and test problems have exactly this many operations (None: the task's range, as the SFT
+    # data). SFT on a range of lengths, RL on long problems: the SFT policy learns the arithmetic on the short
+    # ones and rarely solves the long ones, where outcome-only RL has few groups with a signal.
+    rl_num_ops: Optional[int] = None
+    sft_problems: int = 20000
+    rl_problems: int = 2000
+    label_problems: int = 384
+    test_problems: int = 256
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    # verl-prm label
+    n_cov: int = 4
+    n_mc: int = 2
+    label_backend: str = "hf"
+    label_batch_size: int = 1024
+    # the learned PAV's backbone: None = the SFT policy, fine-tuned whole by verl-prm train (the PAV paper's
+    # choice; on the CPU scale its value ranks prefixes at chance, docs/arithmetic.md); a CriticInitConfig = the
+    # policy first taught to check each written result (critic_init with check_weight > 0), then only the value
+    # head is trained on the Monte-Carlo labels (--freeze-backbone), at pav_lr
+    critic_init: Optional[CriticInitConfig] = None
+    # verl-prm train
+    pav_steps: int = 500
+    pav_batch_size: int = 32
+    pav_lr: float = 2e-4
+    pav_warmup: int = 10
+    # RL through verl's main_ppo: every arm (verl_rl.ARMS) with every seed, the same settings otherwise
+    rl: RLConfig = field(default_factory=RLConfig)
+    rl_arms: tuple[str, ...] = ("grpo", "pav_exact", "pav_learned")
+    rl_seeds: tuple[int, ...] = (0, 1, 2)
+    # main_ppo processes at once (a CPU run spends ~40% of a step waiting on verl's replay-buffer poll)
+    rl_parallel: int = 2
+    # evaluation
+    eval_samples: int = 4
+    search_problems: int = 64
+    best_of_n: tuple[int, ...] = (1, 2, 4, 8)
+    beam_widths: tuple[int, ...] = (1, 2, 4)
+    samples_per_beam: int = 2
+    search_alpha: float = 0.5
+    device: str = "cpu"
+    # torch intra-op threads for every stage: how a float reduction is split may depend on it, so it is a
+    # setting, not the machine's core count (1: no split, and the fastest on a shared machine, where a second
+    # thread waits for a core)
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.rl_num_ops is not None and not 1 <= self.rl_num_ops:
+            raise ValueError(f"rl_num_ops must be >= 1 or None, got {self.rl_num_ops}")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
+            raise ValueError(f"threads (--threads) must be an integer >= 1, got {self.threads!r}")
+        from verl_prm.apps.arithmetic.verl_rl import ARMS
+
+        unknown = [arm for arm in self.rl_arms if arm not in ARMS]
+        if unknown or not self.rl_arms:
+            raise ValueError(f"rl_arms must name arms of {tuple(ARMS)}, got {self.rl_arms}")
+        if not self.rl_seeds or len(set(self.rl_seeds)) != len(self.rl_seeds):
+            raise ValueError(f"rl_seeds must be distinct seeds, got {self.rl_seeds}")
+        if isinstance(self.rl_parallel, bool) or not isinstance(self.rl_parallel, int) or self.rl_parallel < 1:
+            raise ValueError(f"rl_parallel must be an integer >= 1, got {self.rl_parallel!r}")
+        if self.critic_init is not None and not self.critic_init.check_weight > 0:
+            raise ValueError("critic_init needs check_weight > 0: only the value head is trained on it, so the backbone "
+                             "must have been taught the check (with check_weight 0 it only recomputes results, and a "
+                             "linear value head reads no check from that; docs/arithmetic.md)")
+        for name in ("pav_lr", "search_alpha"):
+            value = getattr(self, name)
+            if not np.isfinite(value):
+                raise ValueError(f"{name} must be finite, got {value!r}")
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The longest reference solution (every number with the most digits) plus slack for one EOS and a
+        few wrong tokens."""
+        from verl_prm.apps.arithmetic.task import solution_lines
+
+        top = self.task.modulus - 1
+        worst = self._longest_problem()
+        longest = sum(len(line.replace(str(worst.values[h] if h < len(worst.values) else top), str(top))) + 1
+                      for h, line in enumerate(solution_lines(worst)))
+        return longest + len(str(top)) * self.rl_task.max_ops + 8
+
+    @property
+    def rl_task(self) -> TaskConfig:
+        """The task of the RL, label and test problems: ``task`` with ``rl_num_ops`` operations."""
+        if self.rl_num_ops is None:
+            return self.task
+        return replace(self.task, min_ops=self.rl_num_ops, max_ops=self.rl_num_ops)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest rendered prompt (per-character tokenizer: its length in characters) plus slack."""
+        from verl_prm.apps.arithmetic.model import build_tokenizer, render
+
+        return len(render(build_tokenizer(), self._longest_problem().prompt_text)) + 8
+
+    def _longest_problem(self):
+        """An RL problem with the most operations and the widest numbers (every value and operand at its largest)."""
+        from verl_prm.apps.arithmetic.task import Problem
+
+        top = self.task.modulus - 1
+        return Problem(top, tuple((self.task.ops[0], self.task.max_operand) for _ in range(self.rl_task.max_ops)),
+                       self.task.modulus)
+
+
+SCALES: dict[str, Scale] = {
+    # The default CPU recipe: ~0.9 M parameters, a few minutes per stage on 2 cores. Three operations mod 7
+    # with single-digit operands: the smallest setting that a model this size learns in ~1000 SFT steps.
+    "cpu": Scale(
+        task=TaskConfig(min_ops=3, max_ops=6, modulus=7, max_operand=6, slip_rate=0.0, step_slip_rate=0.25),
+        rl_num_ops=6,
+        sft=SFTConfig(steps=2200, batch_size=32, lr=2e-3, warmup_steps=20, curriculum_steps=1200),
+        critic_init=CriticInitConfig(check_weight=1.0), pav_lr=1e-3,
+        rl=RLConfig(steps=30, prompts_per_step=16, group_size=8, lr=5e-5, eval_every=5, eval_samples=1),
+    ),
+    # The test suite's micro run: every stage for real, a few optimisation steps each.
+    "micro": Scale(
+        task=TaskConfig(min_ops=1, max_ops=2, modulus=7, max_operand=6),
+        sft_problems=200, rl_problems=20, label_problems=3, test_problems=6,
+        model=ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                          num_key_value_heads=2, max_position_embeddings=160),
+        sft=SFTConfig(steps=4, batch_size=8, warmup_steps=1),
+        n_cov=1, n_mc=2, label_batch_size=16, pav_steps=2, pav_batch_size=4, pav_warmup=1,
+        rl=RLConfig(steps=2, prompts_per_step=2, group_size=2, eval_every=1, eval_samples=1),
+        rl_arms=("pav_exact",), rl_seeds=(0,), rl_parallel=1,
+        eval_samples=1, search_problems=2, best_of_n=(1, 2), beam_widths=(1,), samples_per_beam=2,
+    ),
+    # The test suite's pinned run (tests/apps/test_arithmetic.py asserts its numbers): one operation mod 5, a
+    # model that starts to learn in 150 SFT steps, so that the labels, the critic and RL see both outcomes.
+    "tiny": Scale(
+        task=TaskConfig(min_ops=1, max_ops=1, modulus=5, max_operand=4, slip_rate=0.3),
+        sft_problems=40, rl_problems=8, label_problems=4, test_problems=12,
+        model=ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                          num_key_value_heads=2, max_position_embeddings=64),
+        sft=SFTConfig(steps=150, batch_size=16, lr=1e-2, warmup_steps=5),
+        n_cov=2, n_mc=2, label_batch_size=16, pav_steps=2, pav_batch_size=4, pav_warmup=1,
+        rl=RLConfig(steps=2, prompts_per_step=4, group_size=4, lr=1e-3, eval_every=1, eval_samples=2),
+        eval_samples=2, search_problems=4, best_of_n=(1, 2), beam_widths=(1,), samples_per_beam=2,
+    ),
+    # One H100/H200: a ~25 M parameter model on a harder task (examples/arithmetic/run_gpu.sh).
+    "gpu": Scale(
+        task=TaskConfig(min_ops=3, max_ops=8, modulus=97, max_operand=96, slip_rate=0.0, step_slip_rate=0.2),
+        rl_num_ops=8,
+        sft_problems=400_000, rl_problems=20_000, label_problems=2000, test_problems=1024,
+        model=ModelConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                          num_key_value_heads=8, max_position_embeddings=512),
+        sft=SFTConfig(steps=6000, batch_size=256, lr=1e-3, warmup_steps=200, curriculum_steps=2000),
+        n_cov=4, n_mc=16, label_backend="vllm", label_batch_size=1024,
+        critic_init=CriticInitConfig(steps=6000, batch_size=64, check_weight=1.0),
+        pav_steps=2000, pav_batch_size=64, pav_lr=1e-3, pav_warmup=100,
+        rl=RLConfig(steps=200, prompts_per_step=128, group_size=8, lr=1e-5, eval_every=10, eval_samples=4),
+        eval_samples=4, search_problems=512, best_of_n=(1, 2, 4, 8, 16, 32), beam_widths=(1, 2, 4, 8),
+        samples_per_beam=3, device="cuda", rl_parallel=1,
+    ),
+}
+
+
+ENVIRONMENT_PACKAGES = ("torch", "transformers", "tokenizers", "numpy", "verl", "verl-prm", "accelerate",
+                        "safetensors", "pandas", "pyarrow")
+
+
+def environment() -> dict:
+    """What the recipe's numbers depend on besides its settings: package versions, torch's thread count and
+    float-kernel back ends, the Python build and the CPU."""
+    from importlib import metadata
+
+    import torch
+
+    versions = {}
+    for name in ENVIRONMENT_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"python": platform.python_version(), "packages": versions, "torch_threads": torch.get_num_threads(),
+            "torch_mkldnn": bool(torch.backends.mkldnn.is_available()),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine(),
+            "cpu": cpu, "system": platform.system()}
+
+
+def environment_differences(recorded: dict | None, current: dict) -> list[str]:
+    """``key: recorded -> current`` for every entry (packages one by one) that differs."""
+    if not recorded:
+        return ["no environment recorded"]
+    out = []
+    for key in sorted(set(recorded) | set(current)):
+        old, new = recorded.get(key), current.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            out += [f"{key}.{name}: {old.get(name)} -> {new.get(name)}" for name in sorted(set(old) | set(new))
+                    if old.get(name) != new.get(name)]
+        elif old != new:
+            out.append(f"{key}: {old} -> {new}")
+    return out
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's and torch's global generators (a stage then does not depend on what ran before
+    it in the process)."""
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def stage_seed(name: str) -> int:
+    """A fixed seed per stage name (crc32: the same in every Python process, unlike ``hash``)."""
+    return zlib.crc32(f"arithmetic-stage-{name}".encode())
+
+
+def settings_differences(recorded, current, key: str = "") -> list[str]:
+    """``key: recorded -> current`` for every leaf setting that differs (dotted keys, list items by index)."""
+    if isinstance(recorded, dict) and isinstance(current, dict):
+        out = []
+        for name in sorted(set(recorded) | set(current), key=str):
+            out += settings_differences(recorded.get(name), current.get(name), f"{key}.{name}" if key else str(name))
+        return out
+    if isinstance(recorded, list) and isinstance(current, list) and len(recorded) == len(current):
+        out = []
+        for i, (old, new) in enumerate(zip(recorded, current)):
+            out += settings_differences(old, new, f"{key}[{i}]")
+        return out
+    return [] if recorded == current else [f"{key or 'settings'}: {recorded!r} -> {current!r}"]
+
+
+def _jsonable(value):
+    return json.loads(json.dumps(value, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)))
+
+
+class Stage:
+    """A stage directory with a completion marker that records the stage's settings."""
+
+    def __init__(self, root: Path, name: str, settings: dict, parts: Sequence["Stage"] = ()) -> None:
+        self.path = root / name
+        self.marker = self.path / "DONE.json"
+        self.settings = _jsonable(settings)
+        # sub-stages with their own markers (the rl stage's runs): the stage is complete when every part is, so
+        # a finished stage asked for more parts (another arm or seed) runs only the new ones
+        self.parts = tuple(parts)
+
+    def done(self) -> bool:
+        if not self.marker.exists() or not all(part.done() for part in self.parts):
+            return False
+        recorded = json.loads(self.marker.read_text())
+        if recorded.get("settings") != self.settings:
+            changed = "; ".join(settings_differences(recorded.get("settings"), self.settings)[:8])
+            raise ValueError(f"{self.path} was completed with other settings ({changed}); use another --work-dir "
+                             "or delete it")
+        return True
+
+    def finish(self, outputs: dict, seconds: float, env: dict | None = None) -> dict:
+        record = {"settings": self.settings, "outputs": _jsonable(outputs), "seconds": round(seconds, 1),
+                  "environment": env if env is not None else environment()}
+        tmp = self.marker.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=2))
+        tmp.replace(self.marker)
+        return record
+
+    def outputs(self) -> dict:
+        return json.loads(self.marker.read_text())["outputs"]
+
+
+# ------------------------------------------------------------------------------------------------- stages
+
+
+def _problems(scale: Scale):
+    """(sft, rl, label, test) problems; test prompts appear in no other split."""
+    from verl_prm.apps.arithmetic.task import generate_problems
+
+    test = generate_problems(scale.test_problems, scale.rl_task, seed=1)
+    held = [p.prompt_text for p in test]
+    rl = generate_problems(scale.rl_problems, scale.rl_task, seed=2, exclude=held)
+    sft = generate_problems(scale.sft_problems, scale.task, seed=3, exclude=held)
+    label = generate_problems(scale.label_problems, scale.rl_task, seed=4, exclude=held)
+    return sft, rl, label, test
+
+
+def stage_data(stage: Stage, scale: Scale) -> dict:
+    import pandas as pd
+
+    from verl_prm.apps.arithmetic.task import sft_example, verl_row
+
+    sft, rl, label, test = _problems(scale)
+    stage.path.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for name, problems in (("rl_train", rl), ("test", test)):
+        path = stage.path / f"{name}.parquet"
+        pd.DataFrame([verl_row(p, name, i) for i, p in enumerate(problems)]).to_parquet(path)
+        files[name] = str(path)
+    rng = random.Random(f"sft-solutions-{scale.sft.seed}")
+    slips = 0
+    with open(stage.path / "sft.jsonl", "w") as f:
+        for p in sft:
+            text, slip = sft_example(p, rng, scale.task.slip_rate, scale.task.step_slip_rate)
+            slips += slip >= 0
+            f.write(json.dumps({"prompt": p.prompt_text, "response": text, "slip_step": slip}) + "\n")
+    files["sft"] = str(stage.path / "sft.jsonl")
+    return {"files": files, "sft_solutions": len(sft), "sft_slip_share": slips / max(len(sft), 1)}
+
+
+def stage_sft(stage: Stage, scale: Scale, data_dir: Path, progress: bool) -> dict:
+    import torch
+
+    from verl_prm.apps.arithmetic.model import build_model, build_tokenizer, encode_sft, save_policy, train_sft
+
+    rows = [json.loads(line) for line in open(data_dir / "sft.jsonl")]
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, scale.model, seed=scale.sft.seed).to(scale.device)
+    examples = encode_sft(tokenizer, [r["prompt"] for r in rows], [r["response"] for r in rows])
+    stage.path.mkdir(parents=True, exist_ok=True)
+    log_path = stage.path / "sft_metrics.jsonl"
+    log_path.write_text("")
+
+    def log(record: dict) -> None:
+        with open(log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    # the curriculum's short problems: the task's fewest operations (a prompt holds one space per operation
+    # before "mod")
+    short = [i for i, r in enumerate(rows) if r["prompt"].split(" mod ")[0].count(" ") == scale.task.min_ops]
+    losses = train_sft(model, examples, scale.sft, tokenizer.pad_token_id, progress=progress, log=log,
+                       device=torch.device(scale.device), short=short)
+    save_policy(model.to("cpu"), tokenizer, stage.path)
+    return {"parameters": sum(p.numel() for p in model.parameters()), "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+            "path": str(stage.path)}
+
+
+def stage_label(stage: Stage, scale: Scale, data_dir: Path, policy: Path, progress: bool) -> dict:
+    import pandas as pd
+
+    from verl_prm.apps.cli import main as cli
+    from verl_prm.apps.arithmetic.task import verl_row
+
+    _, _, label, _ = _problems(scale)
+    prompts = stage.path.parent / "data" / f"label_{scale.label_problems}.parquet"
+    if not prompts.exists():
+        pd.DataFrame([verl_row(p, "label", i) for i, p in enumerate(label)]).to_parquet(prompts)
+    argv = ["label", "--input", str(prompts), "--policy", str(policy), "--output-dir",
+            str(stage.path), "--backend", scale.label_backend, "--n-cov", str(scale.n_cov), "--n-mc", str(scale.n_mc),
+            "--strategy", "every", "--step-regex", STEP_REGEX, "--max-new-tokens", str(scale.max_new_tokens),
+            "--temperature", "1.0", "--batch-size", str(scale.label_batch_size), "--reward-fn",
+            f"{SCORE_FILE}:compute_score", "--seed", "0"]
+    if scale.label_backend == "hf":
+        argv += ["--device", scale.device, "--dtype", "float32"]
+    if not progress:
+        argv.append("--no-progress")
+    if cli(argv) != 0:
+        raise RuntimeError(f"verl-prm {' '.join(argv)} failed")
+    from verl_prm.labeling.format import read_labels
+
+    frame = read_labels(stage.path)
+    q = [v for values in frame["q"] for v in values]
+    return {"command": "verl-prm " + " ".join(argv), "rollouts": len(frame), "labelled_steps": len(q),
+            "seed_accuracy": float(frame["outcome"].mean()),
+            "labelled_share": float(np.mean([v == v for v in q])) if q else 0.0}
+
+
+def stage_pav(stage: Stage, scale: Scale, labels: Path, policy: Path, data_dir: Path, progress: bool, log) -> dict:
+    from verl_prm.apps.cli import main as cli
+    from verl_prm.training.trainer import latest_checkpoint
+
+    init, outputs = policy, {}
+    if scale.critic_init is not None:
+        init = stage.path / "backbone"
+        outputs["critic_init"] = critic_init_from_sft(init, policy, data_dir, scale.task.modulus, scale.critic_init,
+                                                      device=scale.device, progress=progress,
+                                                      log=lambda line: log(f"[arithmetic] pav: {line}"))
+    argv = ["train", "--labels", str(labels), "--init", str(init), "--output-dir", str(stage.path),
+            "--max-steps", str(scale.pav_steps), "--batch-size", str(scale.pav_batch_size), "--lr", str(scale.pav_lr),
+            "--warmup-steps", str(scale.pav_warmup), "--eval-fraction", "0.2", "--best-of-k", "1",
+            "--max-length", str(scale.model.max_position_embeddings), "--log-every", "10", "--seed", "0"]
+    if scale.device == "cpu":
+        argv.append("--cpu")
+    if scale.critic_init is not None:
+        argv.append("--freeze-backbone")
+    if not progress:
+        argv.append("--no-progress")
+    if cli(argv) != 0:
+        raise RuntimeError(f"verl-prm {' '.join(argv)} failed")
+    metrics = json.loads((stage.path / "eval_metrics.json").read_text())
+    return {"command": "verl-prm " + " ".join(argv), "checkpoint": str(latest_checkpoint(stage.path)),
+            "eval_metrics": metrics, **outputs}
+
+
+def stage_prover(stage: Stage, scale: Scale, policy: Path) -> dict:
+    """The SFT policy measured on the label problems (none is a test problem): success, groups without an outcome
+    signal, and its per-step accuracy, which becomes the exact prover's p (``prover.ArithmeticProver``).
+
+    p is at least 1 / modulus, a uniform guess among the residues: the scripted prover of an untrained policy
+    (the test suite's micro scale, or a step accuracy that no prefix reached) still has values in (0, 1]. Both
+    the measured accuracy and the p used are recorded."""
+    from verl_prm.apps.arithmetic.sweep import measure_policy
+
+    _, _, label, _ = _problems(scale)
+    stage.path.mkdir(parents=True, exist_ok=True)
+    measured = measure_policy(policy, label, group_size=max(2, scale.rl.group_size),
+                              max_new_tokens=scale.max_new_tokens, seed=stage_seed("prover"))
+    measured["measured_step_accuracy"] = measured["step_accuracy"]
+    chance = 1.0 / scale.task.modulus
+    if not measured["step_accuracy"] >= chance:  # also NaN: no step was reached with a right prefix
+        measured["step_accuracy"] = chance
+    return measured
+
+
+def rl_run_stages(scale: Scale, root: Path, settings: dict) -> dict[tuple[str, int], Stage]:
+    """The sub-stage (directory ``rl/<arm>_seed<seed>`` and settings) of every RL run."""
+    out = {}
+    # seed by seed, every arm of a seed together: an interrupted stage leaves complete comparisons
+    for seed in scale.rl_seeds:
+        for arm in scale.rl_arms:
+            critic = settings["critic"] if arm == "pav_learned" else settings["prover"]
+            out[(arm, seed)] = Stage(root / "rl", f"{arm}_seed{seed}", {
+                "policy": settings["policy"], "critic": critic, "rl": scale.rl, "arm": arm, "seed": seed,
+                "max_new_tokens": scale.max_new_tokens, "device": scale.device})
+    return out
+
+
+def stage_rl(stage: Stage, scale: Scale, data_dir: Path, policy: Path, learned_critic: str | None,
+             step_accuracy: float, log) -> dict:
+    """Every arm x seed through ``python -m verl.trainer.main_ppo`` (``verl_rl``), ``scale.rl_parallel`` at once;
+    a finished run is recorded in its own ``DONE.json``, so an interrupted stage resumes with the rest."""
+    from verl_prm.apps.arithmetic.verl_rl import RunPaths, read_run, run_arms
+
+    runs = {(part.settings["arm"], part.settings["seed"]): part for part in stage.parts}
+    paths = RunPaths(policy=policy.resolve(), train_file=(data_dir / "rl_train.parquet").resolve(),
+                     val_file=(data_dir / "test.parquet").resolve(),
+                     learned_critic=Path(learned_critic).resolve() if learned_critic else None,
+                     step_accuracy=float(step_accuracy))
+    todo = []
+    for (arm, seed), run_stage in runs.items():
+        if run_stage.done():
+            log(f"[arithmetic] rl {arm} seed {seed}: complete, skipped ({run_stage.path})")
+            continue
+        # an interrupted run resumes from its verl checkpoints only under the same settings
+        started = run_stage.path / "SETTINGS.json"
+        if started.exists():
+            changed = settings_differences(json.loads(started.read_text()), run_stage.settings)
+            if changed:
+                raise ValueError(f"{run_stage.path} holds an interrupted run with other settings "
+                                 f"({'; '.join(changed[:8])}); delete it or use another --work-dir")
+        run_stage.path.mkdir(parents=True, exist_ok=True)
+        started.write_text(json.dumps(run_stage.settings, indent=2))
+        todo.append((arm, seed, run_stage.path.resolve()))
+
+    def finished(arm: str, seed: int, run_dir: Path, seconds: float) -> None:
+        outputs = {**read_run(run_dir, scale), "final_policy": str(run_dir / "final"), "run_dir": str(run_dir)}
+        runs[(arm, seed)].finish(outputs, seconds)
+        log(f"[arithmetic] rl {arm} seed {seed}: done in {seconds:.0f} s, held-out accuracy "
+            f"{outputs['curve'][0][2]:.3f} -> {outputs['curve'][-1][2]:.3f}")
+
+    run_arms(scale, todo, paths, parallel=scale.rl_parallel, log=log, on_done=finished)
+    return {f"{arm}_seed{seed}": run_stage.outputs() for (arm, seed), run_stage in runs.items()}
+
+
+def stage_evaluate(stage: Stage, scale: Scale, policy: Path, critic: str, pav_metrics: dict, prover: dict,
+                   rl_runs: dict) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_prm.critic import ProverCritic
+    from verl_prm.apps.arithmetic import evaluate as ev
+    from verl_prm.apps.arithmetic.model import render
+    from verl_prm.apps.arithmetic.prover import ArithmeticProver
+
+    sft, rl, label, test = _problems(scale)
+    stage.path.mkdir(parents=True, exist_ok=True)
+
+    def texts_of(tokenizer, problems=test):
+        return [render(tokenizer, p.prompt_text) for p in problems]
+
+    seed = 12345
+    policies = {"base": ev.policy_accuracy(policy, texts_of, test, samples=scale.eval_samples,
+                                           max_new_tokens=scale.max_new_tokens, seed=seed, device=scale.device)}
+    runs: dict = {}
+    for name, outputs in sorted(rl_runs.items()):
+        arm, _, seed_text = name.rpartition("_seed")
+        final = ev.policy_accuracy(outputs["final_policy"], texts_of, test, samples=scale.eval_samples,
+                                   max_new_tokens=scale.max_new_tokens, seed=seed, device=scale.device)
+        runs.setdefault(arm, {})[int(seed_text)] = {**outputs, "final": final}
+    tokenizer = AutoTokenizer.from_pretrained(str(policy), trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(str(policy), trust_remote_code=False).to(scale.device).eval()
+    critic_model = ProverCritic.from_pretrained(critic, format="value_head", device=scale.device)
+    critic_result = ev.critic_step_auroc(critic_model, tokenizer, model, texts_of(tokenizer), test, samples=1,
+                                         max_new_tokens=scale.max_new_tokens, seed=seed + 1)
+    critic_result["label_auroc"] = float(pav_metrics.get("eval/auroc", float("nan")))
+    critic_result["label_mse"] = float(pav_metrics.get("eval/mse", float("nan")))
+    search_set = test[: scale.search_problems]
+    search = {}
+    for critic_name, prefix_critic in (
+        ("learned", ev.learned_prefix_critic(critic_model, texts_of(tokenizer, search_set))),
+        ("exact", ev.exact_prefix_critic(ArithmeticProver(step_accuracy=prover["step_accuracy"]),
+                                         texts_of(tokenizer, search_set))),
+    ):
+        search[critic_name] = ev.search_sweep(
+            model, tokenizer, prefix_critic, texts_of(tokenizer, search_set), search_set,
+            best_of_n=scale.best_of_n, beam_widths=scale.beam_widths, samples_per_beam=scale.samples_per_beam,
+            alpha=scale.search_alpha, best_of_k=scale.rl.best_of_k, max_new_tokens=scale.max_new_tokens,
+            max_steps=scale.rl_task.max_ops + 2, seed=seed)
+    results = {"policies": policies, "runs": runs, "arms": ev.summarise_arms(runs, reference="grpo"),
+               "prover": prover, "critic": critic_result, "search": search,
+               "settings": _jsonable(scale), "environment": environment()}
+    table = ev.write_table(results, stage.path / "results.md", stage.path / "results.json")
+    plots = ev.plot_all(results, stage.path)
+    return {"table": table, "plots": plots, "results": str(stage.path / "results.json")}
+
+
+# ------------------------------------------------------------------------------------------------- driver
+
+
+def stages_of(scale: Scale, root: Path) -> dict[str, Stage]:
+    """Every stage's directory and settings (a stage's settings include those of the stages it reads)."""
+    d = Stage(root, "data", {"task": scale.task, "n": [scale.sft_problems, scale.rl_problems, scale.test_problems],
+                             "seed": scale.sft.seed, **({"rl_num_ops": scale.rl_num_ops} if scale.rl_num_ops else {})})
+    s = Stage(root, "policy", {"data": d.settings, "model": scale.model, "sft": scale.sft, "threads": scale.threads})
+    prover = Stage(root, "prover", {"policy": s.settings, "prompts": scale.label_problems,
+                                    "group_size": max(2, scale.rl.group_size), "max_new_tokens": scale.max_new_tokens})
+    lab = Stage(root, "labels", {"policy": s.settings, "prompts": scale.label_problems, "n": [scale.n_cov, scale.n_mc],
+                                 "backend": scale.label_backend, "max_new_tokens": scale.max_new_tokens})
+    pav = Stage(root, "pav", {"labels": lab.settings, "steps": scale.pav_steps, "batch": scale.pav_batch_size,
+                              "lr": scale.pav_lr, "warmup": scale.pav_warmup,
+                              "critic_init": asdict(scale.critic_init) if scale.critic_init else None,
+                              **({"data": d.settings} if scale.critic_init else {})})
+    rl_settings = {"policy": s.settings, "prover": prover.settings, "critic": pav.settings, "rl": scale.rl,
+                   "max_new_tokens": scale.max_new_tokens, "device": scale.device}
+    # The runs are the stage's parts, each with its own settings (the learned critic's only in pav_learned runs):
+    # another critic, arm or seed reruns only the runs it changes. The results depend on all of them.
+    rl = Stage(root, "rl", {k: v for k, v in rl_settings.items() if k != "critic"},
+               parts=tuple(rl_run_stages(scale, root, rl_settings).values()))
+    ev = Stage(root, "results", {"rl": rl.settings, "critic": pav.settings, "arms": scale.rl_arms,
+                                 "seeds": scale.rl_seeds,
+                                 "eval_samples": scale.eval_samples,
+                                 "search": [scale.search_problems, scale.best_of_n, scale.beam_widths,
+                                            scale.samples_per_beam, scale.search_alpha]})
+    return {"data": d, "sft": s, "prover": prover, "label": lab, "pav": pav, "rl": rl, "evaluate": ev}
+
+
+def run(scale: Scale, work_dir: str | Path, stages: Sequence[str] = STAGES, *, progress: bool = True,
+        log=print) -> dict:
+    """Run the requested stages (skipping complete ones) on ``scale.threads`` torch threads (the caller's
+    thread count is restored afterwards); returns every stage's record."""
+    import torch
+
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise ValueError(f"unknown stages {unknown}; choose from {STAGES}")
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(scale.threads)
+    try:
+        return _run(scale, Path(work_dir), stages, progress, log)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run(scale: Scale, root: Path, stages: Sequence[str], progress: bool, log) -> dict:
+    root.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    named = stages_of(scale, root)
+    records: dict = {}
+
+    def do(name: str, fn) -> dict:
+        from verl_prm.locking import DirectoryLock
+
+        # one writer per stage directory; re-entrant, so the label/train CLIs run inside on it in this process
+        with DirectoryLock(named[name].path, f"arithmetic recipe stage {name}"):
+            return do_locked(name, named[name], fn)
+
+    def do_locked(name: str, stage: Stage, fn) -> dict:
+        if stage.done():
+            records[name] = json.loads(stage.marker.read_text())
+            differences = environment_differences(records[name].get("environment"), env)
+            note = f"; made under another environment ({'; '.join(differences)})" if differences else ""
+            log(f"[arithmetic] {name}: complete, skipped ({stage.path}){note}")
+            return records[name]["outputs"]
+        if name not in stages:
+            raise RuntimeError(f"stage {name} is needed but not complete and not requested (--stages)")
+        log(f"[arithmetic] {name}: running -> {stage.path}")
+        started = time.perf_counter()
+        seed_everything(stage_seed(name))
+        outputs = fn()
+        records[name] = stage.finish(outputs, time.perf_counter() - started, env)
+        log(f"[arithmetic] {name}: done in {records[name]['seconds']} s")
+        return outputs
+
+    # Every stage up to the last requested one runs in order; one that was not requested must be complete.
+    needed = set(STAGES[: max(STAGES.index(x) for x in stages) + 1])
+    d, s = named["data"], named["sft"]
+    out: dict = {}
+    for name, fn in (
+        ("data", lambda: stage_data(d, scale)),
+        ("sft", lambda: stage_sft(s, scale, d.path, progress)),
+        ("prover", lambda: stage_prover(named["prover"], scale, s.path)),
+        ("label", lambda: stage_label(named["label"], scale, d.path, s.path, progress)),
+        ("pav", lambda: stage_pav(named["pav"], scale, named["label"].path, s.path, d.path, progress, log)),
+        ("rl", lambda: stage_rl(named["rl"], scale, d.path, s.path, out["pav"]["checkpoint"],
+                                out["prover"]["step_accuracy"], log)),
+        ("evaluate", lambda: stage_evaluate(named["evaluate"], scale, s.path, out["pav"]["checkpoint"],
+                                            out["pav"]["eval_metrics"], out["prover"], out["rl"])),
+    ):
+        if name in needed:
+            out[name] = do(name, fn)
+    if "evaluate" in out:
+        log(out["evaluate"]["table"])
+        log("plots: " + ", ".join(out["evaluate"]["plots"]))
+    return records
+
+
+
+def scale_from_args(args: argparse.Namespace) -> Scale:
+    """The scale named by ``--scale`` with the command line's overrides."""
+    scale = SCALES[args.scale]
+    if args.rl_steps is not None:
+        scale = replace(scale, rl=replace(scale.rl, steps=args.rl_steps))
+    overrides = {"label_problems": args.label_problems, "n_mc": args.n_mc, "pav_steps": args.pav_steps,
+                 "threads": args.threads, "rl_parallel": args.rl_parallel,
+                 "rl_arms": tuple(a.strip() for a in args.rl_arms.split(",")) if args.rl_arms else None,
+                 "rl_seeds": tuple(int(x) for x in args.rl_seeds.split(",")) if args.rl_seeds else None}
+    return replace(scale, **{key: value for key, value in overrides.items() if value is not None})
+
+
+def recipe_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="verl-prm recipe arithmetic",
+                                     description=__doc__.split("\n\n")[0] + " (also: python -m verl_prm.apps.arithmetic)")
+    parser.add_argument("--scale", choices=sorted(SCALES), default="cpu")
+    parser.add_argument("--work-dir", required=True, help="outputs of every stage; rerun to resume")
+    parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    parser.add_argument("--rl-steps", type=int, default=None, help="override the RL iterations of the scale")
+    parser.add_argument("--rl-arms", default=None, help="override the RL arms (comma-separated: grpo,pav_exact,pav_learned)")
+    parser.add_argument("--rl-seeds", default=None, help="override the RL seeds (comma-separated integers)")
+    parser.add_argument("--rl-parallel", type=int, default=None, help="main_ppo runs at once (default 2)")
+    parser.add_argument("--label-problems", type=int, default=None, help="override the problems labelled")
+    parser.add_argument("--n-mc", type=int, default=None, help="override the prover continuations per prefix")
+    parser.add_argument("--pav-steps", type=int, default=None, help="override the PAV training steps")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for every stage (default 1; the measured numbers are for 1: float "
+                             "reductions may differ with another count)")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = recipe_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    scale = scale_from_args(args)
+    run(scale, args.work_dir, [s.strip() for s in args.stages.split(",") if s.strip()], progress=not args.no_progress)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

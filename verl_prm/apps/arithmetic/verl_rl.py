@@ -1,0 +1,303 @@
+"""The RL stages of the arithmetic recipe: verl's own trainer (``python -m verl.trainer.main_ppo``) with the plugin.
+
+Three arms, the same command but for the estimator and the critic (same SFT policy, prompts, seeds and budget):
+
+==============  ================  ====================================================================
+arm             estimator         prover critic (``verl_prm.critic``)
+==============  ================  ====================================================================
+``grpo``        ``grpo``          the exact prover, for the ``pav/*`` metrics only (verl's advantages)
+``pav_exact``   ``pav_grpo``      ``format=exact``: the task's scripted prover with exact values
+``pav_learned`` ``pav_grpo``      ``format=value_head``: the PAV that ``verl-prm train`` learnt
+==============  ================  ====================================================================
+
+:func:`main_ppo_command` builds the command for a device: the run's settings (batch, group size, learning
+rate, evaluation, ``algorithm.pav.*``) are the same on CPU and GPU; only the device block differs (CPU: the
+plugin's CPU platform and ``hf`` rollout, ``docs/cpu_loop.md``; GPU: vLLM). ``examples/arithmetic/run_gpu.sh``
+runs the recipe at ``--scale gpu``, which calls the same function.
+
+A run writes ``RUN_DIR/metrics.jsonl`` (verl's file logger), ``RUN_DIR/main_ppo.log``, checkpoints under
+``RUN_DIR/checkpoints`` and, merged with verl's model merger, the final policy ``RUN_DIR/final`` (Hugging
+Face format). :func:`read_run` turns the metrics into the curves the evaluation reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+__all__ = ["ARMS", "Arm", "RunPaths", "main_ppo_command", "merge_final_policy", "read_run", "run_main_ppo"]
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One RL arm: verl's estimator and the plugin's critic format."""
+
+    estimator: str
+    critic: str  # "exact" | "learned"
+    label: str
+
+
+ARMS: dict[str, Arm] = {
+    "grpo": Arm("grpo", "exact", "GRPO (outcome only)"),
+    "pav_exact": Arm("pav_grpo", "exact", "PAV-GRPO, exact prover"),
+    "pav_learned": Arm("pav_grpo", "learned", "PAV-GRPO, learned PAV"),
+}
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """What a run reads."""
+
+    policy: Path
+    train_file: Path
+    val_file: Path
+    learned_critic: Path | None
+    step_accuracy: float  # p of the exact prover (the SFT policy's measured per-step accuracy)
+
+
+def _validation_key(samples: int) -> str:
+    return f"val-core/arithmetic_mod/acc/mean@{samples}"
+
+
+def main_ppo_command(scale, arm_name: str, seed: int, paths: RunPaths, run_dir: Path, device: str = "cpu",
+                     python: str = sys.executable) -> list[str]:
+    """``python -m verl.trainer.main_ppo`` with every override of one run (see the module docstring)."""
+    from verl_prm.apps.arithmetic.pipeline import SCORE_FILE
+    from verl_prm.apps.arithmetic.prover import EXACT_PROVER
+    from verl_prm.apps.arithmetic.task import STEP_REGEX
+
+    if arm_name not in ARMS:
+        raise ValueError(f"unknown RL arm {arm_name!r}; known: {', '.join(ARMS)}")
+    arm, rl = ARMS[arm_name], scale.rl
+    if arm.critic == "learned":
+        if paths.learned_critic is None:
+            raise ValueError(f"arm {arm_name} needs the learned PAV checkpoint (the recipe's pav stage)")
+        critic = [f"verl_prm.critic.path={paths.learned_critic}", "verl_prm.critic.format=value_head"]
+    else:
+        critic = ["verl_prm.critic.format=exact", f"+verl_prm.critic.options.prover={EXACT_PROVER}",
+                  f"+verl_prm.critic.options.step_accuracy={paths.step_accuracy:.6f}"]
+    batch = rl.prompts_per_step
+    run = [
+        "hydra.searchpath=[pkg://verl_prm.config]",
+        "+verl_prm=pav",
+        *critic,
+        "verl_prm.steps.delimiter=null",
+        f"verl_prm.steps.regex='{STEP_REGEX}'",
+        "verl_prm.placement.pool=colocated",
+        f"algorithm.adv_estimator={arm.estimator}",
+        f"algorithm.pav.alpha={rl.alpha}",
+        f"algorithm.pav.best_of_k={rl.best_of_k}",
+        "algorithm.use_kl_in_reward=False",
+        f"reward.custom_reward_function.path={SCORE_FILE}",
+        "reward.custom_reward_function.name=compute_score",
+        f"data.train_files={paths.train_file}",
+        f"data.val_files={paths.val_file}",
+        f"data.train_batch_size={batch}",
+        f"data.max_prompt_length={scale.max_prompt_tokens}",
+        f"data.max_response_length={scale.max_new_tokens}",
+        "data.truncation=error",
+        f"data.seed={seed}",
+        f"actor_rollout_ref.model.path={paths.policy}",
+        f"actor_rollout_ref.actor.optim.lr={rl.lr}",
+        # one update per batch: on-policy, as the PAV paper's online RL
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={batch}",
+        f"actor_rollout_ref.actor.loss_agg_mode={rl.loss_agg_mode}",
+        "actor_rollout_ref.actor.use_kl_loss=False",
+        "actor_rollout_ref.actor.entropy_coeff=0",
+        f"actor_rollout_ref.rollout.n={rl.group_size}",
+        f"actor_rollout_ref.rollout.temperature={rl.temperature}",
+        f"actor_rollout_ref.rollout.seed={seed}",
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
+        f"actor_rollout_ref.rollout.val_kwargs.temperature={rl.temperature}",
+        f"actor_rollout_ref.rollout.val_kwargs.n={rl.eval_samples}",
+        "trainer.critic_warmup=0",
+        "trainer.logger=[console,file]",
+        "trainer.project_name=verl_prm_arithmetic",
+        f"trainer.experiment_name={arm_name}_seed{seed}",
+        f"trainer.default_local_dir={run_dir / 'checkpoints'}",
+        "trainer.resume_mode=auto",
+        "trainer.val_before_train=True",
+        f"trainer.test_freq={rl.eval_every}",
+        f"trainer.save_freq={rl.steps}",
+        f"trainer.total_training_steps={rl.steps}",
+        "trainer.total_epochs=1000",
+    ]
+    if device == "cpu":
+        tokens = batch * rl.group_size * (scale.max_prompt_tokens + scale.max_new_tokens)
+        from verl_prm.apps.cpu_loop import cpu_overrides
+
+        # the plugin's CPU platform (docs/cpu_loop.md explains each setting), one training process
+        device_block = cpu_overrides(n_procs=1) + [
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={batch * rl.group_size}",
+            f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={batch * rl.group_size}",
+            f"actor_rollout_ref.rollout.max_num_seqs={max(256, batch * rl.group_size)}",
+            f"actor_rollout_ref.rollout.max_num_batched_tokens={max(8192, tokens)}",
+            "data.dataloader_num_workers=0",
+            "verl_prm.critic.dtype=float32",
+        ]
+    elif device == "cuda":
+        device_block = [
+            "trainer.n_gpus_per_node=1",
+            "trainer.nnodes=1",
+            "actor_rollout_ref.model.use_remove_padding=True",
+            "actor_rollout_ref.actor.use_dynamic_bsz=True",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=32768",
+            "actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+            "actor_rollout_ref.rollout.gpu_memory_utilization=0.4",
+            "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768",
+        ]
+    else:
+        raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    return [python, "-m", "verl.trainer.main_ppo", *run, *device_block]
+
+
+def run_main_ppo(command: Sequence[str], run_dir: Path, *, threads: int = 1) -> subprocess.Popen:
+    """Start ``command`` with verl's file logger at ``run_dir/metrics.jsonl`` and its output in
+    ``run_dir/main_ppo.log``; returns the process (the caller waits)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "command.sh").write_text(
+        f"VERL_FILE_LOGGER_PATH={shlex.quote(str(run_dir / 'metrics.jsonl'))} " + shlex.join(command) + "\n")
+    env = dict(os.environ, VERL_FILE_LOGGER_PATH=str(run_dir / "metrics.jsonl"), OMP_NUM_THREADS=str(threads),
+               MKL_NUM_THREADS=str(threads), TRL_EXPERIMENTAL_SILENCE="1", RAY_DEDUP_LOGS="1")
+    log = open(run_dir / "main_ppo.log", "ab")
+    # its own process group: stopping the recipe stops the run and the Ray processes it started
+    return subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(run_dir),
+                            start_new_session=True)
+
+
+def stop_main_ppo(process: subprocess.Popen, grace: float = 10.0) -> None:
+    """Terminate a run's process group (SIGTERM, then SIGKILL after ``grace`` seconds)."""
+    import signal
+
+    if process.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def wait_main_ppo(process: subprocess.Popen, run_dir: Path) -> None:
+    """Wait for a run; a failure raises with the end of its log."""
+    code = process.wait()
+    if code != 0:
+        tail = (run_dir / "main_ppo.log").read_bytes()[-4000:].decode(errors="replace")
+        raise RuntimeError(f"main_ppo for {run_dir} exited with {code}; command: {run_dir / 'command.sh'}; "
+                           f"log {run_dir / 'main_ppo.log'} ends with:\n{tail}")
+
+
+def merge_final_policy(run_dir: Path, steps: int, python: str = sys.executable) -> Path:
+    """verl's model merger: the FSDP checkpoint of the last step -> ``run_dir/final`` (Hugging Face format)."""
+    final = run_dir / "final"
+    if (final / "config.json").exists():
+        return final
+    actor = run_dir / "checkpoints" / f"global_step_{steps}" / "actor"
+    if not actor.is_dir():
+        raise FileNotFoundError(f"{actor} does not exist: the run did not save its step-{steps} checkpoint")
+    subprocess.run([python, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir", str(actor),
+                    "--target_dir", str(final)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return final
+
+
+def read_run(run_dir: Path, scale) -> dict:
+    """The run's curves from verl's file logger: held-out accuracy per evaluation step, and per training step
+    the batch accuracy, the share of groups with no outcome signal and the PAV metrics.
+
+    A torn last line (the run was killed while writing) is skipped; any other unreadable line is an error.
+    """
+    rl = scale.rl
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: was the run started with trainer.logger including 'file'?")
+    lines = path.read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number == len(lines):
+                continue
+            raise ValueError(f"{path}:{number} is not JSON") from None
+    key = _validation_key(rl.eval_samples)
+    per_step = rl.prompts_per_step * rl.group_size
+    evaluations: dict[int, float] = {}
+    training: dict[int, dict] = {}
+    for record in records:
+        step, data = int(record["step"]), record["data"]
+        if key in data:
+            evaluations[step] = float(data[key])
+        if "critic/score/mean" in data:
+            training[step] = {
+                "batch_accuracy": float(data["critic/score/mean"]),
+                "zero_signal_groups": float(data.get("pav/outcome_zero_signal_groups", float("nan"))),
+                "process_term_std": float(data.get("pav/process_term/std", float("nan"))),
+                "step_seconds": float(data.get("timing_s/step", float("nan"))),
+            }
+    if not evaluations:
+        raise ValueError(f"{path} has no {key} metric: was the run started with trainer.test_freq and val_kwargs.n="
+                         f"{rl.eval_samples}?")
+    curve = [(step, step * per_step, evaluations[step]) for step in sorted(evaluations)]
+    return {"curve": curve, "training": [dict(step=s, **training[s]) for s in sorted(training)]}
+
+
+def run_arms(scale, runs: Sequence[tuple[str, int, Path]], paths: RunPaths, *, parallel: int = 1,
+             log=print, on_done=None) -> None:
+    """Run ``runs`` ((arm, seed, run_dir), in order) with up to ``parallel`` main_ppo processes at once; each
+    finished run is merged (``final/``) and handed to ``on_done(arm, seed, run_dir, seconds)``."""
+    pending = list(runs)
+    active: list[tuple[str, int, Path, subprocess.Popen, float]] = []
+    failures = []
+    import signal
+    import threading
+
+    def terminated(signum, frame):  # `kill PID` stops the runs too, as Ctrl-C does
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, terminated) if threading.current_thread() is threading.main_thread() else None
+    try:
+        _schedule(scale, pending, active, failures, paths, parallel, log, on_done)
+    finally:  # an interrupt (or a failure in on_done) leaves no run behind
+        for _, _, _, process, _ in active:
+            stop_main_ppo(process)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if failures:
+        raise RuntimeError("RL runs failed:\n" + "\n".join(failures))
+
+
+def _schedule(scale, pending, active, failures, paths, parallel, log, on_done) -> None:
+    while pending or active:
+        while pending and len(active) < max(1, parallel):
+            arm, seed, run_dir = pending.pop(0)
+            command = main_ppo_command(scale, arm, seed, paths, run_dir, device="cpu" if scale.device == "cpu" else "cuda")
+            log(f"[arithmetic] rl {arm} seed {seed}: main_ppo -> {run_dir} (log: {run_dir / 'main_ppo.log'})")
+            active.append((arm, seed, run_dir, run_main_ppo(command, run_dir, threads=scale.threads), time.time()))
+        time.sleep(2.0)
+        for item in list(active):
+            arm, seed, run_dir, process, started = item
+            if process.poll() is None:
+                continue
+            active.remove(item)
+            try:
+                wait_main_ppo(process, run_dir)
+                merge_final_policy(run_dir, scale.rl.steps)
+                if on_done is not None:
+                    on_done(arm, seed, run_dir, time.time() - started)
+            except Exception as error:  # the other runs go on; the stage fails at the end, naming every failure
+                failures.append(f"{arm} seed {seed}: {error}")
+                log(f"[arithmetic] rl {arm} seed {seed} FAILED: {str(error)[:400]}")

@@ -1,0 +1,285 @@
+"""``verl-prm demo``: outcome-only RL against RL with PAV progress rewards on the planted sub-sequence task.
+
+What it runs (defaults; ``--quick`` is a smaller version of the same):
+
+1. comparison: outcome-only RL (alpha = 0) and PAV RL (alpha = 1, exact values of the prover mu_10) from the
+   same warm-started policy, over several seeds; accuracy = success rate of each on-policy batch of 64;
+2. prover sweep: PAV RL with mu_gamma for gamma in 1..100, accuracy after a fixed number of iterations;
+3. Pass@N of the policies after 100 iterations (unbiased estimator from 2,048 samples).
+
+It prints tables, writes ``accuracy_vs_iterations.png``, ``accuracy_vs_gamma.png``, ``pass_at_n.png`` and
+``results.json`` into ``--out``, and ends with one line::
+
+    sample efficiency (iterations to 90% accuracy, outcome-only / PAV): N.Nx
+
+"iterations to 90%" of a run is the first iteration count at which the mean accuracy of its last 10 batches is
+>= 0.9; the line divides the mean over seeds. A run that never gets there counts as the iteration budget B, and
+the ratio is then a bound: ``>N.Nx`` when only outcome-only runs missed (a lower bound), ``<N.Nx`` when only PAV
+runs missed (an upper bound), ``n/a`` when runs of both methods missed.
+
+Every RL update goes through the plugin: the advantages come from the registered ``pav_grpo`` estimator via
+``verl_prm.integrations.verl.advantage.compute_advantage_with_steps`` on a verl ``DataProto`` (alpha = 0: outcome-only), the loss
+from verl's ``compute_policy_loss_vanilla`` (see ``verl_prm.apps.demo.rl``).
+
+Modules: this one (settings, the command, the experiments' orchestration), ``runs`` (one RL run and the
+process pool), ``report`` (analysis and printed tables), ``plots`` (the three PNGs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from verl_prm.cli_types import finite_float, finite_floats
+from verl_prm.apps.demo.env import DEFAULT_PLANTED, PlantedTask
+from verl_prm.apps.demo.plots import write_plots
+# ACCURACY_WINDOW and censored_mean are imported for code that took them from this module before the split
+from verl_prm.apps.demo.report import (
+    ACCURACY_WINDOW,
+    PAPER_CLAIMS,
+    PASS_AT_N_NS,
+    PASS_AT_N_SAMPLES,
+    censored_mean,
+    print_report,
+    iterations_to_90,
+    n_for_pass,
+    sample_efficiency_line,
+    trailing_accuracy,
+)
+from verl_prm.apps.demo.runs import RunSpec, base_policy, execute_run, run_all, train_critic_job
+
+__all__ = ["DemoSettings", "RunSpec", "execute_run", "main", "sample_efficiency_line", "settings_from_args"]
+
+
+@dataclass
+class DemoSettings:
+    planted: tuple[int, ...] = DEFAULT_PLANTED
+    seeds: int = 5
+    iterations: int = 600  # comparison budget B
+    gamma: float = 10.0  # the comparison's prover
+    alpha: float = 1.0
+    sweep_gammas: tuple[float, ...] = (1.0, 3.0, 5.0, 10.0, 15.0, 30.0, 100.0)
+    sweep_seeds: int = 3
+    sweep_iterations: int = 300
+    # the sweep's plot shows accuracy here: early enough to separate the provers (most runs are done by 300)
+    sweep_accuracy_at: int = 100
+    pass_at_iteration: int = 100
+    norm_adv_by_std: bool = True
+    loss_agg_mode: str = "token-mean"
+    warm_iterations: int = 50
+    learned_critic: bool = False
+    critic_seed: int = 0
+    workers: int = 2
+    out: str = "demo_out"
+    quick: bool = False
+
+
+QUICK = dict(seeds=2, iterations=300, sweep_gammas=(1.0, 10.0, 100.0), sweep_seeds=1, sweep_iterations=150)
+
+
+def settings_from_args(argv: list[str]) -> DemoSettings:
+    parser = argparse.ArgumentParser(
+        prog="verl-prm demo",
+        description="The PAV paper's planted sub-sequence experiment: outcome-only RL vs RL with progress rewards "
+        "from a prover (exact values, or a learned critic with --learned-critic), on CPU.",
+    )
+    parser.add_argument("--quick", action="store_true", help="a smaller run (<= 1 minute on 2 cores)")
+    parser.add_argument("--out", default="demo_out", help="output directory for the plots and results.json")
+    parser.add_argument("--learned-critic", action="store_true",
+                        help="replace the exact prover values by a critic trained on Monte-Carlo labels")
+    parser.add_argument("--seeds", type=int, help="seeds of the comparison (default 5; quick 2)")
+    parser.add_argument("--iterations", type=int, help="RL iterations of the comparison (default 600; quick 300)")
+    parser.add_argument("--gamma", type=finite_float(0.0, low_open=True), default=10.0, help="prover strength of the comparison (default 10)")
+    parser.add_argument("--alpha", type=finite_float(0.0), default=1.0, help="weight of the progress term (default 1)")
+    parser.add_argument("--gammas", type=finite_floats(0.0, low_open=True), help="comma-separated prover sweep (default 1,3,5,10,15,30,100)")
+    parser.add_argument("--sweep-seeds", type=int, help="seeds per gamma in the sweep (default 3; quick 1)")
+    parser.add_argument("--sweep-iterations", type=int, help="RL iterations per sweep run (default 300; quick 150)")
+    parser.add_argument("--planted", type=str, help=f"planted sequence, e.g. '{' '.join(map(str, DEFAULT_PLANTED))}'")
+    parser.add_argument("--no-std-norm", action="store_true",
+                        help="norm_adv_by_std_in_grpo=false: out_i = R_i - mean R (the paper's REINFORCE baseline)")
+    parser.add_argument("--loss-agg-mode", default="token-mean", help="verl loss_agg_mode (default token-mean)")
+    parser.add_argument("--warm-iterations", type=int, default=50, help="supervised warm-start iterations (50)")
+    parser.add_argument("--workers", type=int,
+                        help="processes for independent runs (default: min(2, CPUs), 1 with --quick, where starting "
+                        "a process and importing verl in it costs more than it saves); 1 runs in this process")
+    args = parser.parse_args(argv)
+    settings = DemoSettings()
+    if args.quick:
+        settings = replace(settings, quick=True, **QUICK)
+    overrides: dict[str, Any] = {
+        "out": args.out,
+        "learned_critic": args.learned_critic,
+        "gamma": args.gamma,
+        "alpha": args.alpha,
+        "norm_adv_by_std": not args.no_std_norm,
+        "loss_agg_mode": args.loss_agg_mode,
+        "warm_iterations": args.warm_iterations,
+        "workers": max(1, args.workers if args.workers is not None else 1 if args.quick else
+                       min(2, os.cpu_count() or 1)),
+    }
+    for name in ("seeds", "iterations", "sweep_seeds", "sweep_iterations"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    if args.gammas:
+        overrides["sweep_gammas"] = args.gammas
+    if args.planted:
+        overrides["planted"] = tuple(int(a) for a in args.planted.replace(",", " ").split())
+    settings = replace(settings, **overrides)
+    if settings.iterations < settings.pass_at_iteration:
+        parser.error(f"--iterations must be >= {settings.pass_at_iteration} (Pass@N is taken there)")
+    if settings.sweep_iterations < settings.sweep_accuracy_at:
+        parser.error(f"--sweep-iterations must be >= {settings.sweep_accuracy_at} (the sweep's accuracy is read there)")
+    if settings.seeds < 1 or settings.sweep_seeds < 1:
+        parser.error("--seeds and --sweep-seeds must be >= 1")
+    # the sweep reuses the comparison's runs for outcome-only and for gamma = --gamma
+    if settings.sweep_iterations > settings.iterations or settings.sweep_seeds > settings.seeds:
+        parser.error("use --sweep-iterations <= --iterations and --sweep-seeds <= --seeds (the sweep reuses the "
+                     "comparison's runs for outcome-only and for gamma = --gamma)")
+    PlantedTask(planted=settings.planted)  # validates the planted sequence early
+    return settings
+
+
+def run_demo(settings: DemoSettings) -> dict[str, Any]:
+    """Run every experiment; return the report (also what results.json holds)."""
+    from verl_prm.apps.demo.rl import exact_values, import_verl, pass_at_n
+
+    started = time.perf_counter()
+    if settings.workers == 1:
+        import_verl()  # fails early, with the fix, if the plugin is not registered (workers check it themselves)
+    task = PlantedTask(planted=settings.planted)
+    gammas = sorted(set(settings.sweep_gammas) | {settings.gamma})
+    values_kind = "learned" if settings.learned_critic else "exact"
+
+    critics: dict[float, tuple[dict, dict]] = {}
+    if settings.learned_critic:
+        jobs = [(train_critic_job, settings, g) for g in gammas]
+        for g, result in zip(gammas, run_all(settings, jobs, "critics (MC labels + training)", [1] * len(jobs))):
+            critics[g] = result
+
+    def spec(method: str, gamma: float, seed: int, iterations: int, kind: str, pass_at=None) -> RunSpec:
+        state = critics[gamma][0] if (method == "pav" and kind == "learned") else None
+        return RunSpec(method, gamma, seed, iterations, kind, pass_at, state)
+
+    seeds = list(range(settings.seeds))
+    sweep_seeds = list(range(settings.sweep_seeds))
+    methods = [("outcome-only", "outcome", "exact"), ("PAV", "pav", values_kind)]
+    if settings.learned_critic:
+        methods.append(("PAV (exact values)", "pav", "exact"))
+    specs: list[tuple[str, RunSpec]] = []
+    for name, method, kind in methods:
+        for seed in seeds:
+            specs.append((name, spec(method, settings.gamma, seed, settings.iterations, kind,
+                                     settings.pass_at_iteration)))
+    # sweep runs; the comparison's PAV runs (same seeds, a prefix of their iterations) serve gamma = --gamma
+    for g in gammas:
+        if g != settings.gamma:
+            for seed in sweep_seeds:
+                specs.append((f"sweep:{g}", spec("pav", g, seed, settings.sweep_iterations, values_kind)))
+    jobs = [(execute_run, settings, s) for _, s in specs]
+    results = run_all(settings, jobs, "RL runs", [s.iterations for _, s in specs])
+
+    by_name: dict[str, list[tuple[RunSpec, dict]]] = {}
+    for (name, s), r in zip(specs, results):
+        by_name.setdefault(name, []).append((s, r))
+
+    report: dict[str, Any] = {"settings": {k: v for k, v in asdict(settings).items()}, "paper": PAPER_CLAIMS}
+    report["settings"]["planted"] = list(settings.planted)
+    report["settings"]["sweep_gammas"] = list(settings.sweep_gammas)
+    # ---- comparison
+    comparison = {}
+    report["curves"] = {}
+    for name, _, _ in methods:
+        runs = by_name[name]
+        hits = [iterations_to_90(r["accuracy"]) for _, r in runs]
+        comparison[name] = {
+            "iterations_to_90": hits,
+            "final_accuracy": [trailing_accuracy(r["accuracy"], settings.iterations) for _, r in runs],
+            "pass_successes": [r["pass_successes"] for _, r in runs],
+        }
+        report["curves"][name] = [r["accuracy"] for _, r in runs]
+    report["comparison"] = comparison
+    base_successes = [r["base_successes"] for _, r in by_name["outcome-only"]]
+    # ---- sweep
+    def sweep_runs(g: float) -> list[dict]:
+        if g == settings.gamma:
+            return [r for s, r in by_name["PAV"] if s.seed in sweep_seeds]
+        return [r for _, r in by_name[f"sweep:{g}"]]
+
+    warm_policy = base_policy(settings, task, 0)
+    base_samples = warm_policy.sample(4096, torch.Generator().manual_seed(4242), task.eos)
+    mask = task.response_mask(base_samples).float()
+    rows = []
+    for g in gammas:
+        runs = sweep_runs(g)
+        acc = [trailing_accuracy(r["accuracy"], settings.sweep_accuracy_at) for r in runs]
+        acc_end = [trailing_accuracy(r["accuracy"], settings.sweep_iterations) for r in runs]
+        step_values, prompt_values = exact_values(task, g)(base_samples)
+        progress = torch.diff(torch.cat([prompt_values[:, None], step_values], dim=1), dim=1)
+        rows.append({
+            "gamma": g,
+            "prover_success": float(task.value_table(g)[0, 0]),
+            "mean_abs_progress_base": float((progress.abs() * mask).sum() / mask.sum()),
+            "accuracy": acc,
+            "accuracy_mean": float(np.mean(acc)),
+            "accuracy_min": float(np.min(acc)),
+            "accuracy_max": float(np.max(acc)),
+            "accuracy_at_end": acc_end,
+            "iterations_to_90": [iterations_to_90(r["accuracy"][: settings.sweep_iterations]) for r in runs],
+            "critic": critics[g][1] if g in critics else None,
+        })
+    outcome_runs = [r for s, r in by_name["outcome-only"] if s.seed in sweep_seeds]
+    outcome_sweep = [trailing_accuracy(r["accuracy"], settings.sweep_accuracy_at) for r in outcome_runs]
+    outcome_end = [trailing_accuracy(r["accuracy"], settings.sweep_iterations) for r in outcome_runs]
+    report["sweep"] = {"iterations": settings.sweep_iterations, "accuracy_at": settings.sweep_accuracy_at,
+                       "rows": rows, "outcome_accuracy": float(np.mean(outcome_sweep)),
+                       "outcome_accuracy_at_end": float(np.mean(outcome_end)),
+                       "outcome_iterations_to_90": [iterations_to_90(r["accuracy"][: settings.sweep_iterations])
+                                                    for r in outcome_runs]}
+    # ---- Pass@N: pooled over seeds (each seed's 2,048 samples)
+    curves = {"base policy (iteration 0)": np.mean(
+        [pass_at_n(PASS_AT_N_SAMPLES, c, PASS_AT_N_NS) for c in base_successes], axis=0).tolist()}
+    n50 = {}
+    for name, _, _ in methods:
+        per_seed = [pass_at_n(PASS_AT_N_SAMPLES, c, PASS_AT_N_NS) for c in comparison[name]["pass_successes"]]
+        curves[name] = np.mean(per_seed, axis=0).tolist()
+        n50[name] = [n_for_pass(c) for c in comparison[name]["pass_successes"]]
+    report["pass_at_n"] = {"iteration": settings.pass_at_iteration, "ns": PASS_AT_N_NS, "curves": curves,
+                           "n_for_pass_0.5": n50, "base_successes": base_successes,
+                           "samples": PASS_AT_N_SAMPLES}
+    report["critics"] = {str(g): q for g, (_, q) in critics.items()}
+    report["line"] = sample_efficiency_line(
+        comparison["outcome-only"]["iterations_to_90"], comparison["PAV"]["iterations_to_90"], settings.iterations
+    )
+    report["wall_seconds"] = time.perf_counter() - started
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = settings_from_args(list(sys.argv[1:] if argv is None else argv))
+    out = Path(settings.out)
+    out.mkdir(parents=True, exist_ok=True)
+    previous_threads = torch.get_num_threads()
+    # The MLP is tiny: one thread per run is fastest, and makes every run bitwise reproducible.
+    torch.set_num_threads(1)
+    try:
+        report = run_demo(settings)
+    finally:
+        torch.set_num_threads(previous_threads)
+    files = write_plots(out, report)
+    with open(out / "results.json", "w") as f:
+        json.dump(report, f, indent=1, default=float)
+    print_report(report, settings, files, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

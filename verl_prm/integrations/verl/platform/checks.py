@@ -1,0 +1,90 @@
+"""Startup check of a verl run on the CPU platform: settings that need a GPU fail before Ray starts.
+
+Installed by the ``verl_prm`` config group (``+verl_prm=pav``) as a second Hydra callback next to
+``verl_prm.integrations.verl.startup.StartupCheck``; Hydra builds it in the driver right after composing the config, so an
+error here ends the run before verl's ``main`` starts Ray or loads a model. It checks nothing on a run whose
+``trainer.device`` is not ``cpu``, except that a host without an accelerator needs ``trainer.device=cpu``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hydra.experimental.callback import Callback
+
+from verl_prm.checks import check_number
+from verl_prm.config.hook import ConfigError
+
+__all__ = ["CPUStartupCheck", "check_cpu_run"]
+
+# verl's rollouts that need a GPU on this plugin's CPU path (vLLM-CPU needs a forced transformers conflict, see
+# docs/cpu_loop.md), and the one that runs on CPU.
+CPU_ROLLOUT = "hf"
+CPU_ATTENTION = ("sdpa", "eager")
+
+
+def _get(node: Any, dotted: str, default: Any = None) -> Any:
+    for part in dotted.split("."):
+        if node is None:
+            return default
+        getter = getattr(node, "get", None)
+        node = getter(part, None) if getter is not None else getattr(node, part, None)
+    return default if node is None else node
+
+
+def check_cpu_run(trainer: Any, actor_rollout_ref: Any, ray_kwargs: Any, accelerator: bool | None = None) -> None:
+    """Raise ``ConfigError`` naming the key and the value to use for each GPU-only setting of a CPU run.
+
+    ``accelerator``: whether the host has one (default: ``verl_prm.integrations.verl.platform.cpu.accelerator_present()``).
+    """
+    device = str(_get(trainer, "device", "cuda"))
+    if device != "cpu":
+        if accelerator is None:
+            from verl_prm.integrations.verl.platform.cpu import accelerator_present
+
+            accelerator = accelerator_present()
+        if not accelerator:
+            raise ConfigError(
+                f"trainer.device={device} but this host has no accelerator (verl-prm's CPU platform is selected): "
+                "set trainer.device=cpu"
+            )
+        return
+    problems: list[str] = []
+    for key in ("actor.strategy", "ref.strategy"):
+        strategy = _get(actor_rollout_ref, key)
+        if strategy is not None and strategy != "fsdp2":
+            problems.append(f"actor_rollout_ref.{key}={strategy} needs an accelerator (FSDP1 places the model with "
+                            f"a device id): set actor_rollout_ref.{key}=fsdp2")
+    rollout = _get(actor_rollout_ref, "rollout.name")
+    if rollout != CPU_ROLLOUT:
+        problems.append(f"actor_rollout_ref.rollout.name={rollout} needs a GPU: set "
+                        f"actor_rollout_ref.rollout.name={CPU_ROLLOUT} (transformers generate on CPU)")
+    attention = _get(actor_rollout_ref, "model.override_config.attn_implementation", "flash_attention_2")
+    if attention not in CPU_ATTENTION:
+        problems.append(f"actor_rollout_ref.model.override_config.attn_implementation={attention} (verl's default "
+                        "when unset) needs CUDA: set +actor_rollout_ref.model.override_config.attn_implementation=sdpa")
+    n_procs = int(_get(trainer, "n_gpus_per_node", 1)) * int(_get(trainer, "nnodes", 1))
+    num_gpus = _get(ray_kwargs, "ray_init.num_gpus")
+    if num_gpus is not None:
+        try:
+            num_gpus = check_number("ray_kwargs.ray_init.num_gpus", num_gpus, 0)
+        except ValueError as error:
+            raise ConfigError(f"trainer.device=cpu: {error}") from None
+    if num_gpus is None or num_gpus < n_procs:
+        problems.append(
+            f"ray_kwargs.ray_init.num_gpus={num_gpus}: verl's worker pools ask Ray for one GPU per training process, "
+            f"so a CPU run gives Ray logical GPUs: set +ray_kwargs.ray_init.num_gpus={n_procs} "
+            "(trainer.n_gpus_per_node x trainer.nnodes)"
+        )
+    if problems:
+        raise ConfigError("trainer.device=cpu: " + "; ".join(problems))
+
+
+class CPUStartupCheck(Callback):
+    """Hydra callback: ``check_cpu_run`` on the composed config, when Hydra builds it (before verl's main)."""
+
+    def __init__(self, trainer: Any = None, actor_rollout_ref: Any = None, ray_kwargs: Any = None) -> None:
+        try:
+            check_cpu_run(trainer, actor_rollout_ref, ray_kwargs)
+        except ConfigError as error:
+            raise ConfigError(f"verl-prm startup check failed: {error}") from None

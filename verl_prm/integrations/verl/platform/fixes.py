@@ -1,0 +1,89 @@
+"""Runtime fixes of verl 0.9.1 for the CPU platform, applied only where that platform is the process's platform.
+
+Each fix is the smallest change that lets verl's own code run on CPU, and each is also an upstreamable diff
+in ``patches/`` (the file named next to it); on a verl with the patches applied a fix changes nothing.
+
+- ``0004-gloo-only-process-group-on-cpu.diff``: ``verl.utils.distributed`` builds the process-group backend
+  ``f"cpu:gloo,{device}:{backend}"``, which is ``"cpu:gloo,cpu:gloo"`` on CPU and torch rejects ("Duplicate
+  device type cpu"). Fix: the default ``backend`` of ``initialize_global_process_group_ray`` becomes
+  ``"cpu:gloo"`` (its only call without a backend is the training worker's; the function object is changed, so
+  every module that imported it sees the fix). The patch also fixes ``initialize_global_process_group`` (verl's
+  SFT trainer), which ``main_ppo`` does not call.
+- ``0005-fsdp-engine-on-cpu.diff``: verl's FSDP engines are registered for ``cuda`` and ``npu`` only, so
+  ``EngineRegistry.get_engine_cls`` finds no engine for ``cpu``. Fix: register the same classes for ``cpu``
+  (verl's registry API) once ``verl.workers.engine.fsdp.transformer_impl`` is imported. Only ``fsdp2`` runs on
+  CPU (FSDP1 needs an accelerator device id): the startup check says so.
+
+The TRL import fix (``0006``), which verl needs on every device, is ``verl_prm.integrations.verl.trl_fix``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from verl_prm.integrations.verl.import_hooks import register_when_imported
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CPU_PROCESS_GROUP_BACKEND", "cpu_platform_active", "install_cpu_fixes", "installed_fixes"]
+
+CPU_PROCESS_GROUP_BACKEND = "cpu:gloo"
+ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+DISTRIBUTED_MODULE = "verl.utils.distributed"
+
+_installed: list[str] = []
+
+
+def installed_fixes() -> tuple[str, ...]:
+    """Names of the fixes installed in this process (empty unless the CPU platform is active)."""
+    return tuple(_installed)
+
+
+def _fix_process_group_backend() -> None:
+    import verl.utils.distributed as distributed
+
+    ray_init = distributed.initialize_global_process_group_ray
+    defaults = ray_init.__defaults__ or ()
+    # verl 0.9.1: (timeout_second=None, backend=None); a patched verl (0004) needs nothing
+    if defaults == (None, None):
+        ray_init.__defaults__ = (None, CPU_PROCESS_GROUP_BACKEND)
+    _installed.append("process_group_backend")
+
+
+def _fix_engine_registry() -> None:
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+
+    for model_type, engine in (("language_model", FSDPEngineWithLMHead), ("value_model", FSDPEngineWithValueHead)):
+        for backend in ("fsdp", "fsdp2"):
+            registered = EngineRegistry._engines.get(model_type, {}).get(backend, {})
+            if "cpu" not in registered:  # a patched verl (0005) registers cpu itself
+                EngineRegistry.register(model_type=model_type, backend=backend, device="cpu")(engine)
+    _installed.append("engine_registry")
+
+
+def cpu_platform_active() -> bool:
+    """True when verl's platform in this process is the CPU platform (resolves verl's platform if needed)."""
+    from verl.plugin.platform import get_platform
+
+    from verl_prm.integrations.verl.platform.cpu import CPUPlatform
+
+    return isinstance(get_platform(), CPUPlatform)
+
+
+def _when_cpu(fix):
+    def run() -> None:
+        if cpu_platform_active():
+            fix()
+
+    return run
+
+
+def install_cpu_fixes() -> None:
+    """Attach the fixes to the import of the verl modules they fix (now for one already imported). Each runs
+    after its module has executed, and only if the CPU platform is this process's platform. Idempotent."""
+    if getattr(install_cpu_fixes, "_done", False):
+        return
+    install_cpu_fixes._done = True
+    register_when_imported(DISTRIBUTED_MODULE, _when_cpu(_fix_process_group_backend))
+    register_when_imported(ENGINE_MODULE, _when_cpu(_fix_engine_registry))

@@ -1,0 +1,339 @@
+"""A rollout server on transformers ``generate``, plugged into verl 0.9.1 as ``actor_rollout_ref.rollout.name=hf``.
+
+verl's agent loop asks rollout *servers* for tokens (``server.generate(prompt_ids, sampling_params,
+request_id) -> TokenOutput``) and keeps their weights in sync through a ``BaseRollout`` adapter that lives in
+each training worker (``rollout.update_weights(named_tensors)``). vLLM and SGLang provide both on GPUs; this
+module provides both on CPU with transformers, through verl's own extension points:
+
+- ``HFRolloutServer``: a Ray actor holding the policy as a ``AutoModelForCausalLM`` (safetensors,
+  ``trust_remote_code=False``). Requests that arrive together are generated as one left-padded batch per
+  sampling setting (``model.generate`` with the request's temperature, top-p, top-k, length limit and the
+  model's EOS ids); log-probabilities, when asked for, are those of the sampled tokens under the raw logits;
+- ``HFReplica`` (``RolloutReplica``, registered in ``RolloutReplicaRegistry`` as ``hf``): starts one server per
+  replica next to the hybrid engine's workers;
+- ``HFServerAdapter`` (``BaseRollout``, registered in verl's rollout registry as ``("hf", "async")``): verl's
+  training worker calls ``update_weights`` with the actor's full parameters after each step (verl's ``naive``
+  checkpoint engine, the same call it makes to vLLM); the adapter of the replica's first rank sends them to its
+  server, which loads them into the model.
+
+Only verl's hybrid mode (actor and rollout in the same workers, ``trainer.v1.trainer_mode=sync``/``pav_sync``)
+is supported; LoRA adapters and multi-modal inputs are not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any, Generator, Optional
+
+import ray
+import torch
+
+from verl.workers.rollout.base import BaseRollout
+from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
+
+from verl_prm.integrations.verl.import_hooks import run_deferred_registration
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HFReplica", "HFRolloutServer", "HFServerAdapter", "ROLLOUT_NAME", "register_rollout", "sample_groups"]
+
+ROLLOUT_NAME = "hf"
+
+
+def _server_name(rollout_name: str, replica_rank: int) -> str:
+    return f"{rollout_name}_server_{replica_rank}_0"
+
+
+def sample_groups(requests: list[dict[str, Any]]) -> dict[tuple, list[int]]:
+    """Indices of ``requests`` grouped by everything ``generate`` takes per batch: (temperature, top_p, top_k,
+    max_tokens, logprobs). Requests of one group are generated together."""
+    groups: dict[tuple, list[int]] = {}
+    for index, request in enumerate(requests):
+        key = (request["temperature"], request["top_p"], request["top_k"], request["max_tokens"], request["logprobs"])
+        groups.setdefault(key, []).append(index)
+    return groups
+
+
+class HFRolloutServer:
+    """Token-in-token-out generation with a transformers causal LM (see the module docstring)."""
+
+    def __init__(self, config, model_config, replica_rank: int, max_batch_size: int):
+        self.config = config
+        self.model_config = model_config
+        self.replica_rank = replica_rank
+        self.max_batch_size = max(1, int(max_batch_size))
+        self.global_steps: Optional[int] = None
+        self.model = None
+        self._pending: list[tuple[dict[str, Any], asyncio.Future]] = []
+        self._batcher: Optional[asyncio.Task] = None
+        self._lock = asyncio.Lock()
+
+    def load(self) -> dict[str, Any]:
+        """Load the policy from ``model_config.path``; returns a description."""
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        from verl.utils.fs import copy_to_local
+
+        # verl hands replicas the model section as a DictConfig (no HFModelConfig.local_path yet)
+        path = copy_to_local(self.model_config.path)
+        dtype = getattr(torch, str(self.config.dtype)) if str(self.config.dtype) != "auto" else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False,
+                                                          use_safetensors=True)
+        self.model.eval()
+        try:
+            generation = GenerationConfig.from_pretrained(path)
+        except OSError:
+            generation = self.model.generation_config
+        eos = generation.eos_token_id if generation.eos_token_id is not None else self.model.config.eos_token_id
+        self.eos_token_ids = sorted({int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None})
+        pad = generation.pad_token_id if generation.pad_token_id is not None else self.model.config.pad_token_id
+        self.pad_token_id = int(pad) if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
+        if getattr(self.config, "seed", None) is not None:
+            torch.manual_seed(int(self.config.seed) + self.replica_rank)
+        return {"replica_rank": self.replica_rank, "parameters": sum(p.numel() for p in self.model.parameters()),
+                "dtype": str(dtype), "eos_token_ids": self.eos_token_ids}
+
+    # ---------------------------------------------------------------- generation
+    def _request(self, prompt_ids: list[int], sampling_params: dict[str, Any]) -> dict[str, Any]:
+        params = dict(sampling_params)
+        max_model_len = self.config.max_model_len or (self.config.prompt_length + self.config.response_length)
+        room = int(max_model_len) - len(prompt_ids)
+        if room < 1:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room to generate within "
+                             f"max_model_len={max_model_len}: raise actor_rollout_ref.rollout.max_model_len")
+        if "max_tokens" in params:
+            max_tokens = int(params.pop("max_tokens"))
+        elif "max_new_tokens" in params:
+            max_tokens = int(params.pop("max_new_tokens"))
+        else:
+            max_tokens = min(self.config.response_length,
+                             self.config.prompt_length + self.config.response_length - len(prompt_ids))
+        top_k = params.get("top_k", -1)
+        return {
+            "prompt_ids": [int(t) for t in prompt_ids],
+            "temperature": float(params.get("temperature", 1.0)),
+            "top_p": float(params.get("top_p", 1.0)),
+            "top_k": int(top_k) if top_k is not None else -1,
+            "max_tokens": max(1, min(max_tokens, room)),
+            "logprobs": bool(params.get("logprobs", False)),
+            "repetition_penalty": float(params.get("repetition_penalty", 1.0)),
+        }
+
+    async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
+                       image_data=None, video_data=None, audio_data=None, mm_processor_kwargs=None,
+                       **kwargs) -> TokenOutput:
+        if image_data is not None or video_data is not None or audio_data is not None:
+            raise NotImplementedError("the hf rollout generates from token ids only (no multi-modal inputs)")
+        request = self._request(prompt_ids, sampling_params)
+        if request["repetition_penalty"] != 1.0:
+            raise NotImplementedError("the hf rollout does not apply repetition_penalty; set it to 1.0")
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((request, future))
+        if self._batcher is None or self._batcher.done():
+            self._batcher = asyncio.create_task(self._run_batches())
+        return await future
+
+    async def _run_batches(self) -> None:
+        while self._pending:
+            # let the requests of one agent-loop wave arrive before the batch is cut
+            await asyncio.sleep(0.02)
+            batch, self._pending = self._pending[: self.max_batch_size], self._pending[self.max_batch_size :]
+            requests = [request for request, _ in batch]
+            try:
+                async with self._lock:
+                    outputs = await asyncio.to_thread(self._generate_batch, requests)
+            except Exception as error:  # every waiting request fails with the cause
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(error)
+                continue
+            for (_, future), output in zip(batch, outputs, strict=True):
+                if not future.done():
+                    future.set_result(output)
+
+    @torch.no_grad()
+    def _generate_batch(self, requests: list[dict[str, Any]]) -> list[TokenOutput]:
+        outputs: list[Optional[TokenOutput]] = [None] * len(requests)
+        for (temperature, top_p, top_k, max_tokens, logprobs), indices in sample_groups(requests).items():
+            prompts = [requests[i]["prompt_ids"] for i in indices]
+            width = max(len(p) for p in prompts)
+            input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+            attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+            for row, prompt in enumerate(prompts):
+                input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+                attention_mask[row, width - len(prompt):] = 1
+            sample = temperature > 0
+            kwargs: dict[str, Any] = {"do_sample": sample, "max_new_tokens": max_tokens}
+            if sample:
+                kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else None)
+            else:
+                kwargs.update(temperature=None, top_p=None, top_k=None)
+            result = self.model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, eos_token_id=self.eos_token_ids,
+                pad_token_id=self.pad_token_id, return_dict_in_generate=True, output_logits=logprobs, **kwargs,
+            )
+            new_tokens = result.sequences[:, width:]
+            token_log_probs = None
+            if logprobs:
+                logits = torch.stack(result.logits, dim=1).float()  # [b, T, V], raw (before sampling warpers)
+                token_log_probs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens[..., None]).squeeze(-1)
+            for row, index in enumerate(indices):
+                tokens = new_tokens[row].tolist()
+                length = len(tokens)
+                for position, token in enumerate(tokens):
+                    if token in self.eos_token_ids:
+                        length = position + 1
+                        break
+                outputs[index] = TokenOutput(
+                    token_ids=tokens[:length],
+                    log_probs=token_log_probs[row, :length].tolist() if token_log_probs is not None else None,
+                    stop_reason="completed",
+                    extra_fields={"global_steps": self.global_steps},
+                )
+        return outputs
+
+    # ---------------------------------------------------------------- weights and control calls
+    def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> int:
+        """Load the actor's parameters (Hugging Face names); returns how many tensors were loaded."""
+        state = self.model.state_dict()
+        unknown = sorted(set(named_tensors) - set(state))
+        if unknown:
+            raise KeyError(f"hf rollout: the actor sent parameters the rollout model does not have: {unknown[:8]}")
+        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+        missing = sorted(set(state) - set(named_tensors) - tied)
+        if missing:
+            raise KeyError(f"hf rollout: the weight update lacks parameters of the rollout model: {missing[:8]}")
+        with torch.no_grad():
+            for name, tensor in named_tensors.items():
+                state[name].copy_(tensor.to(state[name].dtype))
+        return len(named_tensors)
+
+    def set_global_steps(self, global_steps: int) -> None:
+        self.global_steps = global_steps
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:  # weights stay in host memory
+        return None
+
+    async def sleep(self) -> None:
+        return None
+
+    async def clear_kv_cache(self) -> None:  # no cache outlives a generate call
+        return None
+
+    async def release_kv_cache(self) -> None:
+        return None
+
+    async def resume_kv_cache(self) -> None:
+        return None
+
+    async def wait_for_requests_to_drain(self) -> None:
+        while self._pending or (self._batcher is not None and not self._batcher.done()):
+            await asyncio.sleep(0.05)
+
+    async def abort_all_requests(self, reject_request: bool = False, **kwargs) -> dict[str, Any]:
+        # generation of a batch is not interruptible: wait for it (sync training never aborts)
+        await self.wait_for_requests_to_drain()
+        return {"aborted_count": 0, "request_ids": []}
+
+    async def resume_generation(self) -> None:
+        return None
+
+    async def start_profile(self, **kwargs) -> None:
+        return None
+
+    async def stop_profile(self) -> None:
+        return None
+
+
+class HFReplica(RolloutReplica):
+    """One ``HFRolloutServer`` per replica, next to verl's hybrid workers (see the module docstring)."""
+
+    async def launch_servers(self) -> None:
+        if self.rollout_mode != RolloutMode.HYBRID:
+            raise NotImplementedError(
+                f"the hf rollout runs in verl's hybrid mode only (actor and rollout in the same workers), got "
+                f"{self.rollout_mode}: use trainer.v1.trainer_mode=sync (or pav_sync) with "
+                "actor_rollout_ref.hybrid_engine=True"
+            )
+        name = _server_name(self.config.name, self.replica_rank)
+        server = ray.remote(HFRolloutServer).options(
+            name=name, num_cpus=0, max_concurrency=self.max_concurrency,
+        ).remote(config=self.config, model_config=self.model_config, replica_rank=self.replica_rank,
+                 max_batch_size=self.config.max_num_seqs)
+        info = await server.load.remote()
+        logger.info("hf rollout server %s ready: %s", name, info)
+        self.servers = [server]
+        self._server_handle = server
+        self._server_address = f"hf-rollout://{name}"
+
+
+class HFServerAdapter(BaseRollout):
+    """The training worker's side of the hf rollout: forwards the actor's weights to the replica's server."""
+
+    def __init__(self, config, model_config, device_mesh, replica_rank: int = -1):
+        super().__init__(config, model_config, device_mesh)
+        rank = int(os.environ.get("RANK", 0))
+        rollout_world_size = (self.config.tensor_model_parallel_size * self.config.data_parallel_size
+                              * self.config.pipeline_model_parallel_size)
+        self.replica_rank = rank // rollout_world_size if replica_rank == -1 else replica_rank
+        self._has_server = rank % rollout_world_size == 0
+        self.server_handle = None
+
+    def _server(self):
+        if self.server_handle is None:
+            self.server_handle = ray.get_actor(_server_name(self.config.name, self.replica_rank))
+        return self.server_handle
+
+    async def resume(self, tags: list[str]) -> None:
+        return None
+
+    async def release(self) -> None:
+        return None
+
+    @torch.no_grad()
+    async def update_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None],
+                             global_steps: int = None, wire_format: str = "named_tensors", **kwargs) -> None:
+        if wire_format != "named_tensors":
+            raise NotImplementedError(f"the hf rollout takes wire_format='named_tensors', got {wire_format!r}")
+        if kwargs.get("peft_config") is not None:
+            raise NotImplementedError("the hf rollout does not load LoRA adapters: set actor_rollout_ref.model.lora_rank=0")
+        start = time.perf_counter()
+        named: dict[str, torch.Tensor] = {}
+        from verl.workers.rollout.utils import ensure_async_iterator
+
+        async for name, tensor in ensure_async_iterator(weights):
+            # every rank iterates (gathering a sharded tensor is collective); the server's rank keeps them
+            if hasattr(tensor, "full_tensor"):
+                tensor = tensor.full_tensor()
+            if self._has_server:
+                named[name] = tensor.detach().to("cpu", copy=True)
+        if not self._has_server:
+            return
+        server = self._server()
+        await server.load_weights.remote(named)
+        if global_steps is not None:
+            await server.set_global_steps.remote(global_steps)
+        logger.info("hf rollout: %d tensors synced in %.2f s", len(named), time.perf_counter() - start)
+
+    def generate_sequences(self, prompts):
+        raise NotImplementedError("the hf rollout serves verl's agent loop (async server mode) only")
+
+
+def _load_replica():
+    return HFReplica
+
+
+def register_rollout() -> None:
+    """Register the ``hf`` rollout in verl's replica and rollout registries (idempotent)."""
+    from verl.workers.rollout import base as rollout_base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    RolloutReplicaRegistry.register(ROLLOUT_NAME, _load_replica)
+    rollout_base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = f"{__name__}.HFServerAdapter"
+
+
+# verl's plugin loader may have asked for the registration while this module was still executing.
+run_deferred_registration(__name__)

@@ -1,3 +1,0 @@
-from verl_prm.recipes.arithmetic.pipeline import main
-
-raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""The math of process advantages (DESIGN.md section 2): small pure functions over torch tensors.
+"""The math of process advantages (docs: concepts.md, "Progress and the effective reward"): small pure functions over torch tensors.
 
 Reference: Setlur et al. 2024, "Rewarding Progress: Scaling Automated Process Verifiers for LLM Reasoning"
 (the PAV paper), Eq. 5: the effective reward of step h is Q^pi(s_h, a_h) + alpha * A^mu(s_h, a_h), where the

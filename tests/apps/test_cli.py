@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 
-from verl_prm import cli
+from verl_prm.apps import cli
 
 
 @pytest.mark.parametrize("words", list(cli.COMMANDS))

@@ -106,7 +106,7 @@ def test_package_map_marks_the_verl_glue(hooks):
     rows = dict(re.findall(r"^\| `(verl_prm[\w./]*)` \| .*? \| (yes|) \|$", table, re.M))
     for glue in ("verl_prm.integrations.verl.plugin", "verl_prm.integrations.verl.hook_trainer", "verl_prm.integrations.verl.reward_manager", "verl_prm.estimators"):
         assert rows[glue] == "yes", glue
-    # the math knows nothing of verl (shared/DESIGN.md, STYLE.md)
+    # the math knows nothing of verl (the layering rule of docs/layout.md)
     for pure in ("verl_prm.advantages", "verl_prm.steps/", "verl_prm.critic.packing", "verl_prm.critic.scorer"):
         assert rows[pure] == "", pure
 

@@ -12,15 +12,13 @@ import torch
 
 from verl_prm.critic.exact import (
     EXACT_FORMAT,
-    EXACT_PROVERS,
     ExactCritic,
     ExactPrefixCritic,
     ProverOptionError,
     build_exact_prover,
-    register_exact_prover,
     step_texts_at_char_ends,
 )
-from verl_prm.apps.arithmetic.prover import ArithmeticProver, parse_problem
+from verl_prm.apps.arithmetic.prover import EXACT_PROVER, ArithmeticProver, parse_problem
 from verl_prm.apps.arithmetic.task import (
     STEP_REGEX,
     Problem,
@@ -168,18 +166,12 @@ def test_problem_is_read_from_the_rendered_prompt():
 )
 def test_prover_options_are_checked(options, option, message):
     with pytest.raises(ProverOptionError) as error:
-        build_exact_prover("arithmetic_mod", options)
+        build_exact_prover(EXACT_PROVER, options)
     assert error.value.option == option
     assert message in str(error.value)
 
 
-def test_registry_names_known_sources_and_registers_new_ones(monkeypatch):
-    monkeypatch.setattr("verl_prm.critic.exact.EXACT_PROVERS", dict(EXACT_PROVERS))
-    with pytest.raises(ValueError) as error:
-        build_exact_prover("gsm8k", {})
-    assert "no exact prover for data source 'gsm8k'; known: ['arithmetic_mod']" in str(error.value)
-    assert "register_exact_prover" in str(error.value)
-
+def test_provers_are_named_by_module_and_class():
     class Constant:
         @classmethod
         def from_options(cls, options):
@@ -188,15 +180,14 @@ def test_registry_names_known_sources_and_registers_new_ones(monkeypatch):
         def values(self, prompt_text, step_texts, sample, complete=True):
             return [0.5] * (len(step_texts) + 1)
 
-    register_exact_prover("constant", Constant)
-    register_exact_prover("arithmetic_copy", "verl_prm.apps.arithmetic.prover:ArithmeticProver")
-    assert isinstance(build_exact_prover("constant", {}), Constant)
-    assert build_exact_prover("arithmetic_copy", {"step_accuracy": 0.5}).step_accuracy == 0.5
-    register_exact_prover("broken", "verl_prm.apps.arithmetic.prover:NoSuchProver")
-    with pytest.raises(ValueError, match="the exact prover of data source 'broken' .* cannot be imported"):
-        build_exact_prover("broken", {})
-    with pytest.raises(ValueError, match="target must be 'module:attr' or a class"):
-        register_exact_prover("x", "verl_prm.apps.arithmetic.prover.ArithmeticProver")
+    assert isinstance(build_exact_prover(Constant, {}), Constant)
+    assert build_exact_prover(EXACT_PROVER, {"step_accuracy": 0.5}).step_accuracy == 0.5
+    with pytest.raises(ValueError, match="the exact prover 'verl_prm.apps.arithmetic.prover:NoSuchProver' cannot be imported"):
+        build_exact_prover("verl_prm.apps.arithmetic.prover:NoSuchProver", {})
+    with pytest.raises(ValueError, match="an exact prover is named 'module:Class'"):
+        build_exact_prover("verl_prm.apps.arithmetic.prover.ArithmeticProver", {})
+    with pytest.raises(ValueError, match="has no from_options"):
+        build_exact_prover(object, {})
 
 
 def test_prover_values_are_checked_by_the_critic():
@@ -273,7 +264,7 @@ def test_exact_critic_policy_batch_equals_the_prover_on_the_texts(arithmetic_tok
     samples = arithmetic_samples()
     prompts, responses, mask = policy_batch(tokenizer, [p.prompt_text for p, _ in samples], [r for _, r in samples])
     split = split_steps(responses, mask[:, prompts.shape[1]:], tokenizer, None, regex=STEP_REGEX)
-    critic = ExactCritic.from_options("arithmetic_mod", step_accuracy=0.7)
+    critic = ExactCritic.from_options(EXACT_PROVER, step_accuracy=0.7)
     assert (critic.device.type, critic.best_of_k, critic.packing, critic.tokenizer) == ("cpu", 1, "none", None)
     prover = ArithmeticProver(0.7)
     rendered = [render(tokenizer, p.prompt_text) for p, _ in samples]
@@ -304,7 +295,7 @@ def test_exact_critic_policy_batch_equals_the_prover_on_the_texts(arithmetic_tok
 
 
 def test_exact_critic_score_texts_splits_like_the_step_rule():
-    critic = ExactCritic.from_options("arithmetic_mod", step_accuracy=0.5)
+    critic = ExactCritic.from_options(EXACT_PROVER, step_accuracy=0.5)
     samples = arithmetic_samples()
     scores = critic.score_texts([p.prompt_text for p, _ in samples], [r for _, r in samples], regex=STEP_REGEX,
                                 delimiter=None)
@@ -332,7 +323,7 @@ def test_exact_prefix_critic_in_the_search():
 
     problems = small_problems()[:3]
     prompts = [p.prompt_text for p in problems]
-    critic = CachedCritic(ExactPrefixCritic(ExactCritic.from_options("arithmetic_mod", step_accuracy=0.6), prompts))
+    critic = CachedCritic(ExactPrefixCritic(ExactCritic.from_options(EXACT_PROVER, step_accuracy=0.6), prompts))
     prover = ArithmeticProver(0.6)
 
     class FixedResponses:
@@ -395,7 +386,7 @@ def test_worker_with_format_exact_equals_the_prover(worker_env, arithmetic_token
     hook = read_hook_config({"critic": {"format": "exact", "options": {"prover": "verl_prm.apps.arithmetic.prover:ArithmeticProver",
                                                                         "step_accuracy": 0.9}}})
     kwargs = critic_worker_kwargs(hook)
-    assert kwargs == {"format": "exact", "data_source": "arithmetic_mod", "step_accuracy": 0.9}
+    assert kwargs == {"format": "exact", "prover": EXACT_PROVER, "step_accuracy": 0.9}
     samples = arithmetic_samples(seed=1)
     prompts, responses, mask = policy_batch(tokenizer, [p.prompt_text for p, _ in samples], [r for _, r in samples])
     response_mask = mask[:, prompts.shape[1]:]
@@ -493,7 +484,7 @@ def test_exact_overrides_compose_with_verl_and_pass_the_startup_check():
     hook, _ = validate_run_config(config)
     assert hook.critic.format == "exact" and hook.critic.path is None
     assert hook.critic.options == {"prover": "verl_prm.apps.arithmetic.prover:ArithmeticProver", "step_accuracy": 0.8}
-    assert critic_worker_kwargs(hook) == {"format": "exact", "data_source": "arithmetic_mod", "step_accuracy": 0.8}
+    assert critic_worker_kwargs(hook) == {"format": "exact", "prover": EXACT_PROVER, "step_accuracy": 0.8}
 
 
 @pytest.mark.parametrize(

@@ -150,7 +150,7 @@ def test_advantage_path_equals_the_registered_estimator(verl_loaded):
         data = build_batch(task, tokens, values)
         rewards = data.batch["token_level_rewards"].sum(dim=1)
         assert 0 < float(rewards.sum()) < tokens.shape[0]
-        # the contract of DESIGN.md section 2, every token a step
+        # the step tensors of docs/concepts.md, every token a step
         mask = data.batch["response_mask"]
         assert torch.equal(data.batch["num_steps"], mask.sum(dim=1))
         assert torch.equal(data.batch["step_ids"], torch.where(mask.bool(), torch.arange(10).expand(48, 10), -1))

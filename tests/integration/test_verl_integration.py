@@ -368,7 +368,7 @@ def test_launcher_with_an_exact_critic_composes_and_passes_verl_validation(launc
     validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     hook, _ = validate_run_config(config)
     assert hook.critic.format == "exact" and hook.critic.path is None
-    assert critic_worker_kwargs(hook) == {"format": "exact", "data_source": "arithmetic_mod", "step_accuracy": 0.8}
+    assert critic_worker_kwargs(hook) == {"format": "exact", "prover": "verl_prm.apps.arithmetic.prover:ArithmeticProver", "step_accuracy": 0.8}
     with pytest.raises(ConfigError, match="verl_prm.critic.options.step_accuracy: step_accuracy must be a finite"):
         validate_run_config(compose_verl(kept + exact[:2] + ["+verl_prm.critic.options.step_accuracy=1.5"]))
 
@@ -756,7 +756,7 @@ def test_hook_with_an_exact_critic(transfer_queue, policy_dir, bpe_small):
     assert trainer.hook_config.steps.regex == STEP_REGEX
     assert trainer._policy_tokenizer_path() == str(policy_dir)
     problems = [Problem(5, (("+", 7), ("*", 3), ("-", 4)), 13), Problem(2, (("*", 5), ("+", 9), ("*", 2)), 11)]
-    critic = ExactCritic.from_options("arithmetic_mod", step_accuracy=0.8)
+    critic = ExactCritic.from_options("verl_prm.apps.arithmetic.prover:ArithmeticProver", step_accuracy=0.8)
     check_advantage_phase(trainer, transfer_queue, arithmetic_responses_for(problems, bpe_small), bpe_small,
                           lambda *batch: critic.score_policy_batch(*batch, bpe_small), {"regex": STEP_REGEX,
                                                                                       "delimiter": None})

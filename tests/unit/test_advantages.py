@@ -1,4 +1,4 @@
-"""The estimator math (DESIGN.md section 2) against plain reference loops and verl's own estimators."""
+"""The estimator math (the formulas of docs/concepts.md) against plain reference loops and verl's own estimators."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Reference implementations: plain loops over samples, steps and tokens, written from DESIGN.md section 2.
+# Reference implementations: plain loops over samples, steps and tokens, written from the formulas of the PAV paper (Setlur et al. 2024, Eq. 5) as docs/concepts.md states them.
 # ----------------------------------------------------------------------------------------------------------
 
 

@@ -49,7 +49,7 @@ DEFAULT_DELIMITER = "\n\n"  # verl_prm.steps.DEFAULT_DELIMITER (kept here so the
 HOOK_TRAINER_NAME = "pav_sync"
 # Estimators that read the step tensors, so they only work with the hook (verl passes plugin estimators no
 # batch keys besides the rewards, the mask and the uid).
-# Checkpoint formats a prover critic can be read from (DESIGN.md section 4; verl_prm.critic.formats.FORMATS,
+# Checkpoint formats a prover critic can be read from (docs/critic.md; verl_prm.critic.formats.FORMATS,
 # which a test holds equal to this tuple: the config check must not import torch models).
 CHECKPOINT_CRITIC_FORMATS = ("value_head", "qwen_prm", "math_shepherd", "value_head_lm")
 # No checkpoint: the values of an exact prover (verl_prm.critic.exact.EXACT_FORMAT, held equal by a test),

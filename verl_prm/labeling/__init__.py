@@ -1,4 +1,4 @@
-"""Monte-Carlo step labels from a prover (DESIGN.md sections 1 and 7), resumable; converters of public data.
+"""Monte-Carlo step labels from a prover (docs: concepts.md, labels.md), resumable; converters of public data.
 
 Modules: ``format`` (the label columns), ``generators`` (transformers / vLLM / Ray back ends),
 ``monte_carlo`` (every-prefix and first-pit labelling), ``store`` (crash-safe parquet shards), ``runner``

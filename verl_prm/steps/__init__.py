@@ -1,4 +1,4 @@
-"""Steps: segmentation of responses and alignment to a critic tokenizer (DESIGN.md section 3).
+"""Steps: segmentation of responses and alignment to a critic tokenizer (docs: steps.md).
 
 A response is split into steps on its **text**, and the boundaries are mapped back to tokens through
 character offsets, so that tokens which merge a delimiter with text (".\\n\\n", "\\n\\nThe") and multi-byte

@@ -1,6 +1,6 @@
 """A learned prover critic for the toy task: Monte-Carlo labels from mu_gamma and soft-label cross-entropy.
 
-The toy version of the PAV pipeline (PAV paper Sec. 4 / App. D; DESIGN.md sections 4 and 7):
+The toy version of the PAV pipeline (PAV paper Sec. 4 / App. D; docs: labels.md):
 
 1. prefixes: every prefix (lengths 0..H) of sequences sampled from the base policy (the states RL starts in)
    and from the prover mu_gamma (the states a policy that improves towards y* reaches);

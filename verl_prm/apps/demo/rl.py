@@ -131,7 +131,7 @@ def exact_values(task: PlantedTask, gamma: float) -> ValueFn:
 
 
 def build_batch(task: PlantedTask, tokens: torch.Tensor, values: ValueFn):
-    """The verl ``DataProto`` of a sampled batch (DESIGN.md section 2 contract), every token one step.
+    """The verl ``DataProto`` of a sampled batch (the step tensors of docs/concepts.md), every token one step.
 
     Args:
         tokens: [B, T] sampled sequences (EOS-padded).

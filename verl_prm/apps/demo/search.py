@@ -1,4 +1,4 @@
-"""Search on the planted sub-sequence task (DESIGN.md section 8) with exact critics.
+"""Search on the planted sub-sequence task (docs: demo.md, search.md) with exact critics.
 
 A *problem* is one planted sequence ``y*`` (random, ``planted_length`` tokens); a response is a sequence of up
 to ``length`` tokens from ``1..vocab`` (``vocab`` = EOS) and succeeds iff ``y*`` occurs in it before EOS.

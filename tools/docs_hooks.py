@@ -172,10 +172,25 @@ def _summary(tree: ast.Module) -> str:
     return first
 
 
-def package_map(package: str = "verl_prm", max_depth: int = 2) -> str:
-    """A table of the package's modules (down to ``max_depth`` dots below it): what each is (its docstring's
-    first paragraph) and whether it imports verl (the glue does; the math must not). Read from the source
-    files, importing nothing."""
+def layer_of(module: str) -> str:
+    """The layer a module belongs to: the applications (``verl_prm.apps``), the verl glue
+    (``verl_prm.integrations.verl``), the TRL glue, or the library."""
+    if module == "verl_prm.apps" or module.startswith("verl_prm.apps."):
+        return "application"
+    if module == "verl_prm.integrations.verl" or module.startswith("verl_prm.integrations.verl."):
+        return "verl glue"
+    if module.startswith("verl_prm.integrations."):
+        return "TRL glue"
+    return "library"
+
+
+LAYER_ORDER = ("library", "verl glue", "TRL glue", "application")
+
+
+def package_map(package: str = "verl_prm", max_depth: int = 4) -> str:
+    """A table of the package's modules (down to ``max_depth`` dots below it), grouped by layer: what each is
+    (its docstring's first paragraph) and whether it imports verl (at the top or inside a function). Read from
+    the source files, importing nothing."""
     root = Path(importlib.util.find_spec(package).origin).parent
     rows = []
     for path in sorted(root.rglob("*.py")):
@@ -186,14 +201,15 @@ def package_map(package: str = "verl_prm", max_depth: int = 2) -> str:
             continue
         if not is_package and not (path.parent / "__init__.py").is_file() and path.parent != root:
             continue  # a script in a data folder, not a module
-        name = ".".join((package, *parts)) + ("/" if is_package and parts else "")
         if not parts:
             continue  # the package itself
+        module = ".".join((package, *parts))
+        name = module + ("/" if is_package else "")
         tree = ast.parse(path.read_text())
-        rows.append((name, _summary(tree), "yes" if _imports_verl(tree) else ""))
-    rows.sort(key=lambda row: row[0].rstrip("/"))
-    out = ["| module | what it is | imports verl |", "|---|---|---|"]
-    out += [f"| `{name}` | {_cell(summary)} | {verl} |" for name, summary, verl in rows]
+        rows.append((layer_of(module), name, _summary(tree), "yes" if _imports_verl(tree) else ""))
+    rows.sort(key=lambda row: (LAYER_ORDER.index(row[0]), row[1].rstrip("/")))
+    out = ["| layer | module | what it is | imports verl |", "|---|---|---|---|"]
+    out += [f"| {layer} | `{name}` | {_cell(summary)} | {verl} |" for layer, name, summary, verl in rows]
     return "\n".join(out)
 
 

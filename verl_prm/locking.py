@@ -12,6 +12,9 @@ Within one process the lock is re-entrant: the recipe locks a stage directory an
 label`` on it in the same process. Where the filesystem has no locks (some network filesystems answer
 ``flock`` with ENOLCK/ENOSYS), the writer goes on with a warning on stderr that a second writer would go
 undetected.
+
+The lock file is opened with ``O_NOFOLLOW`` and must be a regular file: a symbolic link (or a directory, FIFO,
+socket) at the lock path is refused with :class:`LockFileError` naming the path, never followed.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 import threading
 from pathlib import Path
 
-__all__ = ["LOCK_FILE", "DirectoryLock", "DirectoryLockedError", "lock_holder"]
+__all__ = ["LOCK_FILE", "DirectoryLock", "DirectoryLockedError", "LockFileError", "lock_holder"]
 
 LOCK_FILE = ".verl-prm.lock"
 _NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
@@ -38,6 +42,10 @@ _held_guard = threading.Lock()
 
 class DirectoryLockedError(RuntimeError):
     """Another live process writes to the directory."""
+
+
+class LockFileError(ValueError):
+    """The lock path holds something other than a regular file (a symbolic link, a directory, a FIFO, ...)."""
 
 
 def lock_holder(directory: str | Path) -> dict:
@@ -71,7 +79,7 @@ class DirectoryLock:
                 _held[key][1] += 1
                 self._key = key
                 return self
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as error:
@@ -94,6 +102,26 @@ class DirectoryLock:
             _held[key] = [fd, 1]
             self._key = key
         return self
+
+    def _open(self) -> int:
+        """The lock file, opened for writing without following a symlink: a link planted at the lock path
+        (``ln -s ~/notes.txt DIR/.verl-prm.lock``) would otherwise have its target truncated and overwritten
+        with the holder record. Anything but a regular file there is refused."""
+        fix = f"remove it (rm {self.path}) and rerun; verl-prm creates the lock file itself"
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise LockFileError(f"{self.path} is a symbolic link (to {os.readlink(self.path)}), not a lock "
+                                    f"file: the lock never follows a link (it would empty the target); {fix}") from None
+            if error.errno in (errno.EISDIR, errno.ENXIO, errno.EOPNOTSUPP):  # a directory, a socket
+                raise LockFileError(f"{self.path} is not a regular file; {fix}") from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or device (O_NONBLOCK: opening it did not hang)
+            os.close(fd)
+            raise LockFileError(f"{self.path} is not a regular file; {fix}")
+        os.set_blocking(fd, True)
+        return fd
 
     def release(self) -> None:
         if self._key is None:

@@ -8,6 +8,8 @@
 # estimator pav_grpo, reward manager pav, startup check), the critic checkpoint and alpha. Everything else is
 # a plain verl GRPO run. The GRPO baseline (run_qwen2_5_0_5b_gsm8k_grpo_baseline.sh) runs this file with
 # ADV_ESTIMATOR=grpo and nothing else changed.
+# The actor's attention is chosen at startup (verl_prm.integrations.verl.attention): flash_attention_2 with
+# remove-padding where flash-attn is installed, else sdpa on padded batches (one log line says which).
 set -xeuo pipefail
 
 MODEL_PATH=${MODEL_PATH:-Qwen/Qwen2.5-0.5B-Instruct}
@@ -37,7 +39,8 @@ python3 -m verl.trainer.main_ppo \
     data.filter_overlong_prompts=True \
     data.truncation=error \
     actor_rollout_ref.model.path="$MODEL_PATH" \
-    actor_rollout_ref.model.use_remove_padding=True \
+    actor_rollout_ref.model.use_remove_padding='${verl_prm.flash_attn:}' \
+    +actor_rollout_ref.model.override_config.attn_implementation='${verl_prm.attn_implementation:}' \
     actor_rollout_ref.model.enable_gradient_checkpointing=True \
     actor_rollout_ref.actor.optim.lr=1e-6 \
     actor_rollout_ref.actor.ppo_mini_batch_size=64 \

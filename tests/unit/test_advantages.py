@@ -697,19 +697,6 @@ def test_no_host_device_sync_on_cuda(name):
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_bench_advantages_runs_and_reports(capsys):
-    from verl_prm.apps.bench.advantages import main
-
-    # --default-allocator: the bench's mallopt would otherwise stay in force for the rest of this test process
-    assert main(["--batch", "64", "--length", "96", "--steps", "4", "--repeats", "2", "--threads", "1",
-                 "--default-allocator"]) == 0
-    report = capsys.readouterr().out
-    assert "allocator: default" in report
-    for label in ("grpo_vectorized (verl)", "pav_grpo", "pav_rloo", "pav_grpo, compile=never"):
-        assert re.search(rf"^{re.escape(label)} +[\d.]+ +[\d.]+ +[\d.]+ +\d+$", report, re.M), (label, report)
-    assert re.search(r"pav_grpo / grpo_vectorized = [\d.]+ \(target <= 2\).*(meets|MISSES) the target", report)
-
-
 def test_zero_signal_groups_against_a_loop():
     from verl_prm.advantages import group_ids, zero_signal_groups
 

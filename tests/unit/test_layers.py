@@ -135,3 +135,21 @@ def test_no_import_circles():
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if not is_application(m)))
 def test_library_module_docstrings_point_at_the_docs_not_at_a_missing_file(module):
     assert "DESIGN.md" not in MODULES[module].read_text(), f"{module} cites DESIGN.md, which users do not have"
+
+
+TESTS_DIR = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("layer", ["unit"])
+def test_library_tests_import_no_application(layer):
+    """tests/unit tests the library alone: no file of it imports ``verl_prm.apps`` (anywhere in its code)."""
+    offenders = []
+    for path in sorted((TESTS_DIR / layer).glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            offenders += [f"{path.name}:{node.lineno} {name}" for name in names if is_application(name)]
+    assert offenders == [], "library tests that import applications:\n" + "\n".join(offenders)

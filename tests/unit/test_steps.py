@@ -792,14 +792,6 @@ def test_bad_input_is_a_clear_error(bpe_small, bpe_large):
         align_to_critic(ids, mask, bpe_small, bpe_small, split, prompt_ids=[[], [3]])
 
 
-def test_bench_runs_and_reports(capsys):
-    from verl_prm.apps.bench.steps import main
-
-    assert main(["--responses", "4", "--length", "64", "--repeats", "1", "--vocab-size", "400"]) == 0
-    report = capsys.readouterr().out
-    assert re.search(r'split_steps delimiter="\\n\\n" +[\d.]+ +\d+ +[\d.]+', report), report
-
-
 def test_tensors_keep_their_device_and_dtype(bpe_small):
     ids, mask = batch(bpe_small, CASES[:2])
     split = split_steps(ids, mask.bool(), bpe_small)  # a bool mask works as a 0/1 mask

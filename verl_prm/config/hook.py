@@ -17,7 +17,6 @@ and returns the typed ``HookConfig`` and ``PavConfig``. Every error names the co
 
 from __future__ import annotations
 
-import difflib
 import math
 import re
 from dataclasses import dataclass, field, fields
@@ -27,7 +26,6 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from verl_prm.config import PavConfig, read_pav_config
-from verl_prm.estimators import ESTIMATORS
 
 __all__ = [
     "CHECKPOINT_CRITIC_FORMATS",
@@ -41,7 +39,6 @@ __all__ = [
     "PlacementSection",
     "StepsSection",
     "read_hook_config",
-    "validate_run_config",
 ]
 
 DEFAULT_DELIMITER = "\n\n"  # verl_prm.steps.DEFAULT_DELIMITER (kept here so the check imports no tensor code)
@@ -264,7 +261,7 @@ def _check_ranges(config: HookConfig) -> None:
 
 def _check_exact_critic_section(critic: CriticSection) -> None:
     """format=exact: no checkpoint path, and ``options.prover`` naming the exact prover (built by
-    ``_check_exact_prover`` at startup; here only what needs no import)."""
+    ``check_exact_prover`` at startup; here only what needs no import)."""
     if critic.path is not None and str(critic.path).strip() != "":
         raise ConfigError(
             f"verl_prm.critic.path={critic.path!r} is unused with verl_prm.critic.format=exact (the values come "
@@ -280,7 +277,7 @@ def _check_exact_critic_section(critic: CriticSection) -> None:
         )
 
 
-def _check_exact_prover(critic: CriticSection) -> None:
+def check_exact_prover(critic: CriticSection) -> None:
     """Build the exact prover of ``verl_prm.critic.options`` once, so that a prover that cannot be imported or a bad
     prover option fails at startup; errors name the option's key."""
     from verl_prm.critic.exact import ProverOptionError, build_exact_prover
@@ -295,7 +292,7 @@ def _check_exact_prover(critic: CriticSection) -> None:
         raise ConfigError(f"verl_prm.critic.options.prover: {error}") from None
 
 
-def _select(config: Any, dotted: str, default: Any = None) -> Any:
+def select_key(config: Any, dotted: str, default: Any = None) -> Any:
     node = config
     for part in dotted.split("."):
         if node is None:
@@ -305,7 +302,7 @@ def _select(config: Any, dotted: str, default: Any = None) -> Any:
     return default if node is None else node
 
 
-def _check_critic_path(path: Optional[str], allow_pickle: bool = False) -> None:
+def check_critic_path(path: Optional[str], allow_pickle: bool = False) -> None:
     if path is None or str(path).strip() == "":
         raise ConfigError(
             "verl_prm.critic.path is required when the verl-prm trainer hook runs: set "
@@ -322,7 +319,7 @@ def _check_critic_path(path: Optional[str], allow_pickle: bool = False) -> None:
         raise ConfigError(f"verl_prm.critic.path: {error}") from None
 
 
-def _check_finite_floats(node: Any, key: str) -> None:
+def check_finite_floats(node: Any, key: str) -> None:
     """Every float anywhere under ``node`` (e.g. in ``verl_prm.critic.options``) is finite; the error names its key.
 
     The typed knobs check their own ranges; this also covers free-form option maps, so no NaN or inf reaches a
@@ -331,72 +328,9 @@ def _check_finite_floats(node: Any, key: str) -> None:
         node = OmegaConf.to_container(node, resolve=True)
     if isinstance(node, dict):
         for name, value in node.items():
-            _check_finite_floats(value, f"{key}.{name}")
+            check_finite_floats(value, f"{key}.{name}")
     elif isinstance(node, (list, tuple)):
         for i, value in enumerate(node):
-            _check_finite_floats(value, f"{key}[{i}]")
+            check_finite_floats(value, f"{key}[{i}]")
     elif isinstance(node, float) and not math.isfinite(node):
         raise ConfigError(f"{key} must be a finite number, got {node}")
-
-
-def known_estimators() -> Optional[set[str]]:
-    """The advantage estimators a verl run can name: verl's registry plus this plugin's (None without verl)."""
-    try:
-        from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
-    except ImportError:
-        return None
-    return set(ADV_ESTIMATOR_REGISTRY) | set(ESTIMATORS)
-
-
-def _check_estimator(estimator: Any) -> None:
-    if estimator is None:
-        return
-    known = known_estimators()
-    if known is None or str(estimator) in known:
-        return
-    close = difflib.get_close_matches(str(estimator), sorted(known), n=1)
-    raise ConfigError(
-        f"algorithm.adv_estimator={estimator!r} is not a registered advantage estimator"
-        + (f" (did you mean {close[0]!r}?)" if close else "")
-        + f"; known: {', '.join(sorted(known))}"
-    )
-
-
-def validate_run_config(config: Any) -> tuple[HookConfig, PavConfig]:
-    """Check the verl-prm parts of a composed verl run config; return the typed hook and estimator configs.
-
-    Checks, in order (each a ``ConfigError`` naming the key):
-    unknown or mistyped keys under ``verl_prm`` and ``algorithm.pav``; a NaN or infinite float anywhere under
-    them; out-of-range estimator knobs (``alpha < 0``, ``best_of_k < 1``, ...); an ``algorithm.adv_estimator``
-    that neither verl nor the plugin registers; a step estimator (pav_*, prm_aggregate) without
-    ``trainer.v1.trainer_mode=pav_sync`` (the hook); the hook without ``verl_prm.critic.path``, or with a path
-    that does not exist, is a file, has no weights or only pickle weights (``verl_prm.critic.allow_pickle``), or
-    is a hub id that is not cached while offline; with ``verl_prm.critic.format=exact``: a path set, no
-    ``options.prover``, a prover that cannot be imported or a bad prover option (the prover is built once);
-    out-of-range step, critic and placement settings.
-    """
-    hook = read_hook_config(_select(config, "verl_prm"))
-    algorithm = _select(config, "algorithm")
-    try:
-        pav = read_pav_config(algorithm)
-    except (ValueError, TypeError) as error:
-        raise ConfigError(str(error)) from None
-    # after the typed checks (their messages give the range): the floats no typed knob covers
-    _check_finite_floats(_select(config, "verl_prm"), "verl_prm")
-    _check_finite_floats(_select(config, "algorithm.pav"), "algorithm.pav")
-    estimator = _select(config, "algorithm.adv_estimator")
-    _check_estimator(estimator)
-    trainer_mode = _select(config, "trainer.v1.trainer_mode")
-    hook_selected = trainer_mode == HOOK_TRAINER_NAME
-    if estimator in ESTIMATORS and not hook_selected:
-        raise ConfigError(
-            f"algorithm.adv_estimator={estimator} needs the step tensors that only the verl-prm trainer hook "
-            f"computes, but trainer.v1.trainer_mode={trainer_mode}: set trainer.v1.trainer_mode={HOOK_TRAINER_NAME} "
-            "(or add +verl_prm=pav with hydra.searchpath=[pkg://verl_prm.config], which sets it)"
-        )
-    if hook_selected and (estimator in ESTIMATORS or hook.score_outcome_estimators):
-        if hook.critic.format == EXACT_CRITIC_FORMAT:
-            _check_exact_prover(hook.critic)
-        else:
-            _check_critic_path(hook.critic.path, hook.critic.allow_pickle)
-    return hook, pav

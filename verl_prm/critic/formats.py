@@ -69,9 +69,11 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
     return dtype
 
 
-def default_attn_implementation(device: torch.device) -> str:
-    """flash_attention_2 on CUDA when the flash-attn package is installed (varlen packing), else sdpa."""
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+def default_attn_implementation(device: torch.device, dtype: torch.dtype) -> str:
+    """flash_attention_2 on CUDA for a bf16/fp16 model when the flash-attn package is installed (varlen
+    packing), else sdpa: flash-attn's kernels take only half-precision inputs (an fp32 critic would fail)."""
+    half = dtype in (torch.bfloat16, torch.float16)
+    if device.type == "cuda" and half and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     return "sdpa"
 

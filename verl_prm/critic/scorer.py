@@ -158,7 +158,7 @@ class ProverCritic:
                 GPU; padded otherwise), ``"varlen"`` (one packed row per micro-batch; correct with any attention
                 implementation, but sdpa/eager then build a block-diagonal mask over the whole row), ``"padded"``.
             max_padding_share: padded mode: a micro-batch closes before its padded share would exceed this.
-            attn_implementation: default flash_attention_2 on CUDA when flash-attn is installed, else sdpa.
+            attn_implementation: default flash_attention_2 on CUDA for bf16/fp16 when flash-attn is installed, else sdpa.
             tokenizer: default ``AutoTokenizer.from_pretrained(path)``.
             progress: tqdm bar over micro-batches.
             allow_pickle: also load pickle-only weights (``pytorch_model.bin``; unpickling can run code). Default:
@@ -173,7 +173,7 @@ class ProverCritic:
         path = resolve_checkpoint(path, "critic", allow_pickle=allow_pickle)
         device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         torch_dtype = resolve_dtype(dtype, device)
-        attn = attn_implementation or default_attn_implementation(device)
+        attn = attn_implementation or default_attn_implementation(device, torch_dtype)
         if tokenizer is None:
             from transformers import AutoTokenizer
 

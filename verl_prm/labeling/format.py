@@ -53,7 +53,6 @@ __all__ = [
     "LABEL_COLUMNS",
     "best_of_k_from_counts",
     "check_duplicate_rollouts",
-    "check_label_row",
     "check_label_table",
     "label_files",
     "read_labels",
@@ -236,12 +235,6 @@ def _rows_table(rows: Sequence[dict], where: str) -> pa.Table:
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as error:
             raise ValueError(f"{where}: column {field.name} does not hold {field.type} values ({error})") from None
     return pa.Table.from_arrays(arrays, schema=LABEL_SCHEMA)
-
-
-def check_label_row(row: dict, where: str = "") -> None:
-    """Raise ValueError naming the row if it breaks the format (the checks of :func:`check_label_table`)."""
-    name = where or f"label row prompt_index={row.get('prompt_index')} rollout_index={row.get('rollout_index')}"
-    check_label_table(_rows_table([row], name), name)
 
 
 def rows_to_table(rows: Sequence[dict]) -> pa.Table:

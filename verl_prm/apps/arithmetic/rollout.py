@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["Rollouts", "sample", "response_log_probs"]
+__all__ = ["Rollouts", "sample"]
 
 
 @dataclass
@@ -90,16 +90,3 @@ def sample(model, tokenizer, prompt_texts: Sequence[str], n: int, *, max_new_tok
     return Rollouts(prompts, responses, attention_mask, response_mask, texts, finished, [i for i, _ in flat])
 
 
-def response_log_probs(model, rollouts: Rollouts, batch_size: int | None = None) -> torch.Tensor:
-    """log pi(response token | prefix) [B, T] (0 where ``response_mask`` is 0), with gradients."""
-    input_ids, attention, positions = rollouts.input_ids, rollouts.attention_mask, rollouts.position_ids
-    P, T = rollouts.prompts.shape[1], rollouts.responses.shape[1]
-    chunks = []
-    step = batch_size or input_ids.shape[0]
-    for begin in range(0, input_ids.shape[0], step):
-        sl = slice(begin, begin + step)
-        logits = model(input_ids=input_ids[sl], attention_mask=attention[sl], position_ids=positions[sl]).logits
-        logits = logits[:, P - 1 : P + T - 1].float()
-        log_probs = torch.log_softmax(logits, dim=-1).gather(-1, rollouts.responses[sl, :, None]).squeeze(-1)
-        chunks.append(log_probs)
-    return torch.cat(chunks, dim=0) * rollouts.response_mask

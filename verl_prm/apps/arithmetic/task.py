@@ -286,6 +286,3 @@ def problem_from_row(row: dict) -> Problem:
     return Problem(int(info["start"]), ops, int(info["modulus"]))
 
 
-def slip_free(problems: Sequence[Problem]) -> list[str]:
-    """Reference solutions (no slip) of ``problems``."""
-    return ["\n".join(solution_lines(p)) for p in problems]

@@ -146,7 +146,9 @@ def main_ppo_command(scale, arm_name: str, seed: int, paths: RunPaths, run_dir: 
         device_block = [
             "trainer.n_gpus_per_node=1",
             "trainer.nnodes=1",
-            "actor_rollout_ref.model.use_remove_padding=True",
+            # flash-attn installed: flash_attention_2 + remove-padding, else sdpa (verl_prm.integrations.verl.attention)
+            "actor_rollout_ref.model.use_remove_padding=${verl_prm.flash_attn:}",
+            "+actor_rollout_ref.model.override_config.attn_implementation=${verl_prm.attn_implementation:}",
             "actor_rollout_ref.actor.use_dynamic_bsz=True",
             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=32768",
             "actor_rollout_ref.rollout.name=vllm",

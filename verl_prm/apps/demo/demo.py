@@ -19,10 +19,10 @@ runs missed (an upper bound), ``n/a`` when runs of both methods missed.
 
 Every RL update goes through the plugin: the advantages come from the registered ``pav_grpo`` estimator via
 ``verl_prm.integrations.verl.advantage.compute_advantage_with_steps`` on a verl ``DataProto`` (alpha = 0: outcome-only), the loss
-from verl's ``compute_policy_loss_vanilla`` (see ``verl_prm.apps.demo.rl``).
+from verl's ``compute_policy_loss_vanilla`` (see ``verl_prm.apps.demo.policy_gradient``).
 
-Modules: this one (settings, the command, the experiments' orchestration), ``runs`` (one RL run and the
-process pool), ``report`` (analysis and printed tables), ``plots`` (the three PNGs).
+Modules: this one (the command and the experiments' orchestration), ``settings`` (``DemoSettings``), ``runs``
+(one RL run and the process pool), ``report`` (analysis and printed tables), ``plots`` (the three PNGs).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +42,10 @@ import torch
 from verl_prm.cli_types import finite_float, finite_floats
 from verl_prm.apps.demo.env import DEFAULT_PLANTED, PlantedTask
 from verl_prm.apps.demo.plots import write_plots
-# ACCURACY_WINDOW and censored_mean are imported for code that took them from this module before the split
 from verl_prm.apps.demo.report import (
-    ACCURACY_WINDOW,
     PAPER_CLAIMS,
     PASS_AT_N_NS,
     PASS_AT_N_SAMPLES,
-    censored_mean,
     print_report,
     iterations_to_90,
     n_for_pass,
@@ -56,34 +53,9 @@ from verl_prm.apps.demo.report import (
     trailing_accuracy,
 )
 from verl_prm.apps.demo.runs import RunSpec, base_policy, execute_run, run_all, train_critic_job
+from verl_prm.apps.demo.settings import QUICK, DemoSettings
 
-__all__ = ["DemoSettings", "RunSpec", "execute_run", "main", "sample_efficiency_line", "settings_from_args"]
-
-
-@dataclass
-class DemoSettings:
-    planted: tuple[int, ...] = DEFAULT_PLANTED
-    seeds: int = 5
-    iterations: int = 600  # comparison budget B
-    gamma: float = 10.0  # the comparison's prover
-    alpha: float = 1.0
-    sweep_gammas: tuple[float, ...] = (1.0, 3.0, 5.0, 10.0, 15.0, 30.0, 100.0)
-    sweep_seeds: int = 3
-    sweep_iterations: int = 300
-    # the sweep's plot shows accuracy here: early enough to separate the provers (most runs are done by 300)
-    sweep_accuracy_at: int = 100
-    pass_at_iteration: int = 100
-    norm_adv_by_std: bool = True
-    loss_agg_mode: str = "token-mean"
-    warm_iterations: int = 50
-    learned_critic: bool = False
-    critic_seed: int = 0
-    workers: int = 2
-    out: str = "demo_out"
-    quick: bool = False
-
-
-QUICK = dict(seeds=2, iterations=300, sweep_gammas=(1.0, 10.0, 100.0), sweep_seeds=1, sweep_iterations=150)
+__all__ = ["main", "run_demo", "settings_from_args"]
 
 
 def settings_from_args(argv: list[str]) -> DemoSettings:
@@ -150,7 +122,7 @@ def settings_from_args(argv: list[str]) -> DemoSettings:
 
 def run_demo(settings: DemoSettings) -> dict[str, Any]:
     """Run every experiment; return the report (also what results.json holds)."""
-    from verl_prm.apps.demo.rl import exact_values, import_verl, pass_at_n
+    from verl_prm.apps.demo.policy_gradient import exact_values, import_verl, pass_at_n
 
     started = time.perf_counter()
     if settings.workers == 1:

@@ -43,16 +43,12 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.debug import marked_timer
 from verl.workers.utils.padding import response_to_nested
 
-from verl_prm.config.hook import (
-    EXACT_CRITIC_FORMAT,
-    HOOK_TRAINER_NAME,
-    HookConfig,
-    validate_run_config,
-)
-from verl_prm.integrations.verl.critic_worker import ProverCriticWorker, compute_step_values
+from verl_prm.config.hook import EXACT_CRITIC_FORMAT, HOOK_TRAINER_NAME, HookConfig
 from verl_prm.estimators import ESTIMATORS
 from verl_prm.integrations.verl.advantage import compute_advantage_with_steps
+from verl_prm.integrations.verl.critic_worker import ProverCriticWorker, compute_step_values
 from verl_prm.integrations.verl.import_hooks import run_deferred_registration
+from verl_prm.integrations.verl.run_config import validate_run_config
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))

@@ -80,6 +80,9 @@ def register_all() -> None:
     from verl_prm.integrations.verl.platform import register_platform, register_rollout_when_imported
     from verl_prm.integrations.verl.trl_fix import install_trl_fix
 
+    from verl_prm.integrations.verl.attention import register_attention_resolvers
+
+    register_attention_resolvers()
     register_platform()
     register_rollout_when_imported()
     install_trl_fix()

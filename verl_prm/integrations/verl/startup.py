@@ -17,7 +17,8 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
-from verl_prm.config.hook import ConfigError, validate_run_config
+from verl_prm.config.hook import ConfigError
+from verl_prm.integrations.verl.run_config import validate_run_config
 
 __all__ = ["PluginNotLoadedError", "StartupCheck", "check_plugin_loaded"]
 

@@ -1,0 +1,212 @@
+"""The run config of a verl run with the plugin, composed by Hydra as main_ppo composes it: the yaml's defaults,
+the typed sections, and the startup validation's errors (unknown keys, NaN knobs, critic paths, exact provers)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import verl
+from omegaconf import OmegaConf
+from verl_support import EXAMPLES, LAUNCHERS, PLUGIN_OVERRIDES, REPO, compose_verl, responses_for, save_tiny_critic
+
+from verl_prm.config import PavConfig
+from verl_prm.config.hook import CRITIC_FORMATS, ConfigError, HookConfig, read_hook_config
+from verl_prm.integrations.verl.run_config import validate_run_config
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+def test_yaml_defaults_equal_the_typed_configs():
+    config = compose_verl(PLUGIN_OVERRIDES)
+    assert OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(HookConfig), config.verl_prm)) == HookConfig()
+    assert read_hook_config(config.verl_prm) == HookConfig()
+    assert OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PavConfig), config.algorithm.pav)) == PavConfig()
+    assert config.trainer.v1.trainer_mode == "pav_sync"
+    assert config.reward.reward_manager.name == "pav"
+    assert config.algorithm.adv_estimator == "pav_grpo"
+
+
+def test_critic_formats_match_the_critic_module():
+    """The config's formats are the checkpoint formats of verl_prm.critic.formats plus the exact critic's."""
+    from verl_prm.config.hook import CHECKPOINT_CRITIC_FORMATS, EXACT_CRITIC_FORMAT
+    from verl_prm.critic.exact import EXACT_FORMAT
+    from verl_prm.critic.formats import FORMATS
+
+    assert set(CHECKPOINT_CRITIC_FORMATS) == set(FORMATS)
+    assert EXACT_CRITIC_FORMAT == EXACT_FORMAT and EXACT_FORMAT not in FORMATS
+    assert CRITIC_FORMATS == CHECKPOINT_CRITIC_FORMATS + (EXACT_FORMAT,)
+
+
+def test_code_step_rules_match_the_code_module():
+    from verl_prm.steps.code import CODE_STEP_RULES as CODE_MODULE_RULES
+    from verl_prm.config.hook import CODE_STEP_RULES
+
+    assert set(CODE_STEP_RULES) == set(CODE_MODULE_RULES) - {"delimiter"}
+
+
+def test_steps_section_splits_with_its_rule(bpe_small):
+    """The hook and the reward manager split through StepsSection.split: the text rules go to split_steps, a
+    code rule to code_split_steps."""
+    from verl_prm.steps.code import code_split_steps
+    from verl_prm.config.hook import StepsSection
+    from verl_prm.steps import split_steps
+
+    texts = ["def f(x):\n    y = x + 1\n\n    return y\n", "First.\n\nSecond.\n\nThird."]
+    rows = [bpe_small.encode(t, add_special_tokens=False) + [bpe_small.eos_token_id] for t in texts]
+    ids = torch.full((2, max(map(len, rows)) + 1), bpe_small.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for b, row in enumerate(rows):
+        ids[b, : len(row)], mask[b, : len(row)] = torch.tensor(row), 1
+
+    def fields(split):
+        return {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in vars(split).items()}
+
+    text_section = read_hook_config({"steps": {"max_steps": 2}}).steps
+    assert fields(text_section.split(ids, mask, bpe_small)) == fields(split_steps(ids, mask, bpe_small, max_steps=2))
+    code_section = read_hook_config({"steps": {"delimiter": None, "code_rule": "block", "code_depth": 1}}).steps
+    assert isinstance(code_section, StepsSection)
+    split = code_section.split(ids, mask, bpe_small)
+    assert fields(split) == fields(code_split_steps(ids, mask, bpe_small, "block", depth=1))
+    assert split.step_texts(0) == ["def f(x):\n", "    y = x + 1\n\n", "    return y\n"]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["+verl_prm.critic.colour=red"], "verl_prm.critic.colour"),
+        (["+verl_prm.stepz.delimiter=x"], "verl_prm.stepz"),
+        (["+algorithm.pav.alphaa=1"], "alphaa"),
+        (["algorithm.pav.alpha=-0.5"], "algorithm.pav.alpha must be >= 0"),
+        (["algorithm.pav.best_of_k=0"], "algorithm.pav.best_of_k must be an integer >= 1"),
+        (["verl_prm.critic.path=null"], "verl_prm.critic.path is required"),
+        (["verl_prm.critic.path=/no/such/critic"], "verl_prm.critic.path: critic checkpoint '/no/such/critic': no such directory"),
+        # NaN and inf knobs: checked at startup, the key named
+        (["algorithm.pav.alpha=nan"], "algorithm.pav.alpha must be >= 0 (a finite number), got nan"),
+        (["algorithm.pav.alpha=inf"], "algorithm.pav.alpha must be >= 0 (a finite number), got inf"),
+        (["algorithm.pav.clip=nan"], "algorithm.pav.clip must be > 0 (a finite number), got nan"),
+        (["algorithm.pav.epsilon=inf"], "algorithm.pav.epsilon must be > 0 (a finite number), got inf"),
+        (["algorithm.pav.aggregate_weight=-inf"], "algorithm.pav.aggregate_weight must be a finite number, got -inf"),
+        (["algorithm.pav.best_of_k=nan"], "algorithm.pav.best_of_k must be an integer >= 1, got nan"),
+        (["+verl_prm.critic.options.softcap=nan"], "verl_prm.critic.options.softcap must be a finite number, got nan"),
+        (["algorithm.adv_estimator=pav_grp"],
+         "algorithm.adv_estimator='pav_grp' is not a registered advantage estimator (did you mean 'pav_grpo'?)"),
+        (["algorithm.adv_estimator=no_such_estimator", "trainer.v1.trainer_mode=sync"],
+         "algorithm.adv_estimator='no_such_estimator' is not a registered advantage estimator; known: gae,"),
+        (["trainer.v1.trainer_mode=sync"], "needs the step tensors that only the verl-prm trainer hook computes"),
+        (["verl_prm.critic.format=onnx"], "verl_prm.critic.format must be one of"),
+        (["verl_prm.placement.pool=elsewhere"], "verl_prm.placement.pool must be one of"),
+        (["verl_prm.steps.regex='(?=Step'"], "is not a valid regex"),
+        (["verl_prm.steps.max_tokens=0"], "verl_prm.steps.max_tokens must be >= 1"),
+        (["verl_prm.steps.regex=Step", "verl_prm.steps.max_tokens=8"], "not both"),
+        (["verl_prm.critic.max_tokens_per_batch=0"], "max_tokens_per_batch must be >= 1"),
+        (["verl_prm.steps.code_rule=ast"], "verl_prm.steps.code_rule must be one of"),
+        (["verl_prm.steps.code_rule=block", "verl_prm.steps.regex=x", "verl_prm.steps.delimiter=null"],
+         "code_rule replaces the text rules: set verl_prm.steps.regex=null"),
+        (["verl_prm.steps.code_rule=line", "verl_prm.steps.delimiter=';'"],
+         "set verl_prm.steps.delimiter=null"),
+        (["verl_prm.steps.code_depth=-1"], "verl_prm.steps.code_depth must be >= 0"),
+    ],
+)
+def test_startup_validation_errors(overrides, message, critic_dir):
+    config = compose_verl(PLUGIN_OVERRIDES + [f"verl_prm.critic.path={critic_dir}"] + overrides)
+    with pytest.raises(ConfigError) as error:
+        validate_run_config(config)
+    assert message in str(error.value)
+
+
+def test_known_estimators_cover_verl_and_the_plugin():
+    from verl.trainer.ppo.core_algos import AdvantageEstimator
+
+    from verl_prm.integrations.verl.run_config import known_estimators
+    from verl_prm.estimators import ESTIMATORS
+
+    known = known_estimators()
+    assert set(ESTIMATORS) <= known and {e.value for e in AdvantageEstimator} <= known
+
+
+@pytest.fixture
+def broken_critics(tmp_path, critic_dir) -> dict[str, Path]:
+    """Critic paths that must fail the startup check: a file, a directory without weights, pickle-only."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    empty = tmp_path / "no_weights"
+    empty.mkdir()
+    shutil.copy(critic_dir / "config.json", empty / "config.json")
+    pickle_only = tmp_path / "pickle_only"
+    shutil.copytree(critic_dir, pickle_only)
+    torch.save(load_file(pickle_only / "model.safetensors"), pickle_only / "pytorch_model.bin")
+    (pickle_only / "model.safetensors").unlink()
+    return {"file": critic_dir / "config.json", "no_weights": empty, "pickle_only": pickle_only}
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("file", "is a file, not a checkpoint directory"),
+    ("no_weights", "has no model weights (no model.safetensors"),
+    ("pickle_only", "has only pickle weights (pytorch_model.bin)"),
+])
+def test_startup_rejects_a_critic_path_without_loadable_weights(kind, message, broken_critics):
+    path = broken_critics[kind]
+    config = compose_verl(PLUGIN_OVERRIDES + [f"verl_prm.critic.path={path}"])
+    with pytest.raises(ConfigError) as error:
+        validate_run_config(config)
+    assert str(error.value).startswith(f"verl_prm.critic.path: critic checkpoint {str(path)!r} ")
+    assert message in str(error.value)
+    if kind == "pickle_only":  # the documented opt-in
+        validate_run_config(compose_verl(PLUGIN_OVERRIDES + [f"verl_prm.critic.path={path}",
+                                                             "verl_prm.critic.allow_pickle=true"]))
+
+
+def test_startup_rejects_an_uncached_hub_id_offline(critic_dir, monkeypatch, tmp_path):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="'some-org/some-critic': no such directory, and HF_HUB_OFFLINE is set"):
+        validate_run_config(compose_verl(PLUGIN_OVERRIDES + ["verl_prm.critic.path=some-org/some-critic"]))
+    monkeypatch.delenv("HF_HUB_OFFLINE")  # online, a hub id is left to the worker's download
+    validate_run_config(compose_verl(PLUGIN_OVERRIDES + ["verl_prm.critic.path=some-org/some-critic"]))
+
+
+def test_critic_worker_gets_the_pickle_opt_in(critic_dir):
+    from verl_prm.integrations.verl.hook_trainer import critic_worker_kwargs
+
+    config = compose_verl(PLUGIN_OVERRIDES + [f"verl_prm.critic.path={critic_dir}", "verl_prm.critic.allow_pickle=true"])
+    hook, _ = validate_run_config(config)
+    assert critic_worker_kwargs(hook)["allow_pickle"] is True
+    assert critic_worker_kwargs(read_hook_config(None))["allow_pickle"] is False
+
+
+def test_startup_validation_accepts_a_valid_run(critic_dir):
+    config = compose_verl(PLUGIN_OVERRIDES + [f"verl_prm.critic.path={critic_dir}", "algorithm.pav.alpha=0.5"])
+    hook, pav = validate_run_config(config)
+    assert hook.critic.path == str(critic_dir) and pav.alpha == 0.5
+    # an outcome-only run without the hook needs no critic
+    validate_run_config(compose_verl(["algorithm.adv_estimator=grpo"]))
+
+def test_own_placement_adds_the_critic_pool_to_verl_resource_pools(critic_dir, policy_dir):
+    """placement.pool=own: the critic's pool joins verl's ResourcePoolManager spec before verl creates the pools
+    (so verl's GPU-availability check counts it); colocated adds nothing (the critic uses global_pool)."""
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    from verl_prm.integrations.verl.hook_trainer import CRITIC_POOL_NAME
+
+    base = PLUGIN_OVERRIDES + [f"verl_prm.critic.path={critic_dir}", f"actor_rollout_ref.model.path={policy_dir}"]
+    own = get_trainer_cls("pav_sync")(compose_verl(base + [
+        "verl_prm.placement.pool=own", "verl_prm.placement.n_gpus_per_node=2", "verl_prm.placement.nnodes=1"]))
+    own._init_resource_pool_mgr()
+    assert own.resource_pool_manager.resource_pool_spec == {"global_pool": [8], CRITIC_POOL_NAME: [2]}  # verl default: 8 GPUs
+    colocated = get_trainer_cls("pav_sync")(compose_verl(base))
+    colocated._init_resource_pool_mgr()
+    assert colocated.resource_pool_manager.resource_pool_spec == {"global_pool": [8]}

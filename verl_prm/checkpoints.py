@@ -11,7 +11,9 @@ these checks, each an error that names the checkpoint:
   cache is read (no network); a repo that is not there fails at once instead of after the hub's retries.
 
 ``safetensors_keys(directory)`` lists the tensor names of a checkpoint from the safetensors headers (no tensor
-is read), so a loader can verify that the weights it needs are really in the checkpoint. No torch import here:
+is read), so a loader can verify that the weights it needs are really in the checkpoint.
+``safetensors_problem(file)`` says why a safetensors file is cut short or damaged (its header promises more bytes
+than the file has), and ``check_tokenizer_files(directory, what)`` names the tokenizer files a directory lacks. No torch import here:
 the startup check of a verl run uses this module before any model is loaded.
 """
 
@@ -27,11 +29,14 @@ __all__ = [
     "ALLOW_PICKLE_ENV",
     "CheckpointError",
     "allow_pickle_default",
+    "check_tokenizer_files",
     "check_weights",
     "from_pretrained_kwargs",
     "offline_mode",
     "resolve_checkpoint",
     "safetensors_keys",
+    "safetensors_problem",
+    "tokenizer_files_problem",
 ]
 
 ALLOW_PICKLE_ENV = "VERL_PRM_ALLOW_PICKLE"
@@ -167,3 +172,68 @@ def safetensors_keys(directory: str | Path) -> Optional[set[str]]:
         with safe_open(str(file), framework="numpy") as handle:
             keys.update(handle.keys())
     return keys
+
+
+def safetensors_problem(file: str | Path) -> Optional[str]:
+    """Why ``file`` is not a complete safetensors file, or None if it is.
+
+    The format: an 8-byte little-endian header length N, N bytes of JSON header, then the tensor data; each
+    tensor's ``data_offsets`` ``[begin, end)`` count from the end of the header. A complete file is exactly
+    ``8 + N + max(end)`` bytes long (a copy or save cut short is shorter). Only the header is read.
+    """
+    file = Path(file)
+    size = file.stat().st_size
+    with open(file, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            return f"{file.name} has {size} bytes, fewer than the 8 of a safetensors header length"
+        length = int.from_bytes(prefix, "little")
+        if 8 + length > size:
+            return f"{file.name} is cut short: its header needs {8 + length} bytes, the file has {size}"
+        try:
+            header = json.loads(handle.read(length))
+        except ValueError as error:
+            return f"{file.name} has a damaged header ({error})"
+    if not isinstance(header, dict):
+        return f"{file.name} has a damaged header (not a JSON object)"
+    ends = [entry["data_offsets"][1] for name, entry in header.items()
+            if name != "__metadata__" and isinstance(entry, dict) and "data_offsets" in entry]
+    expected = 8 + length + max(ends, default=0)
+    if size != expected:
+        state = "cut short" if size < expected else "longer than its header says"
+        return f"{file.name} is {state}: its header describes {expected} bytes, the file has {size}"
+    return None
+
+
+# A tokenizer directory holds tokenizer_config.json and the vocabulary in one of these forms.
+_TOKENIZER_CONFIG = "tokenizer_config.json"
+_VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt", "spiece.model",
+                     "sentencepiece.bpe.model")
+
+
+def tokenizer_files_problem(directory: str | Path) -> Optional[str]:
+    """Which tokenizer files ``directory`` lacks (None if it has a tokenizer_config.json and a vocabulary)."""
+    directory = Path(directory)
+    missing = []
+    if not (directory / _TOKENIZER_CONFIG).is_file():
+        missing.append(_TOKENIZER_CONFIG)
+    if not any((directory / name).is_file() for name in _VOCABULARY_FILES):
+        missing.append(f"a vocabulary ({' or '.join(_VOCABULARY_FILES)})")
+    if missing:
+        return f"has no tokenizer files: {' and '.join(missing)} missing"
+    return None
+
+
+def check_tokenizer_files(directory: str | os.PathLike, what: str = "tokenizer") -> None:
+    """Raise ``CheckpointError`` (a file, no such directory, missing tokenizer files) naming ``what``."""
+    text = os.fspath(directory)
+    path = Path(os.path.expanduser(text))
+    if not path.exists():
+        raise FileNotFoundError(f"{what} {text!r}: no such directory")
+    if not path.is_dir():
+        raise CheckpointError(f"{what} {text!r} is a file, not a tokenizer directory: pass the directory that "
+                              "holds tokenizer_config.json and tokenizer.json (e.g. the model's directory)")
+    problem = tokenizer_files_problem(path)
+    if problem is not None:
+        raise CheckpointError(f"{what} {text!r} {problem}: pass a directory saved by tokenizer.save_pretrained "
+                              "(a checkpoint-*/ of `verl-prm train` holds one)")

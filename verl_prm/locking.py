@@ -51,10 +51,20 @@ class LockFileError(ValueError):
 def lock_holder(directory: str | Path) -> dict:
     """What the current (or last) holder wrote into the lock file: pid, host, purpose, command, since ({} if
     nothing readable)."""
+    try:  # never through a symbolic link (``DirectoryLock._open``)
+        fd = os.open(Path(directory) / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return {}
     try:
-        return json.loads((Path(directory) / LOCK_FILE).read_text())
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return {}
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            record = json.loads(f.read(1 << 16))
+        return record if isinstance(record, dict) else {}
     except (OSError, ValueError):
         return {}
+    finally:
+        os.close(fd)
 
 
 class DirectoryLock:

@@ -27,7 +27,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def verl_loaded():
-    from verl_prm.apps.demo.rl import import_verl
+    from verl_prm.apps.demo.policy_gradient import import_verl
 
     import_verl()
 
@@ -140,7 +140,7 @@ def _mixed_batch(task: PlantedTask, seed: int = 0) -> torch.Tensor:
 def test_advantage_path_equals_the_registered_estimator(verl_loaded):
     from verl.trainer.ppo.core_algos import get_adv_estimator_fn
     from verl_prm.integrations.verl.advantage import compute_advantage_with_steps
-    from verl_prm.apps.demo.rl import RLConfig, algorithm_config, build_batch, exact_values, parsed_algorithm_config
+    from verl_prm.apps.demo.policy_gradient import RLConfig, algorithm_config, build_batch, exact_values, parsed_algorithm_config
 
     task = PlantedTask()
     tokens = _mixed_batch(task)
@@ -192,7 +192,7 @@ def test_advantage_path_equals_the_registered_estimator(verl_loaded):
 
 
 def test_rl_step_takes_the_policy_gradient_of_verls_loss(verl_loaded):
-    from verl_prm.apps.demo.rl import RLConfig, actor_config, algorithm_config, build_batch, exact_values, rl_step
+    from verl_prm.apps.demo.policy_gradient import RLConfig, actor_config, algorithm_config, build_batch, exact_values, rl_step
 
     task = PlantedTask()
     tokens = _mixed_batch(task, seed=1)
@@ -215,7 +215,7 @@ def test_rl_step_takes_the_policy_gradient_of_verls_loss(verl_loaded):
 
 
 def test_short_seeded_run_is_deterministic(verl_loaded):
-    from verl_prm.apps.demo.rl import RLConfig, make_base_policy, train_rl
+    from verl_prm.apps.demo.policy_gradient import RLConfig, make_base_policy, train_rl
 
     task = PlantedTask()
     cfg = RLConfig(iterations=25, snapshots=(10,))
@@ -229,7 +229,7 @@ def test_short_seeded_run_is_deterministic(verl_loaded):
 
 
 def test_pass_at_n_matches_the_combinatorial_definition():
-    from verl_prm.apps.demo.rl import pass_at_n
+    from verl_prm.apps.demo.policy_gradient import pass_at_n
 
     for n, c in [(20, 0), (20, 3), (20, 20), (50, 7)]:
         ns = [1, 2, 5, 10, 20]
@@ -240,8 +240,8 @@ def test_pass_at_n_matches_the_combinatorial_definition():
 
 
 def test_iterations_to_and_the_sample_efficiency_line():
-    from verl_prm.apps.demo.demo import sample_efficiency_line
-    from verl_prm.apps.demo.rl import iterations_to
+    from verl_prm.apps.demo.report import sample_efficiency_line
+    from verl_prm.apps.demo.policy_gradient import iterations_to
 
     accuracy = np.array([0.0] * 20 + [1.0] * 30)
     assert iterations_to(accuracy, 0.9, 10) == 29  # iterations 19..28 average 0.9
@@ -260,7 +260,7 @@ def test_critic_learns_prover_values_from_monte_carlo_labels():
         label_prefixes,
         train_toy_critic,
     )
-    from verl_prm.apps.demo.rl import make_base_policy
+    from verl_prm.apps.demo.policy_gradient import make_base_policy
     from verl_prm.training.losses import soft_label_bce
 
     task = PlantedTask()

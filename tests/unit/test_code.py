@@ -800,7 +800,7 @@ def test_search_cli_runs_on_code_with_the_unit_test_outcome(tiny_code_models, tm
 
     policy, critic, rows = tiny_code_models
     out = tmp_path / "search"
-    assert main(["--task", "text", "--input", str(rows), "--policy", str(policy), "--q-critic", str(critic),
+    assert main(["--input", str(rows), "--policy", str(policy), "--q-critic", str(critic),
                  "--output-dir", str(out), "--methods", "best_of_n,greedy", "--n", "1", "--max-steps", "3",
                  "--max-step-tokens", "8", "--max-response-tokens", "16", "--device", "cpu",
                  "--step-regex", block_regex(0, depth=1),

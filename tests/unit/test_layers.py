@@ -153,3 +153,9 @@ def test_library_tests_import_no_application(layer):
                 names = [node.module]
             offenders += [f"{path.name}:{node.lineno} {name}" for name in names if is_application(name)]
     assert offenders == [], "library tests that import applications:\n" + "\n".join(offenders)
+
+
+def test_every_folder_of_python_modules_is_a_package():
+    """setuptools' find_packages skips a folder without ``__init__.py``: its modules would be missing from a wheel."""
+    folders = {path.parent for path in PACKAGE_DIR.rglob("*.py") if "__pycache__" not in path.parts}
+    assert sorted(str(f.relative_to(PACKAGE_DIR)) for f in folders if not (f / "__init__.py").is_file()) == []

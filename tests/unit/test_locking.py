@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_prm.locking import LOCK_FILE, DirectoryLock, DirectoryLockedError, lock_holder
+from verl_prm.locking import LOCK_FILE, DirectoryLock, DirectoryLockedError, LockFileError, lock_holder
 
 HOLD = ("import sys, time\n"
         "from verl_prm.locking import DirectoryLock\n"
@@ -76,3 +76,31 @@ def test_lock_nests_within_a_process_and_is_released_by_the_outermost(tmp_path):
     assert other_process_can_lock()
 
 
+
+
+def test_a_lock_path_that_is_a_symlink_or_not_a_regular_file_is_refused_and_never_followed(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / LOCK_FILE).symlink_to(notes)
+    with pytest.raises(LockFileError) as error:
+        DirectoryLock(out, "verl-prm label").acquire()
+    assert str(error.value) == (f"{out / LOCK_FILE} is a symbolic link (to {notes}), not a lock file: the lock never "
+                                f"follows a link (it would empty the target); remove it (rm {out / LOCK_FILE}) and "
+                                f"rerun; verl-prm creates the lock file itself")
+    assert notes.read_text() == "my notes\n"  # the target is untouched
+    assert lock_holder(out) == {}  # nor read through the link
+    (out / LOCK_FILE).unlink()
+    (out / LOCK_FILE).symlink_to(tmp_path / "missing")  # a dangling link is not created through either
+    with pytest.raises(LockFileError, match="is a symbolic link"):
+        DirectoryLock(out, "verl-prm label").acquire()
+    assert not (tmp_path / "missing").exists()
+    for make in (os.mkfifo, os.mkdir):  # a FIFO (opening it must not hang) and a directory
+        (out / LOCK_FILE).unlink() if (out / LOCK_FILE).is_symlink() or (out / LOCK_FILE).is_fifo() else None
+        make(out / LOCK_FILE)
+        with pytest.raises(LockFileError, match=f"^{out / LOCK_FILE} is not a regular file; remove it"):
+            DirectoryLock(out, "verl-prm label").acquire()
+    (out / LOCK_FILE).rmdir()
+    with DirectoryLock(out, "verl-prm label"):  # the fix the message names works
+        assert lock_holder(out)["purpose"] == "verl-prm label"

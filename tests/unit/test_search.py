@@ -376,22 +376,6 @@ def test_hf_batching_with_left_padding_equals_one_by_one(bpe_large):
 
 
 # ------------------------------------------------------------------------------------------------ CLI
-def test_search_cli_toy_writes_results_summary_and_plot(tmp_path):
-    from verl_prm.search.cli import main
-
-    out = tmp_path / "toy"
-    assert main(["--task", "toy", "--problems", "30", "--n", "1,2", "--methods", "best_of_n,beam_q,beam_pav,greedy",
-                 "--output-dir", str(out)]) == 0
-    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert len(records) == 4 * 2 * 30
-    assert {(r["method"], r["n"]) for r in records} == {
-        ("best_of_n", 3), ("best_of_n", 6), ("beam_q", 1), ("beam_q", 2), ("beam_pav", 1), ("beam_pav", 2),
-        ("greedy", 1), ("greedy", 2)}
-    summary = (out / "summary.csv").read_text().splitlines()
-    assert summary[0].startswith("method,n,problems,accuracy") and len(summary) == 9
-    assert (out / "accuracy_vs_compute.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
 @pytest.fixture(scope="module")
 def text_models(tmp_path_factory, bpe_large):
     root = tmp_path_factory.mktemp("search_models")
@@ -417,7 +401,7 @@ def test_search_cli_text_runs_every_method_with_tiny_models(tmp_path, text_model
         for line, _ in zip(f, range(3)):
             g.write(line)
     out = tmp_path / "text"
-    args = ["--task", "text", "--input", str(data), "--prompt-field", "question", "--answer-field", "answer",
+    args = ["--input", str(data), "--prompt-field", "question", "--answer-field", "answer",
             "--answer-regex", "#### (.*)", "--data-source", "openai/gsm8k", "--reward-fn", f"{reward}:score",
             "--policy", str(text_models / "policy"), "--q-critic", str(text_models / "q"),
             "--prover", str(text_models / "prover"), "--device", "cpu", "--n", "1,2", "--samples-per-beam", "2",
@@ -522,7 +506,7 @@ def test_search_cli_text_with_space_delimiter_merges_shared_critic_tokens(tmp_pa
         for line, _ in zip(f, range(3)):
             g.write(line)
     out = tmp_path / "space"
-    args = ["--task", "text", "--input", str(data), "--prompt-field", "question", "--answer-field", "answer",
+    args = ["--input", str(data), "--prompt-field", "question", "--answer-field", "answer",
             "--answer-regex", "#### (.*)", "--data-source", "openai/gsm8k", "--reward-fn", f"{reward}:score",
             "--policy", str(text_models / "policy"), "--q-critic", str(text_models / "q"), "--device", "cpu",
             "--n", "1", "--bon-n", "8", "--max-response-tokens", "24", "--methods", "best_of_n",

@@ -20,6 +20,7 @@ from pathlib import Path
 # command words -> "module:function"; each function parses its own arguments.
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("demo",): ("verl_prm.apps.demo.demo:main", "the planted sub-sequence experiment of the PAV paper, on CPU"),
+    ("demo", "search"): ("verl_prm.apps.demo.search:main", "the search methods on the planted task, exact critics"),
     ("bench", "advantages"): ("verl_prm.apps.bench.advantages:main", "time the estimators against verl's grpo"),
     ("bench", "steps"): ("verl_prm.apps.bench.steps:main", "time step segmentation"),
     ("bench", "critic"): ("verl_prm.apps.bench.critic:main", "packed vs per-prefix vs padded critic scoring"),

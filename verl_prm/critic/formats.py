@@ -1,30 +1,40 @@
 """Critic checkpoint formats: one adapter class per format, each behind the same small interface.
 
 An adapter knows (1) how to load the checkpoint into a *backbone* (a transformers base model whose output is the
-last hidden state) plus a *head* applied only at the read positions, (2) which marker token, if any, it inserts
-after the prompt and after every step, and (3) how to turn the head's logits into a value in [0, 1].
+last hidden state) plus a *head* applied only at the read positions, (2) how to build the critic's input from a
+prompt and its steps and where the values are read in it, and (3) how to turn the head's logits into a value.
 
-Formats (``ProverCritic.from_pretrained(path, format=NAME)``):
+Public PRMs are fed exactly the input their authors build (their model card / reference script, cited per
+class): a *text* format (``text_input = True``) rebuilds the input from the prompt text and the step texts; the
+others work on token ids. A step text is cut at the format's ``step_delimiter`` into the authors' steps
+(``step.split(delimiter)``, a trailing empty piece dropped); the value of our step is the authors' value at its
+last piece. The public formats have no prompt value: v_0 is read at the prompt's last token (no marker), so every
+step's context is exactly the authors' one.
+
+Formats (``ProverCritic.from_pretrained(path, format=NAME)``; the table with commands: docs/critic.md):
 
 - ``value_head`` (native; what our PAV training writes): ``AutoModelForTokenClassification`` with
   ``num_labels=1``; ``v = sigmoid(logit)`` at each step's last token; v_0 at the prompt's last token.
-- ``qwen_prm`` (Qwen2.5-Math-PRM style): a separator token (default ``<extra_0>``) after each step and, for v_0,
-  after the prompt (the public format has no prompt value; we read the same head at a separator appended to
-  the prompt). Two-class head, ``v = softmax(logits)[positive_label]``. Loads either an
-  ``AutoModelForTokenClassification`` with ``num_labels=2`` or, for the public checkpoint (custom
-  architecture), ``AutoModel`` plus the ``score`` head (Linear, or Linear-ReLU-Linear) read from safetensors.
-- ``math_shepherd`` (Math-Shepherd style): a tag token (default ``ки``) after the prompt and after each step;
-  ``AutoModelForCausalLM``; ``v = softmax([z_+, z_-])[0]`` where ``z_+``, ``z_-`` are the LM-head logits of the
-  "+" and "-" tokens at the tag.
-- ``value_head_lm`` (Skywork-PRM style): a causal-LM backbone loaded with ``AutoModel`` plus a linear value head
-  (default key ``v_head.summary``) read from the checkpoint's safetensors; ``v = sigmoid(head(h))`` at each
-  step's last token (Skywork reads it at the step's trailing "\\n", which is the step's last token when
-  steps are split at "\\n"); v_0 at the prompt's last token.
+- ``qwen_prm`` (Qwen2.5-Math-PRM-7B/72B): text = prompt + ``"<extra_0>".join(pieces) + "<extra_0>"``, encoded
+  whole; ``v = softmax(logits)[positive_label]`` of the two-class head at each separator.
+- ``pure_prm`` (PURE-PRM-7B): token-level: a step's last token is dropped when its text ends with "\n\n" (the
+  period of ".\n\n" goes with it) and the "\n" token is appended; ``v = P(pos)`` (``score="pos_minus_neg"``:
+  PURE's ``P(pos) - P(neg)`` in [-1, 1]).
+- ``math_shepherd`` (math-shepherd-mistral-7b-prm): text = prompt + " " + ``"".join(piece + " ки\n")``;
+  ``v = softmax([z_+, z_-])[0]`` of the LM-head logits of "▁+", "▁-" at each "▁ки".
+- ``rlhflow`` (RLHFlow Llama3.1-8B-PRM-Mistral/Deepseek-Data): a chat, one user turn per piece (the first is
+  prompt + " " + piece), each answered "+" by the assistant; ``v = softmax([z_+, z_-])[0]`` at the token before
+  each answer.
+- ``value_head_lm`` (Skywork-o1-Open-PRM): ids = encode(bos + prompt + "\n") + per piece encode(piece) + the
+  "\n" token; ``v = sigmoid(head(h))`` at each "\n" token (head ``v_head.summary`` from safetensors).
+
+A format's required tokens are checked at load against the documented pieces (``RequiredToken``): a token that
+resolves to another piece or to the unknown token is an error naming the token, the id found and the id expected.
 
 Everything loads with ``trust_remote_code=False`` and from safetensors only, unless the caller passes
-``allow_pickle=True`` (``verl_prm.checkpoints``). Weights the model needs but the checkpoint lacks (e.g. a value
-head that was never saved) are an error naming the checkpoint and the keys: transformers would initialise them
-at random on every load and only mention it in its load report.
+``allow_pickle=True`` (``verl_prm.checkpoints``). Weights the model needs but the checkpoint lacks, or checkpoint
+weights the model does not use (another architecture in config.json), are errors naming the checkpoint and the
+keys: transformers would initialise or drop them silently and only mention it in its load report.
 """
 
 from __future__ import annotations
@@ -33,8 +43,9 @@ import contextlib
 import importlib.util
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 import torch
 from torch import nn
@@ -49,8 +60,13 @@ __all__ = [
     "QwenPrmFormat",
     "MathShepherdFormat",
     "ValueHeadLMFormat",
+    "RlhflowFormat",
+    "PurePrmFormat",
     "FORMATS",
+    "RequiredToken",
     "resolve_token_id",
+    "check_required_token",
+    "split_pieces",
     "read_head_from_safetensors",
     "default_attn_implementation",
     "resolve_dtype",
@@ -93,6 +109,57 @@ def resolve_token_id(tokenizer, token: str | int, what: str) -> int:
         f"{what} {token!r} is not a single token of the critic's tokenizer (it encodes to {encoded}); add it as a "
         f"special token (tokenizer.add_special_tokens) and resize the model's embeddings, or pass its id"
     )
+
+
+@dataclass(frozen=True)
+class RequiredToken:
+    """A token a public format needs, as its authors' tokenizer has it: the vocabulary ``piece`` and its id in
+    the authors' vocabulary (``documented_id``, from ``source``)."""
+
+    role: str
+    piece: str
+    documented_id: int
+    source: str
+
+
+def check_required_token(fmt: str, tokenizer, found: int, required: RequiredToken) -> int:
+    """``found`` if it is the documented piece of this tokenizer, else a ValueError naming the token, the id found
+    and the id expected (a token resolving to [UNK] or to a bare piece would score every step alike or read the
+    wrong logit without any other sign)."""
+    piece = tokenizer.convert_ids_to_tokens(int(found))
+    if piece == required.piece and found != tokenizer.unk_token_id:
+        return int(found)
+    vocab = tokenizer.get_vocab()
+    here = f"; this tokenizer has {required.piece!r} as id {vocab[required.piece]}" if required.piece in vocab else (
+        f"; this tokenizer has no piece {required.piece!r}")
+    raise ValueError(
+        f"format {fmt!r}: the {required.role} resolves to id {found} ({piece!r}), expected the piece "
+        f"{required.piece!r} (id {required.documented_id} in {required.source}){here}. Use the checkpoint's own "
+        "tokenizer, or pass the token's id explicitly if your checkpoint really differs"
+    )
+
+
+def split_pieces(step_text: str, delimiter: str) -> list[str]:
+    """The authors' steps inside one of our steps: ``step_text.split(delimiter)`` with the trailing empty piece
+    of a step that ends with the delimiter dropped ("a\n\nb" split at "\n" gives "a", "", "b": empty lines
+    are steps, as in the authors' ``response.split``)."""
+    pieces = step_text.split(delimiter)
+    if len(pieces) > 1 and pieces[-1] == "":
+        pieces.pop()
+    return pieces
+
+
+def _encode_plain(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def _char_token(tokenizer, text: str, char: int, add_special_tokens: bool = True) -> int:
+    """Index of the token of ``encode(text)`` that holds character ``char`` (offsets of a fast tokenizer)."""
+    encoding = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    for i, (a, b) in enumerate(encoding["offset_mapping"]):
+        if a <= char < b:
+            return i
+    raise ValueError(f"no token holds character {char} of the critic input")
 
 
 def _safetensors_files(path: Path) -> list[Path]:

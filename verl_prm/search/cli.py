@@ -1,9 +1,11 @@
 """`verl-prm search`: best-of-N, beam search on Q (+ alpha * A) and greedy step search over a data set, swept
 over N, with per-problem results, a summary table and a plot of accuracy against generated tokens.
 
-    verl-prm search --task toy --output-dir runs/search_toy
-    verl-prm search --task text --input gsm8k.parquet --policy PATH --q-critic PATH [--prover PATH] \\
+    verl-prm search --input gsm8k.parquet --policy PATH --q-critic PATH [--prover PATH] \\
         --output-dir runs/search_gsm8k
+
+The same sweep on the demo's planted task with exact critics is ``verl-prm demo search`` (it builds its parser
+with :func:`add_sweep_arguments` and runs :func:`run_sweep` and :func:`write_results`).
 
 Methods (``--methods``, comma-separated):
     best_of_n  N' = N * M full samples (``--bon-n`` to set them), re-ranked by ``--rank`` (``orm``: the final
@@ -44,7 +46,8 @@ from verl_prm.search import (
     greedy_step_search,
 )
 
-__all__ = ["main", "run_sweep", "plot_accuracy_vs_compute", "summarize"]
+__all__ = ["SearchSetup", "add_sweep_arguments", "main", "run_sweep", "plot_accuracy_vs_compute", "summarize",
+           "write_results"]
 
 METHODS = ("best_of_n", "beam_q", "beam_pav", "greedy")
 METHOD_LABELS = {
@@ -73,16 +76,13 @@ def _methods(text: str) -> list[str]:
     return methods
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="verl-prm search", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--task", choices=("toy", "text"), default="text",
-                   help="toy: the planted sub-sequence task with exact critics (CPU, seconds); text: a data set "
-                   "with a language-model policy and critics")
+def add_sweep_arguments(p: argparse.ArgumentParser, default_n: Sequence[int]) -> None:
+    """The sweep's arguments (methods, N, search settings, output), the same for every task."""
     p.add_argument("--output-dir", required=True)
     p.add_argument("--methods", type=_methods, default=list(METHODS[:3]),
                    help=f"comma-separated, from {', '.join(METHODS)} (default: best_of_n,beam_q,beam_pav)")
-    p.add_argument("--n", type=_ints, default=None, help="beam widths N to sweep (default toy 1,2,4,8,16; text 1,2,4)")
+    p.add_argument("--n", type=_ints, default=list(default_n),
+                   help=f"beam widths N to sweep (default {','.join(map(str, default_n))})")
     p.add_argument("--bon-n", type=_ints, default=None, help="best-of-N sample counts (default: N * samples-per-beam)")
     p.add_argument("--samples-per-beam", type=int, default=3, help="M: next steps sampled per beam")
     p.add_argument("--alpha", type=finite_float(0.0), default=0.5, help="weight of the prover's progress in Q + alpha*A")
@@ -100,14 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-backtracks", type=int, default=2, help="greedy: backtracks per problem")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, default=None, help="use the first LIMIT problems")
-    toy = p.add_argument_group("toy task (--task toy)")
-    toy.add_argument("--problems", type=int, default=200, help="planted sequences (problems)")
-    toy.add_argument("--policy-gamma", type=finite_float(0.0, low_open=True), default=2.0, help="base policy mu_gamma (weak)")
-    toy.add_argument("--prover-gamma", type=finite_float(0.0, low_open=True), default=10.0, help="prover mu_gamma")
-    toy.add_argument("--q-rollouts", type=int, default=16,
-                     help="Q critic of the base policy fitted to this many rollouts per state (0: exact)")
-    toy.add_argument("--step-tokens", type=int, default=2, help="tokens per step")
-    text = p.add_argument_group("text task (--task text)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="verl-prm search", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_sweep_arguments(p, default_n=(1, 2, 4))
+    text = p.add_argument_group("data set and models")
     text.add_argument("--input", help="problems: verl parquet rows or jsonl")
     text.add_argument("--prompt-field", default="prompt")
     text.add_argument("--answer-field", default="reward_model.ground_truth")
@@ -132,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-class _Setup:
+class SearchSetup:
     """What a sweep needs: problems, sampler, critic factories, the verifier and a text renderer."""
 
     def __init__(self, problems, sampler, q_critic: Callable[[], Any], prover: Callable[[], Any] | None,
@@ -142,22 +141,7 @@ class _Setup:
         self.reward, self.text = reward, text
 
 
-def _toy_setup(args) -> _Setup:
-    from verl_prm.apps.demo.search import ToySearchTask
-
-    task = ToySearchTask(args.problems, policy_gamma=args.policy_gamma, step_tokens=args.step_tokens, seed=args.seed)
-    problems = list(range(task.num_problems if args.limit is None else min(args.limit, task.num_problems)))
-    return _Setup(
-        problems,
-        task,
-        lambda: task.critic(rollouts=args.q_rollouts, seed=args.seed + 1),
-        lambda: task.critic(args.prover_gamma),
-        lambda node: task.reward(node),
-        task.text,
-    )
-
-
-def _text_setup(args) -> _Setup:
+def _text_setup(args) -> SearchSetup:
     from verl_prm.critic import ProverCritic
     from verl_prm.labeling.inputs import read_prompts, render_prompt
     from verl_prm.labeling.scoring import OutcomeScorer, load_reward_function
@@ -165,7 +149,7 @@ def _text_setup(args) -> _Setup:
 
     missing = [name for name in ("input", "policy", "q_critic") if getattr(args, name) is None]
     if missing:
-        raise SystemExit(f"verl-prm search --task text needs {', '.join('--' + m.replace('_', '-') for m in missing)}")
+        raise SystemExit(f"verl-prm search needs {', '.join('--' + m.replace('_', '-') for m in missing)}")
     for flag, path in (("--policy", args.policy), ("--q-critic", args.q_critic), ("--prover", args.prover)):
         if path is not None:  # no such directory, no weights, pickle-only, offline hub id: before any model loads
             resolve_checkpoint(path, flag)
@@ -201,7 +185,7 @@ def _text_setup(args) -> _Setup:
             return TextCritic(loaded[path], prompts)
         return build
 
-    return _Setup(
+    return SearchSetup(
         list(range(len(items))),
         sampler,
         critic(args.q_critic, args.q_critic_format),
@@ -211,7 +195,7 @@ def _text_setup(args) -> _Setup:
     )
 
 
-def run_sweep(args, setup: _Setup, log: Callable[[str], None] = print) -> list[dict]:
+def run_sweep(args, setup: SearchSetup, log: Callable[[str], None] = print) -> list[dict]:
     """Run every method at every N; return one record per (method, N, problem). Critic caches are fresh per
     (method, N) run, so each run pays for its own critic calls."""
     beam_widths = args.n
@@ -246,7 +230,7 @@ def run_sweep(args, setup: _Setup, log: Callable[[str], None] = print) -> list[d
                                   best_of_k=args.best_of_k, seed=args.seed)
             results = greedy_step_search(setup.problems, setup.sampler, prover if prover is not None else q_critic, config)
         seconds = time.perf_counter() - started
-        # steps merged because they end in one critic token (TextCritic; 0 for the toy task's critics)
+        # steps merged because they end in one critic token (TextCritic; 0 for critics that read no tokens)
         merged: dict[int, int] = {}
         for cached in (q_critic, prover):
             for problem, count in getattr(getattr(cached, "critic", None), "merged_steps", {}).items():
@@ -262,7 +246,7 @@ def run_sweep(args, setup: _Setup, log: Callable[[str], None] = print) -> list[d
     return records
 
 
-def _record(method: str, n: int, result: SearchResult, setup: _Setup, critic_merged_steps: int = 0) -> dict:
+def _record(method: str, n: int, result: SearchResult, setup: SearchSetup, critic_merged_steps: int = 0) -> dict:
     node = result.node
     return dict(method=method, n=n, problem=result.problem, reward=float(setup.reward(node)), score=result.score,
                 num_steps=node.num_steps, truncated=node.truncated, response_tokens=node.num_tokens,
@@ -341,17 +325,9 @@ def accuracy_vs_compute_figure(rows: Sequence[dict], title: str = ""):
     return figure
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    if args.n is None:
-        args.n = [1, 2, 4, 8, 16] if args.task == "toy" else [1, 2, 4]
-    if "beam_pav" in args.methods and args.prover is None and args.task == "text" and args.best_of_k == 1:
-        print("verl-prm search: beam_pav without --prover uses the Q critic as the prover; with --best-of-k 1 its "
-              "progress only re-weights Q (set --best-of-k 4, the paper's choice, or pass --prover)", file=sys.stderr)
-    output = Path(args.output_dir)
-    output.mkdir(parents=True, exist_ok=True)
-    setup = _toy_setup(args) if args.task == "toy" else _text_setup(args)
-    records = run_sweep(args, setup)
+def write_results(output: Path, records: Sequence[dict], title: str) -> str:
+    """``results.jsonl``, ``summary.csv``, ``summary.md`` and ``accuracy_vs_compute.png`` in ``output``; prints
+    and returns the summary table."""
     with open(output / "results.jsonl", "w") as f:
         for record in records:
             f.write(json.dumps(record) + "\n")
@@ -362,16 +338,23 @@ def main(argv: list[str] | None = None) -> int:
         writer.writerows(rows)
     table = _markdown(rows)
     (output / "summary.md").write_text(table)
-    if args.task == "toy":
-        q_source = f"fitted to {args.q_rollouts} rollouts per state" if args.q_rollouts else "exact"
-        title = (f"planted sub-sequence task, {len(setup.problems)} problems; base policy mu_{args.policy_gamma:g}\n"
-                 f"Q^pi {q_source}; prover mu_{args.prover_gamma:g} (exact); alpha={args.alpha:g}, "
-                 f"M={args.samples_per_beam}, Best-of-{args.best_of_k}")
-    else:
-        title = f"{Path(args.input).name}, {len(setup.problems)} problems, alpha={args.alpha:g}, M={args.samples_per_beam}"
     plot_accuracy_vs_compute(rows, output / "accuracy_vs_compute.png", title)
     print(table)
     print(f"wrote {output / 'results.jsonl'}, {output / 'summary.csv'}, {output / 'accuracy_vs_compute.png'}")
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if "beam_pav" in args.methods and args.prover is None and args.best_of_k == 1:
+        print("verl-prm search: beam_pav without --prover uses the Q critic as the prover; with --best-of-k 1 its "
+              "progress only re-weights Q (set --best-of-k 4, the paper's choice, or pass --prover)", file=sys.stderr)
+    output = Path(args.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    setup = _text_setup(args)
+    records = run_sweep(args, setup)
+    title = f"{Path(args.input).name}, {len(setup.problems)} problems, alpha={args.alpha:g}, M={args.samples_per_beam}"
+    write_results(output, records, title)
     return 0
 
 

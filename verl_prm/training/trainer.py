@@ -14,19 +14,27 @@ Output directory::
     eval_metrics.json     the final held-out evaluation
 
 A checkpoint is written to a temporary directory and renamed when complete. A rerun with the same arguments
-resumes from the newest checkpoint: the weights, Adam moments and schedule are restored and the batches of the
-remaining steps (and their dropout masks) are the ones the uninterrupted run draws, so no example is lost or
-trained on twice.
+resumes from the newest intact checkpoint (a damaged newer one is skipped with a warning): the weights, Adam
+moments and schedule are restored and the batches of the remaining steps (and their dropout masks) are the ones
+the uninterrupted run draws, so no example is lost or trained on twice. A resume refuses changed settings and
+changed inputs (label shards, --init, --tokenizer, --init-config: digests stored in the checkpoint). With
+``--no-resume`` the checkpoints and logs of an earlier run move to ``earlier-run-<time>/``, so the checkpoints at
+the top level are always this run's. A non-finite loss or gradient norm stops the run before the step changes
+the weights, so no checkpoint ever holds NaN weights.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import math
 import os
 import re
 import shutil
 import tempfile
+import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -45,13 +53,23 @@ from verl_prm.training.data import (
 from verl_prm.training.losses import gather_step_logits, soft_label_bce, warmup_cosine_factor
 from verl_prm.training.metrics import value_metrics
 
-__all__ = ["TrainConfig", "train", "evaluate_examples", "latest_checkpoint", "build_model"]
+__all__ = ["TrainConfig", "NonFiniteLossError", "train", "evaluate_examples", "latest_checkpoint", "build_model",
+           "checkpoint_problem", "input_digests"]
 
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
-# Settings that define the data, the batches and the schedule: a resumed run must keep them.
-_RESUME_KEYS = ("labels", "eval_labels", "eval_fraction", "batch_size", "grad_accum", "max_steps", "lr", "min_lr_ratio",
-                "warmup_steps", "weight_decay", "balance", "best_of_k", "use_prompt_value", "freeze_backbone", "max_length",
-                "seed")
+# Settings a resumed run may change: they do not change what is trained (logging, saving, progress, memory).
+# Every other setting must be the one the checkpoint was written with.
+_RESUME_FREE_KEYS = ("output_dir", "resume", "progress", "log_every", "eval_every", "eval_batch_size", "save_every",
+                     "keep_checkpoints", "gradient_checkpointing")
+DEFAULT_EVAL_FRACTION = 0.1
+# Files up to this size are hashed whole; of a larger one (the weights of a big --init) the digest covers its
+# size and its first and last _DIGEST_EDGE bytes (a safetensors header sits at the start).
+_DIGEST_WHOLE_LIMIT = 256 * 2**20
+_DIGEST_EDGE = 8 * 2**20
+
+
+class NonFiniteLossError(ValueError):
+    """The training loss or gradient norm became NaN or infinite; the run stopped before that step."""
 
 
 @dataclass
@@ -62,7 +80,8 @@ class TrainConfig:
     init_config: str | None = None
     tokenizer: str | None = None
     eval_labels: list[str] | None = None
-    eval_fraction: float = 0.1
+    # share of prompts held out when there are no eval_labels (None: DEFAULT_EVAL_FRACTION)
+    eval_fraction: float | None = None
     max_length: int | None = 4096
     batch_size: int = 8
     grad_accum: int = 1
@@ -91,27 +110,156 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        from verl_prm.checks import check_number
+
         if (self.init is None) == (self.init_config is None):
             raise ValueError("give exactly one of init (a checkpoint) and init_config (a config for a new model)")
         if self.init_config is not None and self.tokenizer is None:
             raise ValueError("a model built from init_config needs a tokenizer path (--tokenizer)")
-        if self.max_steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
-            raise ValueError("max_steps, batch_size and grad_accum must be >= 1")
+        if self.freeze_backbone and self.init_config is not None:
+            raise ValueError("freeze_backbone (--freeze-backbone) with init_config (--init-config) trains a value head "
+                             "on a random backbone that never learns: pass --init with a trained model, or drop "
+                             "--freeze-backbone")
+        if self.eval_labels and self.eval_fraction is not None:
+            raise ValueError("eval_fraction (--eval-fraction) splits --labels when there are no eval_labels; with "
+                             "--eval-labels nothing is split: drop one of the two")
+        minimum = {"max_steps": 1, "batch_size": 1, "grad_accum": 1, "best_of_k": 1, "eval_batch_size": 1,
+                   "log_every": 1, "warmup_steps": 0, "eval_every": 0, "save_every": 0, "seed": 0}
+        for key, low in minimum.items():
+            _check_int(key, getattr(self, key), low)
+        if self.max_length is not None:
+            _check_int("max_length", self.max_length, 1)
         if isinstance(self.keep_checkpoints, bool) or int(self.keep_checkpoints) != self.keep_checkpoints \
                 or self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints (--keep-checkpoints) must be an integer >= 1, got "
                              f"{self.keep_checkpoints!r}: the newest checkpoint is the model the run produces and is "
                              "always kept; 1 keeps only it")
+        check_number("lr (--lr)", self.lr, 0.0, low_open=True)
+        check_number("min_lr_ratio (--min-lr-ratio)", self.min_lr_ratio, 0.0, 1.0)
+        check_number("weight_decay (--weight-decay)", self.weight_decay, 0.0)
+        check_number("grad_clip (--grad-clip)", self.grad_clip, 0.0)
+        if self.eval_fraction is not None:
+            check_number("eval_fraction (--eval-fraction)", self.eval_fraction, 0.0, 1.0, high_open=True)
+
+    @property
+    def held_out_fraction(self) -> float:
+        """The share of prompts split off --labels for evaluation (when there are no eval_labels)."""
+        return DEFAULT_EVAL_FRACTION if self.eval_fraction is None else self.eval_fraction
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step in ``output_dir`` (None if there is none)."""
+def _check_int(key: str, value, low: int) -> None:
+    flag = "--" + key.replace("_", "-")
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{key} ({flag}) must be an integer >= {low}, got {value!r}")
+
+
+def _checkpoint_dirs(output_dir: Path) -> list[tuple[int, Path]]:
+    """(step, path) of the ``checkpoint-<step>`` directories at the top of ``output_dir``, by step."""
     found = []
-    for path in Path(output_dir).glob("checkpoint-*"):
+    for path in output_dir.glob("checkpoint-*"):
         match = _CHECKPOINT.fullmatch(path.name)
-        if match and (path / "training_state.pt").is_file():
+        if match and path.is_dir():
             found.append((int(match.group(1)), path))
-    return max(found)[1] if found else None
+    return sorted(found)
+
+
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why the checkpoint directory ``path`` cannot be resumed from or loaded, or None if it is intact: no
+    training_state.pt, missing or cut-short weights (:func:`verl_prm.checkpoints.safetensors_problem`), or
+    missing tokenizer files. Reads file headers only."""
+    from verl_prm.checkpoints import CheckpointError, check_weights, safetensors_problem, tokenizer_files_problem
+
+    path = Path(path)
+    if not (path / "training_state.pt").is_file():
+        return "no training_state.pt"
+    try:
+        check_weights(path, "checkpoint", allow_pickle=False)
+    except CheckpointError as error:
+        return str(error)
+    for file in sorted(path.glob("*.safetensors")):
+        problem = safetensors_problem(file)
+        if problem is not None:
+            return problem
+    problem = tokenizer_files_problem(path)
+    return None if problem is None else f"it {problem}"
+
+
+def latest_checkpoint(output_dir: str | Path, note: Callable[[str], None] | None = None) -> Path | None:
+    """The intact checkpoint with the highest step in ``output_dir`` (None if there is none).
+
+    A newer checkpoint that is damaged (:func:`checkpoint_problem`: e.g. weights cut short by a full disk) is
+    skipped with a warning (``note``, default ``warnings.warn``) naming it and the checkpoint used instead.
+    """
+    note = note or (lambda message: warnings.warn(message, stacklevel=3))
+    skipped = []
+    for _, path in reversed(_checkpoint_dirs(Path(output_dir))):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            if skipped:
+                note(f"verl-prm: skipping damaged checkpoint(s) {'; '.join(skipped)}; using the older intact {path}")
+            return path
+        skipped.append(f"{path} ({problem})")
+    if skipped:
+        note(f"verl-prm: no intact checkpoint in {output_dir}: {'; '.join(skipped)}")
+    return None
+
+
+def _file_digest(path: Path) -> str:
+    """sha256 of the file's bytes; of a file over _DIGEST_WHOLE_LIMIT, of its size and both ends."""
+    digest = hashlib.sha256()
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        if size <= _DIGEST_WHOLE_LIMIT:
+            for block in iter(lambda: handle.read(2**20), b""):
+                digest.update(block)
+        else:
+            digest.update(str(size).encode())
+            digest.update(handle.read(_DIGEST_EDGE))
+            handle.seek(size - _DIGEST_EDGE)
+            digest.update(handle.read(_DIGEST_EDGE))
+    return digest.hexdigest()
+
+
+def _path_digests(path: str | Path) -> dict[str, str]:
+    """{file name relative to ``path``: digest} of a file or of every file under a directory (hidden ones and
+    ``__pycache__`` skipped)."""
+    path = Path(path)
+    if path.is_file():
+        return {path.name: _file_digest(path)}
+    return {str(file.relative_to(path)): _file_digest(file) for file in sorted(path.rglob("*"))
+            if file.is_file() and not any(part.startswith(".") or part == "__pycache__"
+                                          for part in file.relative_to(path).parts)}
+
+
+def input_digests(config: TrainConfig) -> dict[str, dict[str, str]]:
+    """Digests of what a run reads: {"--labels": {shard: digest}, "--eval-labels": ..., "--init": {file: digest},
+    "--init-config": ..., "--tokenizer": ...} (absent inputs omitted). A resume compares them."""
+    from verl_prm.labeling.format import label_files
+
+    digests: dict[str, dict[str, str]] = {}
+    for flag, paths in (("--labels", config.labels), ("--eval-labels", config.eval_labels)):
+        if paths:
+            digests[flag] = {str(file): _file_digest(file) for file in label_files(paths)}
+    for flag, path in (("--init", config.init), ("--init-config", config.init_config), ("--tokenizer", config.tokenizer)):
+        if path is not None and Path(path).exists():
+            digests[flag] = _path_digests(path)
+    return digests
+
+
+def _changed_inputs(stored: dict[str, dict[str, str]], current: dict[str, dict[str, str]]) -> list[str]:
+    """One phrase per input whose files differ: "--labels: added b.parquet; changed a.parquet"."""
+    changes = []
+    for flag in sorted(set(stored) | set(current), key=lambda f: (f not in current, f)):
+        before, after = stored.get(flag, {}), current.get(flag, {})
+        if before == after:
+            continue
+        parts = []
+        for verb, names in (("added", sorted(set(after) - set(before))), ("removed", sorted(set(before) - set(after))),
+                            ("changed", sorted(n for n in set(before) & set(after) if before[n] != after[n]))):
+            if names:
+                parts.append(f"{verb} {', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''}")
+        changes.append(f"{flag}: {'; '.join(parts)}")
+    return changes
 
 
 def build_model(config: TrainConfig, tokenizer, checkpoint: Path | None = None):
@@ -279,193 +427,3 @@ def auroc_note(targets: np.ndarray) -> str | None:
     return None
 
 
-def train(config: TrainConfig, *, on_step: Callable[[int, dict], None] | None = None) -> dict:
-    """Train (or resume) a PAV; returns a summary with the final held-out metrics and checkpoint path.
-
-    ``on_step(step, record)`` is called after every optimizer step (tests use it to simulate a crash).
-    The output directory is locked against a second writer (:mod:`verl_prm.locking`) by the main process
-    (``RANK`` 0 or unset under ``accelerate launch``/``torchrun``).
-    """
-    from verl_prm.locking import DirectoryLock
-
-    if os.environ.get("RANK", "0") != "0":
-        return _train(config, on_step)
-    with DirectoryLock(config.output_dir, "verl-prm train"):
-        return _train(config, on_step)
-
-
-def _train(config: TrainConfig, on_step: Callable[[int, dict], None] | None) -> dict:
-    from accelerate import Accelerator
-    from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
-
-    from verl_prm.labeling.format import label_files, read_labels
-
-    accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=config.cpu)
-    output_dir = Path(config.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint = latest_checkpoint(output_dir) if config.resume else None
-    state = None
-    if checkpoint is not None:
-        state = torch.load(checkpoint / "training_state.pt", map_location="cpu", weights_only=False)
-        stored = state["config"]
-        differing = [k for k in _RESUME_KEYS if stored.get(k) != asdict(config).get(k)]
-        if differing:
-            details = ", ".join(f"{k}: {stored.get(k)!r} -> {asdict(config).get(k)!r}" for k in differing)
-            raise ValueError(f"cannot resume from {checkpoint}: settings differ ({details}); use the same settings "
-                             "or a new --output-dir")
-    if checkpoint is None and config.init is not None:
-        from verl_prm.checkpoints import resolve_checkpoint
-
-        # no such directory, a file, no weights, pickle-only weights: an error naming --init before any load
-        resolve_checkpoint(config.init, "--init")
-    tokenizer_path = str(checkpoint) if checkpoint is not None else (config.tokenizer or config.init)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=False)
-    model = build_model(config, tokenizer, checkpoint)
-    if checkpoint is None:
-        tokenizer = _tokenizer_as_checkpoint_loads_it(tokenizer, model.config, output_dir, accelerator.print)
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if pad_token_id is None:
-        raise ValueError(f"tokenizer {tokenizer_path} has neither a pad nor an EOS token to pad batches with")
-
-    frame = read_labels(config.labels)
-    if config.eval_labels:
-        shared = {str(p.resolve()) for p in label_files(config.labels)} & {str(p.resolve()) for p in
-                                                                          label_files(config.eval_labels)}
-        if shared:
-            raise ValueError(f"--eval-labels and --labels share shards ({sorted(shared)[:3]}): held-out metrics "
-                             "would be measured on training data")
-        train_frame, eval_frame = frame, read_labels(config.eval_labels)
-    else:
-        train_frame, eval_frame = split_by_prompt(frame, config.eval_fraction, config.seed)
-    encode = dict(max_length=config.max_length, best_of_k=config.best_of_k, use_prompt_value=config.use_prompt_value)
-    train_examples, train_stats = encode_labels(train_frame, tokenizer, **encode)
-    eval_examples, eval_stats = encode_labels(eval_frame, tokenizer, **encode) if len(eval_frame) else ([], None)
-    if not train_examples:
-        raise ValueError(f"no labelled steps to train on in {config.labels}")
-    for note in train_stats.notes:
-        accelerator.print(f"verl-prm train: {note}")
-    weights = class_balanced_weights(train_examples) if config.balance else np.full(len(train_examples), 1.0 / len(train_examples))
-
-    if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    model.train()
-    if config.freeze_backbone:
-        head = value_head_of(model)
-        for parameter in model.parameters():
-            parameter.requires_grad_(False)
-        for parameter in head.parameters():
-            parameter.requires_grad_(True)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr, weight_decay=config.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda t: warmup_cosine_factor(t, config.warmup_steps, config.max_steps, config.min_lr_ratio)
-    )
-    # The scheduler is not prepared: accelerate would step it once per process; ours counts optimizer steps.
-    model, optimizer = accelerator.prepare(model, optimizer)
-    start_step = 0
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        start_step = int(state["step"])
-    log_path = output_dir / "metrics.jsonl"
-    logged_evals: set[int] = set()
-    if accelerator.is_main_process:
-        kept = _trim_log(log_path, start_step, accelerator.print)
-        logged_evals = {int(r["step"]) for r in kept if any(k.startswith("eval/") for k in r)}
-        accelerator.print(
-            f"verl-prm train: {len(train_examples)} train rollouts ({sum(len(e.targets) for e in train_examples)} "
-            f"labels), {len(eval_examples)} held-out rollouts; steps {start_step} -> {config.max_steps}"
-            + (f", resumed from {checkpoint}" if checkpoint is not None else "")
-        )
-
-    def log(record: dict) -> None:
-        if accelerator.is_main_process:
-            with open(log_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-    def run_eval(step: int) -> dict:
-        metrics: dict = {}
-        if accelerator.is_main_process and eval_examples:
-            predictions, targets = evaluate_examples(accelerator.unwrap_model(model), eval_examples,
-                                                     batch_size=config.eval_batch_size, pad_token_id=pad_token_id,
-                                                     device=accelerator.device)
-            metrics = {f"eval/{k}": v for k, v in value_metrics(predictions, targets).items()}
-            why = auroc_note(targets)
-            if why is not None:
-                metrics["eval/auroc_note"] = why
-                accelerator.print(f"verl-prm train: step {step}: {why}")
-            if step not in logged_evals:  # a rerun of a finished run evaluates again but logs no second line
-                log({"step": step, **metrics})
-                logged_evals.add(step)
-        accelerator.wait_for_everyone()
-        return metrics
-
-    def save(step: int) -> Path:
-        final = output_dir / f"checkpoint-{step:07d}"
-        if accelerator.is_main_process:
-            temp = output_dir / f".checkpoint-{step:07d}.tmp"
-            shutil.rmtree(temp, ignore_errors=True)
-            accelerator.unwrap_model(model).save_pretrained(temp, safe_serialization=True)
-            tokenizer.save_pretrained(temp)
-            torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                        "config": asdict(config)}, temp / "training_state.pt")
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(temp, final)
-            # Rotation never removes the checkpoint just written (keep_checkpoints >= 1 is checked at startup;
-            # excluding `final` keeps it safe even if that check is bypassed).
-            checkpoints = sorted(p for p in output_dir.glob("checkpoint-*") if _CHECKPOINT.fullmatch(p.name)
-                                 and p != final)
-            for old in checkpoints[: max(0, len(checkpoints) + 1 - config.keep_checkpoints)]:
-                shutil.rmtree(old)
-        accelerator.wait_for_everyone()
-        return final
-
-    world, rank = accelerator.num_processes, accelerator.process_index
-    per_step = config.batch_size * world * config.grad_accum
-    metrics: dict = {}
-    last_checkpoint = checkpoint
-    bar = tqdm(total=config.max_steps, initial=start_step, desc="training PAV", unit="step",
-               disable=not (config.progress and accelerator.is_main_process))
-    for step in range(start_step, config.max_steps):
-        # Dropout and any other randomness of a step is seeded by (seed, step, rank): a resumed run repeats
-        # the uninterrupted run's step exactly without carrying RNG state through the checkpoint.
-        torch.manual_seed((config.seed * 1_000_003 + step) * 4099 + rank)
-        indices = sample_batch_indices(weights, per_step, step, config.seed)
-        losses = []
-        for micro in range(config.grad_accum):
-            begin = (micro * world + rank) * config.batch_size
-            batch = collate([train_examples[i] for i in indices[begin : begin + config.batch_size]], pad_token_id)
-            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-            sync = accelerator.no_sync(model) if micro < config.grad_accum - 1 else contextlib.nullcontext()
-            with sync:
-                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                loss = soft_label_bce(gather_step_logits(logits, batch["positions"]), batch["targets"], batch["step_mask"])
-                accelerator.backward(loss / config.grad_accum)
-            losses.append(loss.detach().float().item())
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.grad_clip) if config.grad_clip else None
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        completed = step + 1
-        record = {"step": completed, "loss": float(np.mean(losses)), "lr": scheduler.get_last_lr()[0]}
-        if grad_norm is not None:
-            record["grad_norm"] = float(grad_norm)
-        if completed % max(config.log_every, 1) == 0 or completed == config.max_steps:
-            log(record)
-        bar.update(1)
-        bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
-        if (config.eval_every and completed % config.eval_every == 0) or completed == config.max_steps:
-            metrics = run_eval(completed)
-            record.update(metrics)
-        if (config.save_every and completed % config.save_every == 0) or completed == config.max_steps:
-            last_checkpoint = save(completed)
-        if on_step is not None:
-            on_step(completed, record)
-    bar.close()
-    if start_step >= config.max_steps:
-        metrics = run_eval(config.max_steps)
-    if accelerator.is_main_process:
-        (output_dir / "eval_metrics.json").write_text(json.dumps(metrics, indent=2))
-    return {"checkpoint": str(last_checkpoint) if last_checkpoint else None, "metrics": metrics,
-            "train_rollouts": len(train_examples), "eval_rollouts": len(eval_examples), "start_step": start_step}

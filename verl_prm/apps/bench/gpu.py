@@ -8,13 +8,19 @@ It runs, in order, and prints one Markdown report:
    ``torch.compile`` (a Triton kernel on CUDA) against the eager one, and, when verl imports, the registered
    ``pav_grpo`` (fused and ``compile=never``) against verl's ``grpo_vectorized`` on the same batch.
 3. **The critic forward pass** of a random Qwen2 value-head critic of ~0.5B or ~1.5B parameters built from a
-   config (Qwen2.5-0.5B / -1.5B shapes; no download): seconds, tokens/s, achieved TFLOP/s and the share of the
-   GPU's bf16 peak, for padded batches with SDPA and for packed rows with flash-attention varlen (when
-   ``flash-attn`` is installed), and the largest value difference between the two.
+   config (Qwen2.5-0.5B / -1.5B shapes; no download): seconds, tokens/s, achieved TFLOP/s, the share of the
+   GPU's bf16 peak and peak memory, for padded batches with SDPA, packed rows with SDPA, and packed rows with
+   flash-attention varlen (when ``flash-attn`` is installed); a packed row that differs from the padded
+   values by more than the dtype's tolerance fails the section.
+4. **The scorer end to end**: a random critic saved as a checkpoint (safetensors + a tokenizer trained here),
+   then ``ProverCritic.from_pretrained`` (load seconds, peak memory) and ``score_texts``.
+5. **A 7B-shape critic** (Qwen2.5-7B's shape) forward in bf16: peak memory and tokens/s.
+6. **PAV training steps**: ``verl-prm train --mixed-precision bf16`` on a tiny labelled set (scripted
+   Monte-Carlo labels) in a subprocess: steps per second, and the checkpoint it writes.
 
-It needs torch with CUDA, Triton and transformers (plus verl for the ``grpo_vectorized`` comparison, which
-imports the ``ray`` package but starts no cluster); it never imports vLLM. Without a CUDA device it exits
-with status 2 and says so.
+It needs only torch with CUDA, Triton, transformers and verl-prm's pure-Python dependencies (docs/gpu.md lists
+the wheels): no verl, Ray, Hydra, omegaconf, vLLM or flash-attn (verl, when it imports, adds the
+``grpo_vectorized`` comparison). Without a CUDA device it exits with status 2 and says so.
 """
 
 from __future__ import annotations
@@ -60,8 +66,14 @@ CRITIC_SIZES: dict[str, dict[str, int]] = {
                  num_key_value_heads=2),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064),
 }
-QWEN2_VOCAB = 151936
+QWEN2_VOCAB = 151936  # Qwen2.5-0.5B/-1.5B; 7B's config has 152064
+PARTS = ("tests", "estimators", "critic", "scorer", "7b", "train")
+# Largest |packed - padded| value (values in [0, 1]) a correct packed forward stays within, per dtype: bf16
+# keeps 8 bits of mantissa, and the two layouts sum attention in different orders.
+VALUE_TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-4}
 
 # Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's data sheets, TFLOP/s. Matched against
 # torch.cuda.get_device_name() in this order; a GPU not listed needs --peak-tflops for the share of peak.
@@ -96,8 +108,9 @@ def critic_config(size: str, *, attn_implementation: str = "sdpa", max_position_
         raise ValueError(f"unknown critic size {size!r}; choose from {', '.join(CRITIC_SIZES)}")
     from transformers import Qwen2Config
 
-    config = Qwen2Config(vocab_size=QWEN2_VOCAB, num_labels=1, max_position_embeddings=max_position_embeddings,
-                         tie_word_embeddings=True, **CRITIC_SIZES[size])
+    shape = {"vocab_size": QWEN2_VOCAB, **CRITIC_SIZES[size]}
+    config = Qwen2Config(num_labels=1, max_position_embeddings=max_position_embeddings, tie_word_embeddings=True,
+                         **shape)
     config._attn_implementation = attn_implementation
     return config
 
@@ -119,8 +132,8 @@ def no_cuda_message() -> str:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="verl-prm bench gpu", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="tests,estimators,critic",
-                        help="comma-separated parts to run: tests, estimators, critic (default: all three)")
+    parser.add_argument("--only", default=",".join(PARTS),
+                        help=f"comma-separated parts to run: {', '.join(PARTS)} (default: all)")
     parser.add_argument("--sizes", default="0.5b,1.5b",
                         help=f"critic sizes to measure, comma-separated, from {', '.join(CRITIC_SIZES)}")
     parser.add_argument("--budget-s", type=finite_float(0.0, low_open=True), default=480.0,
@@ -136,12 +149,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=4096, help="critic: longest sequence (log-uniform)")
     parser.add_argument("--max-tokens-per-batch", type=int, default=16384, help="critic: token budget per pass")
     parser.add_argument("--critic-repeats", type=int, default=3, help="critic: timed rounds (best)")
+    parser.add_argument("--train-steps", type=int, default=20, help="train: optimizer steps of verl-prm train")
     parser.add_argument("--output", default=None, help="also write the report to this Markdown file")
     args = parser.parse_args(argv)
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
-    unknown = sorted(set(parts) - {"tests", "estimators", "critic"})
+    unknown = sorted(set(parts) - set(PARTS))
     if unknown or not parts:
-        parser.error(f"--only: unknown part(s) {unknown}; choose from tests, estimators, critic")
+        parser.error(f"--only: unknown part(s) {unknown}; choose from {', '.join(PARTS)}")
     sizes = [s.strip().lower() for s in args.sizes.split(",") if s.strip()]
     bad = [s for s in sizes if s not in CRITIC_SIZES]
     if bad or ("critic" in parts and not sizes):
@@ -151,7 +165,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if not math.isfinite(value) or value <= 0:
             parser.error(f"--{name.replace('_', '-')} must be a finite number > 0, got {value}")
     for name in ("batch", "length", "repeats", "sequences", "min_tokens", "max_tokens", "max_tokens_per_batch",
-                 "critic_repeats"):
+                 "critic_repeats", "train_steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.min_tokens > args.max_tokens:

@@ -120,67 +120,100 @@ def settings_from_args(argv: list[str]) -> DemoSettings:
     return settings
 
 
+# a method of the comparison: (its name in the report, RunSpec.method, RunSpec.values)
+Method = tuple[str, str, str]
+RunsByName = dict[str, list[tuple[RunSpec, dict]]]
+
+
 def run_demo(settings: DemoSettings) -> dict[str, Any]:
     """Run every experiment; return the report (also what results.json holds)."""
-    from verl_prm.apps.demo.policy_gradient import exact_values, import_verl, pass_at_n
+    from verl_prm.apps.demo.policy_gradient import import_verl
 
     started = time.perf_counter()
     if settings.workers == 1:
         import_verl()  # fails early, with the fix, if the plugin is not registered (workers check it themselves)
-    task = PlantedTask(planted=settings.planted)
     gammas = sorted(set(settings.sweep_gammas) | {settings.gamma})
-    values_kind = "learned" if settings.learned_critic else "exact"
-
-    critics: dict[float, tuple[dict, dict]] = {}
-    if settings.learned_critic:
-        jobs = [(train_critic_job, settings, g) for g in gammas]
-        for g, result in zip(gammas, run_all(settings, jobs, "critics (MC labels + training)", [1] * len(jobs))):
-            critics[g] = result
-
-    def spec(method: str, gamma: float, seed: int, iterations: int, kind: str, pass_at=None) -> RunSpec:
-        state = critics[gamma][0] if (method == "pav" and kind == "learned") else None
-        return RunSpec(method, gamma, seed, iterations, kind, pass_at, state)
-
-    seeds = list(range(settings.seeds))
-    sweep_seeds = list(range(settings.sweep_seeds))
-    methods = [("outcome-only", "outcome", "exact"), ("PAV", "pav", values_kind)]
-    if settings.learned_critic:
-        methods.append(("PAV (exact values)", "pav", "exact"))
-    specs: list[tuple[str, RunSpec]] = []
-    for name, method, kind in methods:
-        for seed in seeds:
-            specs.append((name, spec(method, settings.gamma, seed, settings.iterations, kind,
-                                     settings.pass_at_iteration)))
-    # sweep runs; the comparison's PAV runs (same seeds, a prefix of their iterations) serve gamma = --gamma
-    for g in gammas:
-        if g != settings.gamma:
-            for seed in sweep_seeds:
-                specs.append((f"sweep:{g}", spec("pav", g, seed, settings.sweep_iterations, values_kind)))
-    jobs = [(execute_run, settings, s) for _, s in specs]
-    results = run_all(settings, jobs, "RL runs", [s.iterations for _, s in specs])
-
-    by_name: dict[str, list[tuple[RunSpec, dict]]] = {}
+    critics = train_critics(settings, gammas) if settings.learned_critic else {}
+    methods = comparison_methods(settings)
+    specs = plan_runs(settings, methods, gammas, critics)
+    results = run_all(settings, [(execute_run, settings, s) for _, s in specs], "RL runs",
+                      [s.iterations for _, s in specs])
+    by_name: RunsByName = {}
     for (name, s), r in zip(specs, results):
         by_name.setdefault(name, []).append((s, r))
 
     report: dict[str, Any] = {"settings": {k: v for k, v in asdict(settings).items()}, "paper": PAPER_CLAIMS}
     report["settings"]["planted"] = list(settings.planted)
     report["settings"]["sweep_gammas"] = list(settings.sweep_gammas)
-    # ---- comparison
+    report["curves"] = {name: [r["accuracy"] for _, r in by_name[name]] for name, _, _ in methods}
+    comparison = report["comparison"] = comparison_report(settings, methods, by_name)
+    report["sweep"] = sweep_report(settings, gammas, by_name, critics)
+    base_successes = [r["base_successes"] for _, r in by_name["outcome-only"]]
+    report["pass_at_n"] = pass_at_n_report(settings, methods, comparison, base_successes)
+    report["critics"] = {str(g): q for g, (_, q) in critics.items()}
+    report["line"] = sample_efficiency_line(
+        comparison["outcome-only"]["iterations_to_90"], comparison["PAV"]["iterations_to_90"], settings.iterations
+    )
+    report["wall_seconds"] = time.perf_counter() - started
+    return report
+
+
+def train_critics(settings: DemoSettings, gammas: list[float]) -> dict[float, tuple[dict, dict]]:
+    """``--learned-critic``: a critic per prover gamma (its state dict and its quality)."""
+    jobs = [(train_critic_job, settings, g) for g in gammas]
+    return dict(zip(gammas, run_all(settings, jobs, "critics (MC labels + training)", [1] * len(jobs))))
+
+
+def comparison_methods(settings: DemoSettings) -> list[Method]:
+    methods = [("outcome-only", "outcome", "exact"), ("PAV", "pav", "learned" if settings.learned_critic else "exact")]
+    if settings.learned_critic:
+        methods.append(("PAV (exact values)", "pav", "exact"))
+    return methods
+
+
+def plan_runs(settings: DemoSettings, methods: list[Method], gammas: list[float],
+              critics: dict[float, tuple[dict, dict]]) -> list[tuple[str, RunSpec]]:
+    """Every RL run, named by the report entry it serves: the comparison's runs of each method and seed, then the
+    sweep's; the comparison's PAV runs (same seeds, a prefix of their iterations) serve gamma = ``--gamma``."""
+    def spec(method: str, gamma: float, seed: int, iterations: int, kind: str, pass_at=None) -> RunSpec:
+        state = critics[gamma][0] if (method == "pav" and kind == "learned") else None
+        return RunSpec(method, gamma, seed, iterations, kind, pass_at, state)
+
+    values_kind = "learned" if settings.learned_critic else "exact"
+    specs: list[tuple[str, RunSpec]] = []
+    for name, method, kind in methods:
+        for seed in range(settings.seeds):
+            specs.append((name, spec(method, settings.gamma, seed, settings.iterations, kind,
+                                     settings.pass_at_iteration)))
+    for g in gammas:
+        if g != settings.gamma:
+            for seed in range(settings.sweep_seeds):
+                specs.append((f"sweep:{g}", spec("pav", g, seed, settings.sweep_iterations, values_kind)))
+    return specs
+
+
+def comparison_report(settings: DemoSettings, methods: list[Method], by_name: RunsByName) -> dict[str, dict]:
+    """Per method: iterations to 90% and final accuracy of each seed, and its Pass@N success counts."""
     comparison = {}
-    report["curves"] = {}
     for name, _, _ in methods:
         runs = by_name[name]
-        hits = [iterations_to_90(r["accuracy"]) for _, r in runs]
         comparison[name] = {
-            "iterations_to_90": hits,
+            "iterations_to_90": [iterations_to_90(r["accuracy"]) for _, r in runs],
             "final_accuracy": [trailing_accuracy(r["accuracy"], settings.iterations) for _, r in runs],
             "pass_successes": [r["pass_successes"] for _, r in runs],
         }
-        report["curves"][name] = [r["accuracy"] for _, r in runs]
-    report["comparison"] = comparison
-    base_successes = [r["base_successes"] for _, r in by_name["outcome-only"]]
-    # ---- sweep
+    return comparison
+
+
+def sweep_report(settings: DemoSettings, gammas: list[float], by_name: RunsByName,
+                 critics: dict[float, tuple[dict, dict]]) -> dict[str, Any]:
+    """The prover sweep: per gamma, accuracy of the PAV runs and the prover's mean |A^mu| on base-policy
+    samples; outcome-only RL on the same seeds for reference."""
+    from verl_prm.apps.demo.policy_gradient import exact_values
+
+    task = PlantedTask(planted=settings.planted)
+    sweep_seeds = list(range(settings.sweep_seeds))
+
     def sweep_runs(g: float) -> list[dict]:
         if g == settings.gamma:
             return [r for s, r in by_name["PAV"] if s.seed in sweep_seeds]
@@ -211,12 +244,18 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
     outcome_runs = [r for s, r in by_name["outcome-only"] if s.seed in sweep_seeds]
     outcome_sweep = [trailing_accuracy(r["accuracy"], settings.sweep_accuracy_at) for r in outcome_runs]
     outcome_end = [trailing_accuracy(r["accuracy"], settings.sweep_iterations) for r in outcome_runs]
-    report["sweep"] = {"iterations": settings.sweep_iterations, "accuracy_at": settings.sweep_accuracy_at,
-                       "rows": rows, "outcome_accuracy": float(np.mean(outcome_sweep)),
-                       "outcome_accuracy_at_end": float(np.mean(outcome_end)),
-                       "outcome_iterations_to_90": [iterations_to_90(r["accuracy"][: settings.sweep_iterations])
-                                                    for r in outcome_runs]}
-    # ---- Pass@N: pooled over seeds (each seed's 2,048 samples)
+    return {"iterations": settings.sweep_iterations, "accuracy_at": settings.sweep_accuracy_at,
+            "rows": rows, "outcome_accuracy": float(np.mean(outcome_sweep)),
+            "outcome_accuracy_at_end": float(np.mean(outcome_end)),
+            "outcome_iterations_to_90": [iterations_to_90(r["accuracy"][: settings.sweep_iterations])
+                                         for r in outcome_runs]}
+
+
+def pass_at_n_report(settings: DemoSettings, methods: list[Method], comparison: dict[str, dict],
+                     base_successes: list[int]) -> dict[str, Any]:
+    """Pass@N curves pooled over seeds (each seed's 2,048 samples) and the N where Pass@N reaches 0.5."""
+    from verl_prm.apps.demo.policy_gradient import pass_at_n
+
     curves = {"base policy (iteration 0)": np.mean(
         [pass_at_n(PASS_AT_N_SAMPLES, c, PASS_AT_N_NS) for c in base_successes], axis=0).tolist()}
     n50 = {}
@@ -224,15 +263,8 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
         per_seed = [pass_at_n(PASS_AT_N_SAMPLES, c, PASS_AT_N_NS) for c in comparison[name]["pass_successes"]]
         curves[name] = np.mean(per_seed, axis=0).tolist()
         n50[name] = [n_for_pass(c) for c in comparison[name]["pass_successes"]]
-    report["pass_at_n"] = {"iteration": settings.pass_at_iteration, "ns": PASS_AT_N_NS, "curves": curves,
-                           "n_for_pass_0.5": n50, "base_successes": base_successes,
-                           "samples": PASS_AT_N_SAMPLES}
-    report["critics"] = {str(g): q for g, (_, q) in critics.items()}
-    report["line"] = sample_efficiency_line(
-        comparison["outcome-only"]["iterations_to_90"], comparison["PAV"]["iterations_to_90"], settings.iterations
-    )
-    report["wall_seconds"] = time.perf_counter() - started
-    return report
+    return {"iteration": settings.pass_at_iteration, "ns": PASS_AT_N_NS, "curves": curves,
+            "n_for_pass_0.5": n50, "base_successes": base_successes, "samples": PASS_AT_N_SAMPLES}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,12 +4,11 @@ the tables ``verl-prm demo`` prints (see ``verl_prm.apps.demo.demo``)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from verl_prm.apps.demo.demo import DemoSettings
+from verl_prm.apps.demo.settings import DemoSettings
 
 PAPER_CLAIMS = (
     "effective reward (PAV) reached 100% accuracy in about 350 iterations at gamma = 10 while outcome-only RL "
@@ -22,7 +21,7 @@ ACCURACY_WINDOW = 10
 
 
 def iterations_to_90(accuracy: list[float]) -> int | None:
-    from verl_prm.apps.demo.rl import iterations_to
+    from verl_prm.apps.demo.policy_gradient import iterations_to
 
     return iterations_to(np.asarray(accuracy), 0.9, ACCURACY_WINDOW)
 
@@ -55,7 +54,7 @@ def trailing_accuracy(accuracy: list[float], at: int) -> float:
 
 def n_for_pass(successes: int, level: float = 0.5) -> int | None:
     """Smallest N <= PASS_AT_N_SAMPLES with unbiased Pass@N >= level, None if none."""
-    from verl_prm.apps.demo.rl import pass_at_n
+    from verl_prm.apps.demo.policy_gradient import pass_at_n
 
     ns = list(range(1, PASS_AT_N_SAMPLES + 1))
     values = pass_at_n(PASS_AT_N_SAMPLES, successes, ns)

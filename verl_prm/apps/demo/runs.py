@@ -6,15 +6,13 @@ import concurrent.futures
 import multiprocessing
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from verl_prm.apps.demo.env import PlantedTask
 from verl_prm.apps.demo.report import PASS_AT_N_SAMPLES
-
-if TYPE_CHECKING:
-    from verl_prm.apps.demo.demo import DemoSettings
+from verl_prm.apps.demo.settings import DemoSettings
 
 
 @dataclass
@@ -36,7 +34,7 @@ _BASE_CACHE: dict[tuple, dict[str, torch.Tensor]] = {}
 def base_policy(settings: DemoSettings, task: PlantedTask, seed: int):
     """The warm-started policy of ``seed`` (cached per process: every run of a seed starts from it)."""
     from verl_prm.apps.demo.policy import MadePolicy
-    from verl_prm.apps.demo.rl import make_base_policy
+    from verl_prm.apps.demo.policy_gradient import make_base_policy
 
     key = (task.planted, settings.warm_iterations, seed)
     if key not in _BASE_CACHE:
@@ -55,7 +53,7 @@ def execute_run(settings: DemoSettings, spec: RunSpec, progress=None) -> dict[st
     """Run one RL run (deterministic in ``spec.seed``; single-threaded). Returns its curves and counts."""
     from verl_prm.apps.demo.critic import ToyCritic, critic_values
     from verl_prm.apps.demo.policy import MadePolicy
-    from verl_prm.apps.demo.rl import RLConfig, train_rl
+    from verl_prm.apps.demo.policy_gradient import RLConfig, train_rl
 
     task = PlantedTask(planted=settings.planted)
     base = base_policy(settings, task, spec.seed)
@@ -93,7 +91,7 @@ def train_critic_job(settings: DemoSettings, gamma: float) -> tuple[dict[str, to
 
 def _worker_init() -> None:
     torch.set_num_threads(1)
-    from verl_prm.apps.demo.rl import import_verl
+    from verl_prm.apps.demo.policy_gradient import import_verl
 
     import_verl()
 

@@ -1,4 +1,10 @@
-"""Search on the planted sub-sequence task (docs: demo.md, search.md) with exact critics.
+"""``verl-prm demo search``: the library's search methods on the planted sub-sequence task with exact critics
+(docs: demo.md, search.md), on CPU in seconds.
+
+    verl-prm demo search --problems 500 --output-dir runs/search_toy
+
+The sweep, its arguments and outputs are those of ``verl-prm search`` (``verl_prm.search.cli``); this module
+gives the task, its sampler and critics.
 
 A *problem* is one planted sequence ``y*`` (random, ``planted_length`` tokens); a response is a sequence of up
 to ``length`` tokens from ``1..vocab`` (``vocab`` = EOS) and succeeds iff ``y*`` occurs in it before EOS.
@@ -21,14 +27,19 @@ which the search algorithms fix).
 
 from __future__ import annotations
 
+import argparse
+import sys
+from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from verl_prm.cli_types import finite_float
 from verl_prm.search import Node, StepSample
+from verl_prm.search.cli import SearchSetup, add_sweep_arguments, run_sweep, write_results
 from verl_prm.apps.demo.env import PlantedTask
 
-__all__ = ["ToySearchTask", "ToyCritic"]
+__all__ = ["ToySearchTask", "ToyCritic", "main", "search_parser"]
 
 
 class ToySearchTask:
@@ -216,3 +227,49 @@ class ToyCritic:
             values.append(row)
             tokens.append(max(t, 1))  # the critic reads the prefix (at least one position for the prompt)
         return values, tokens
+
+
+def search_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="verl-prm demo search", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_sweep_arguments(p, default_n=(1, 2, 4, 8, 16))
+    toy = p.add_argument_group("the planted task")
+    toy.add_argument("--problems", type=int, default=200, help="planted sequences (problems)")
+    toy.add_argument("--policy-gamma", type=finite_float(0.0, low_open=True), default=2.0, help="base policy mu_gamma (weak)")
+    toy.add_argument("--prover-gamma", type=finite_float(0.0, low_open=True), default=10.0, help="prover mu_gamma")
+    toy.add_argument("--q-rollouts", type=int, default=16,
+                     help="Q critic of the base policy fitted to this many rollouts per state (0: exact)")
+    toy.add_argument("--step-tokens", type=int, default=2, help="tokens per step")
+    return p
+
+
+def toy_setup(args: argparse.Namespace) -> SearchSetup:
+    """The sweep's problems, sampler and critics on the planted task (``--limit``: the first problems)."""
+    task = ToySearchTask(args.problems, policy_gamma=args.policy_gamma, step_tokens=args.step_tokens, seed=args.seed)
+    problems = list(range(task.num_problems if args.limit is None else min(args.limit, task.num_problems)))
+    return SearchSetup(
+        problems,
+        task,
+        lambda: task.critic(rollouts=args.q_rollouts, seed=args.seed + 1),
+        lambda: task.critic(args.prover_gamma),
+        lambda node: task.reward(node),
+        task.text,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = search_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    output = Path(args.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    setup = toy_setup(args)
+    records = run_sweep(args, setup)
+    q_source = f"fitted to {args.q_rollouts} rollouts per state" if args.q_rollouts else "exact"
+    title = (f"planted sub-sequence task, {len(setup.problems)} problems; base policy mu_{args.policy_gamma:g}\n"
+             f"Q^pi {q_source}; prover mu_{args.prover_gamma:g} (exact); alpha={args.alpha:g}, "
+             f"M={args.samples_per_beam}, Best-of-{args.best_of_k}")
+    write_results(output, records, title)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,7 +4,6 @@ cannot shadow the top-level `tests` package that the verl wheel installs."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest

@@ -13,13 +13,21 @@ Shape convention, used by every function here:
     num_steps      [B]    int64   H of each response (0 allowed)
 
 Every function is vectorised over the batch (no Python loop over samples, steps or groups), does no
-host-device synchronisation, and runs on CPU and CUDA tensors alike. Nothing here imports verl:
-`verl_prm.estimators` registers these functions in verl's estimator registry.
+host-device synchronisation and no hidden transfer (``group_ids`` of host labels makes the one explicit upload,
+asynchronous), and runs on CPU and CUDA tensors alike. Nothing here imports verl: `verl_prm.estimators`
+registers these functions in verl's estimator registry.
+
+Checks. The functions check what costs no host read: shapes, Python arguments (``alpha`` and the temperature
+finite and in range, option names). They never read tensor values, so NaN or inf in a tensor argument
+propagates to the result unchecked. The estimators are the checked door: with ``algorithm.pav.check_inputs``
+(the default) :func:`check_step_inputs` validates every input tensor, ``token_level_rewards`` included, in one
+host read per batch.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from typing import Literal
 
@@ -30,22 +38,29 @@ __all__ = [
     "AGGREGATIONS",
     "COMPILE_MODES",
     "FUSED_MIN_TOKENS",
+    "MIN_FORM_BASELINES",
+    "MIN_SOFTMIN_TEMPERATURE",
+    "PRIME_REWARD_MASKS",
     "aggregate_step_scores",
     "batch_baseline_outcome",
     "best_of_k",
+    "check_softmin_temperature",
     "check_step_inputs",
-    "dense_step_rewards",
     "group_ids",
     "group_normalized_outcome",
     "leave_one_out_outcome",
     "leave_one_out_process_advantage",
+    "leave_one_out_response_rewards",
     "leave_one_out_step_mean",
     "leave_one_out_step_rewards",
+    "leave_one_out_token_baseline",
     "masked_whiten",
     "min_form_advantage",
     "min_form_step_rewards",
     "process_advantage",
     "process_scores",
+    "pure_whiten",
+    "response_end_positions",
     "rewards_to_go",
     "softmin_weights",
     "step_end_positions",
@@ -63,6 +78,20 @@ FUSED_MIN_TOKENS = 1 << 20
 COMPILE_MODES = ("auto", "always", "never")
 AGGREGATIONS = ("min", "max", "mean", "sum", "product", "last")
 Aggregation = Literal["min", "max", "mean", "sum", "product", "last"]
+# PURE's baselines of the min-form step rewards (``min_form_advantage``) and PRIME's reward masks
+# (``leave_one_out_process_advantage``).
+MIN_FORM_BASELINES = ("token", "step", "none")
+PRIME_REWARD_MASKS = ("step_end", "response")
+# Smallest positive softmin temperature: the logits -p/T stay finite in float32 (max 3.4e38) for |p| <= 1000, the
+# bound of the estimators' process scores (progress or values in [-1, 1], divided by a std >= 1e-3 when
+# pav.normalize is on): 1000 / 1e-30 = 1e33.
+MIN_SOFTMIN_TEMPERATURE = 1e-30
+
+
+def _check_finite(what: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
+            or not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number, got {value!r}")
 
 
 def best_of_k(q: torch.Tensor, k: int) -> torch.Tensor:
@@ -143,17 +172,27 @@ def step_scores_per_token(step_scores: torch.Tensor, step_ids: torch.Tensor) -> 
 
 
 def group_ids(index, device: torch.device | str | None = None) -> tuple[torch.Tensor, int]:
-    """Contiguous group ids 0..G-1 of verl's ``index`` (the ``uid`` of each response's prompt).
+    """Group ids of verl's ``index`` (the ``uid`` of each response's prompt): responses with equal labels share
+    an id in [0, G).
 
-    ``index`` is verl's host-side numpy array of uids (any hashable, sortable labels), a list, or a torch
-    tensor (then grouped on its own device with ``torch.unique``).
+    - Host labels (verl's numpy array of uids, a list; any mutually comparable labels): grouped on the host
+      (``np.unique``), ids 0..G-1 with G the exact number of groups, on ``device``. For a CUDA ``device`` this is
+      one explicit upload, from pinned memory and asynchronous (no host synchronisation).
+    - A torch tensor of integer labels (e.g. ids made once per batch by this function): grouped on its own
+      device without leaving it and without a host read (a stable sort; ids dense in sorted label order), with
+      ``G = B``, the number of responses: an upper bound of the group count (a group id without responses is
+      an empty slot in every group sum). ``device`` must be None or the tensor's device.
 
     Returns:
         ``(groups [B] int64, G)``.
     """
     if isinstance(index, torch.Tensor):
-        uniques, inverse = torch.unique(index.reshape(-1), return_inverse=True)
-        return inverse.to(device if device is not None else index.device), int(uniques.numel())
+        if device is not None and torch.device(device) != index.device:
+            raise ValueError(
+                f"index is a tensor on {index.device} but the batch is on {torch.device(device)}: pass the group "
+                "ids on the batch's device (group_ids(uids, device) makes them once per batch)"
+            )
+        return _device_group_ids(index.reshape(-1))
     labels = np.asarray(index)
     if labels.ndim != 1:
         raise ValueError(f"index must be one label per response (1-D), got shape {labels.shape}")
@@ -164,7 +203,27 @@ def group_ids(index, device: torch.device | str | None = None) -> tuple[torch.Te
             "index labels must be mutually comparable (verl's uids are strings); got mixed types "
             f"{sorted({type(x).__name__ for x in labels.tolist()})}"
         ) from error
-    return torch.as_tensor(inverse.reshape(-1), dtype=torch.long, device=device), int(len(uniques))
+    ids = torch.from_numpy(np.ascontiguousarray(inverse.reshape(-1), dtype=np.int64))
+    if device is not None and torch.device(device).type == "cuda":
+        # pinned + non_blocking: the copy is queued on the stream and the host does not wait for it
+        ids = ids.pin_memory().to(device, non_blocking=True)
+    elif device is not None and torch.device(device).type != "cpu":
+        ids = ids.to(device)
+    return ids, int(len(uniques))
+
+
+def _device_group_ids(labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Dense group ids of integer ``labels`` [B] on their own device, no host read: sort, mark where the sorted
+    label changes, count the changes (``cumsum``), scatter back. Returns ``(ids, B)``."""
+    if labels.is_floating_point() or labels.is_complex():
+        raise ValueError(f"index as a tensor must hold integer labels (group ids), got dtype {labels.dtype}")
+    batch = labels.shape[0]
+    sorted_labels, order = torch.sort(labels, stable=True)
+    starts = torch.ones(batch, dtype=torch.long, device=labels.device)
+    if batch > 1:
+        starts[1:] = (sorted_labels[1:] != sorted_labels[:-1]).long()
+    dense = torch.cumsum(starts, 0) - 1
+    return torch.empty_like(dense).scatter_(0, order, dense), batch
 
 
 def _check_per_response(tensor: torch.Tensor, batch: int, what: str) -> None:
@@ -328,6 +387,7 @@ def process_advantage(
     """
     if compile not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
+    _check_finite("alpha", alpha)
     # Column 0 of the table is the "no step" entry: out_i alone.
     table = torch.add(outcome_advantage[:, None], torch.nn.functional.pad(step_scores, (1, 0)), alpha=alpha)
     table = table.to(outcome_advantage.dtype)
@@ -409,28 +469,23 @@ def aggregate_step_scores(step_scores: torch.Tensor, num_steps: torch.Tensor, ho
     return torch.where(num_steps > 0, result, zeros)
 
 
-def dense_step_rewards(step_scores: torch.Tensor, step_ids: torch.Tensor) -> torch.Tensor:
-    """Per-token rewards with step h's score at the last token of step h, 0 elsewhere: ``[B, T]``.
-
-    This is the form a learned-critic PPO run (verl's GAE) takes the process term in: added to
-    ``token_level_rewards``, each step's progress is rewarded once, where the step ends.
-    """
-    following = torch.nn.functional.pad(step_ids[:, 1:], (0, 1), value=-1)
-    is_step_end = (step_ids >= 0) & (following != step_ids)
-    return step_scores_per_token(step_scores, step_ids) * is_step_end.to(step_scores.dtype)
-
-
 def check_step_inputs(
     step_ids: torch.Tensor,
     step_values: torch.Tensor,
     prompt_values: torch.Tensor,
     num_steps: torch.Tensor,
     response_mask: torch.Tensor,
+    token_level_rewards: torch.Tensor | None = None,
 ) -> None:
-    """Validate the step tensors against the contract; raise ``ValueError`` naming the first bad sample.
+    """Validate the step tensors (and ``token_level_rewards``, when given) against the contract; raise
+    ``ValueError`` naming the first bad sample.
 
-    Shape checks are free; the value checks read the tensors on the host once (one synchronisation), so the
-    estimators run them only while ``pav.check_inputs`` is on (the default).
+    Shape checks are free. The value checks run on the tensors' own device and come to the host as one small
+    tensor of flags: one host read (one synchronisation on CUDA) per call, which is why the estimators run them
+    only while ``pav.check_inputs`` is on (the default). Only when a flag is set are the tensors read again, to
+    name the sample. Checked: ``0 <= num_steps <= S``; step ids in ``[-1, num_steps - 1]``; the values of the real
+    steps and of the prompt in [0, 1] (NaN fails); every entry of ``token_level_rewards`` finite (verl sums the
+    whole row, padding included, into the outcome).
     """
     batch, length = response_mask.shape
     if step_ids.shape != (batch, length):
@@ -447,30 +502,53 @@ def check_step_inputs(
         raise ValueError(f"num_steps must be [B={batch}], got {tuple(num_steps.shape)}")
     if not step_values.is_floating_point() or not prompt_values.is_floating_point():
         raise ValueError("step_values and prompt_values must be floating point")
+    if token_level_rewards is not None and token_level_rewards.shape != (batch, length):
+        raise ValueError(
+            f"token_level_rewards {tuple(token_level_rewards.shape)} and response_mask "
+            f"{tuple(response_mask.shape)} must have the same shape"
+        )
     max_steps = step_values.shape[1]
+    device = step_values.device
+    with torch.no_grad():
+        num_steps_d = num_steps.detach().to(device)
+        valid = valid_steps(num_steps_d, max_steps)
+        bad_num_steps = (num_steps_d < 0) | (num_steps_d > max_steps)
+        if step_ids.numel():
+            lowest, highest = torch.aminmax(step_ids.detach(), dim=1)
+            bad_ids = (lowest < -1) | (highest >= num_steps.detach().to(highest.device))
+        else:
+            bad_ids = torch.zeros(batch, dtype=torch.bool, device=step_ids.device)
+        values = step_values.detach()
+        bad_values = valid & ~((values >= 0) & (values <= 1))
+        prompts = prompt_values.detach()
+        bad_prompts = ~((prompts >= 0) & (prompts <= 1))
+        flags = [bad_num_steps.any(), bad_ids.any().to(device), bad_values.any(), bad_prompts.any().to(device)]
+        if token_level_rewards is not None:
+            bad_rewards = ~torch.isfinite(token_level_rewards.detach())
+            flags.append(bad_rewards.any().to(device))
+        # the one host read of a valid batch
+        if not any(torch.stack(flags).tolist()):
+            return
+    _raise_first_bad_input(step_ids, values, prompts, num_steps, bad_num_steps, bad_ids, bad_values, bad_prompts,
+                           None if token_level_rewards is None else token_level_rewards.detach(), max_steps)
+
+
+def _raise_first_bad_input(step_ids, values, prompts, num_steps, bad_num_steps, bad_ids, bad_values, bad_prompts,
+                           token_level_rewards, max_steps) -> None:
+    """The error of the first failed check, naming the sample (reads the tensors on the host: error path only)."""
     num_steps_h = num_steps.detach().cpu()
-    valid = valid_steps(num_steps_h, max_steps)
-    values_h = step_values.detach().cpu().float()
-    prompt_h = prompt_values.detach().cpu().float()
 
     def first(bad: torch.Tensor) -> int:
-        return int(torch.nonzero(bad)[0, 0])
+        return int(torch.nonzero(bad.cpu())[0, 0])
 
-    bad = (num_steps_h < 0) | (num_steps_h > max_steps)
-    if bad.any():
-        i = first(bad)
+    if bad_num_steps.any():
+        i = first(bad_num_steps)
         raise ValueError(
             f"sample {i}: num_steps={int(num_steps_h[i])} is outside [0, S={max_steps}]; step_values must have "
             "a column for every step"
         )
-    if step_ids.numel():
-        # One pass over [B, T] on the tensors' own device; only [B] row extremes come to the host.
-        lowest, highest = torch.aminmax(step_ids.detach(), dim=1)
-        bad_rows = ((lowest < -1) | (highest >= num_steps.to(highest.device))).cpu()
-    else:
-        bad_rows = torch.zeros(batch, dtype=torch.bool)
-    if bad_rows.any():
-        i = first(bad_rows)
+    if bad_ids.any():
+        i = first(bad_ids)
         row = step_ids[i].detach().cpu()
         t = first((row < -1) | (row >= num_steps_h[i]))
         raise ValueError(
@@ -478,21 +556,24 @@ def check_step_inputs(
             f"num_steps={int(num_steps_h[i])}; step ids must lie in [-1, num_steps - 1] (use -1 for tokens in no "
             "step), as verl_prm.steps.split_steps returns them"
         )
-    in_range = (values_h >= 0) & (values_h <= 1)
-    bad = valid & ~in_range
-    if bad.any():
-        i, h = (int(x) for x in torch.nonzero(bad)[0])
+    if bad_values.any():
+        i, h = (int(x) for x in torch.nonzero(bad_values.cpu())[0])
         raise ValueError(
-            f"sample {i}: step_values[{i}, {h}] = {float(values_h[i, h])} is not a probability in [0, 1]; pass the "
+            f"sample {i}: step_values[{i}, {h}] = {float(values[i, h])} is not a probability in [0, 1]; pass the "
             "critic's raw values (sigmoid outputs), not logits"
         )
-    bad = ~((prompt_h >= 0) & (prompt_h <= 1))
-    if bad.any():
-        i = first(bad)
+    if bad_prompts.any():
+        i = first(bad_prompts)
         raise ValueError(
-            f"sample {i}: prompt_values[{i}] = {float(prompt_h[i])} is not a probability in [0, 1]; pass the "
+            f"sample {i}: prompt_values[{i}] = {float(prompts[i])} is not a probability in [0, 1]; pass the "
             "critic's raw value of the prompt"
         )
+    bad = ~torch.isfinite(token_level_rewards)
+    i, t = (int(x) for x in torch.nonzero(bad.cpu())[0])
+    raise ValueError(
+        f"sample {i}: token_level_rewards[{i}, {t}] = {float(token_level_rewards[i, t])} is not finite; the reward "
+        "function must return finite scores (verl sums the row into the response's outcome)"
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -551,6 +632,16 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values - mean) * scale * weights
 
 
+def check_softmin_temperature(what: str, temperature: float) -> None:
+    """``temperature`` is 0 (the hard minimum) or a finite number >= ``MIN_SOFTMIN_TEMPERATURE``."""
+    number = not isinstance(temperature, bool) and isinstance(temperature, (int, float, np.floating, np.integer))
+    if not number or not (temperature == 0 or MIN_SOFTMIN_TEMPERATURE <= temperature < math.inf):
+        raise ValueError(
+            f"{what} must be 0 (the hard minimum) or a finite number >= {MIN_SOFTMIN_TEMPERATURE:g} (below it the "
+            f"softmin logits -p/T overflow float32 and the weights become NaN), got {temperature!r}"
+        )
+
+
 def softmin_weights(step_scores: torch.Tensor, num_steps: torch.Tensor, temperature: float) -> torch.Tensor:
     """PURE's min-form weights over the real steps of each response (Cheng et al. 2025, "Stop Summation").
 
@@ -558,19 +649,26 @@ def softmin_weights(step_scores: torch.Tensor, num_steps: torch.Tensor, temperat
     limit T -> 0: ``w = 1/m`` on the m steps that attain ``min_h p[i, h]``, 0 elsewhere. A response with no step
     has no weights.
 
+    The softmax runs in at least float32 (a float16 ``-p / T`` would overflow already at ``|p| / T > 65504``).
+
     Args:
-        step_scores: [B, S] p; num_steps: [B] H; temperature: T >= 0 (PURE uses 0.1).
+        step_scores: [B, S] p; num_steps: [B] H; temperature: T = 0 or ``MIN_SOFTMIN_TEMPERATURE`` <= T < inf
+            (PURE uses 0.1). Below the bound ``-p / T`` overflows float32 (for ``|p| <= 1000``) and the softmax
+            would be NaN: a ``ValueError`` says so.
 
     Returns:
-        [B, S] weights; each row with H_i > 0 sums to 1.
+        [B, S] weights in the dtype of ``step_scores``; each row with H_i > 0 sums to 1.
     """
+    check_softmin_temperature("temperature", temperature)
     valid = valid_steps(num_steps, step_scores.shape[1])
     zeros = torch.zeros_like(step_scores)
     if step_scores.shape[1] == 0:
         return zeros
     if temperature > 0:
-        logits = torch.where(valid, -step_scores / temperature, torch.full_like(step_scores, float("-inf")))
-        weights = torch.softmax(logits, dim=1)  # a row without steps is NaN here and is zeroed below
+        wide = step_scores.to(torch.promote_types(step_scores.dtype, torch.float32))
+        logits = torch.where(valid, -wide / temperature, torch.full_like(wide, float("-inf")))
+        # a row without steps is NaN here and is zeroed below
+        weights = torch.softmax(logits, dim=1).to(step_scores.dtype)
     else:
         masked = torch.where(valid, step_scores, torch.full_like(step_scores, float("inf")))
         at_min = valid & (masked == masked.amin(dim=1, keepdim=True))
@@ -628,6 +726,72 @@ def leave_one_out_step_mean(
     return torch.where(others > 0, baseline, torch.zeros_like(baseline))
 
 
+def leave_one_out_token_baseline(
+    step_rewards: torch.Tensor,
+    step_ids: torch.Tensor,
+    num_steps: torch.Tensor,
+    response_mask: torch.Tensor,
+    groups: torch.Tensor,
+    num_groups: int,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """PURE's "token" baseline (its README's fix of the "step" baseline, its training script's choice): the
+    other responses' process reward per token, times the tokens of the step.
+
+    ``b[i, h] = n[i, h] * (sum_{j in O_i} R_j) / (sum_{j in O_i} L_j)`` with ``R_j = sum_{h < H_j} r[j, h]``,
+    ``L_j`` the response tokens of j (``response_mask``), ``n[i, h]`` the response tokens of step h of i
+    (``step_ids == h``) and O_i the responses of i's group other than i that have steps (and are kept, when
+    ``keep`` [B] bool is given); ``b = 0`` when O_i is empty. A longer step carries a larger baseline, so writing
+    fewer, longer steps earns nothing (the "step" baseline favours fewer steps).
+
+    Returns:
+        [B, S] baseline, 0 at h >= H_i.
+    """
+    batch, max_steps = step_rewards.shape
+    valid = valid_steps(num_steps, max_steps)
+    in_response = response_mask != 0
+    totals = torch.where(valid, step_rewards, torch.zeros_like(step_rewards)).sum(dim=1)
+    lengths = in_response.sum(dim=1).to(step_rewards.dtype)
+    counted = num_steps > 0
+    if keep is not None:
+        _check_per_response(keep, batch, _KEEP)
+        counted = counted & keep.bool()
+    counted_f = counted.to(step_rewards.dtype)
+    others_reward = _group_sums(totals * counted_f, groups, num_groups)[groups] - totals * counted_f
+    others_tokens = _group_sums(lengths * counted_f, groups, num_groups)[groups] - lengths * counted_f
+    per_token = torch.where(others_tokens > 0, others_reward / others_tokens.clamp_min(1), torch.zeros_like(totals))
+    # tokens of each step; column 0 collects the tokens in no step and is dropped (ids clamped as everywhere)
+    columns = step_ids.long().clamp(-1, max_steps - 1) + 1
+    step_tokens = torch.zeros((batch, max_steps + 1), dtype=step_rewards.dtype, device=step_rewards.device)
+    step_tokens = step_tokens.scatter_add_(1, columns, in_response.to(step_rewards.dtype))[:, 1:]
+    return torch.where(valid, step_tokens * per_token[:, None], torch.zeros_like(step_rewards))
+
+
+def response_end_positions(response_mask: torch.Tensor) -> torch.Tensor:
+    """[B] int64: the last position t with ``response_mask[i, t]`` set (the response's EOS, or its last token when
+    it was cut at the length limit); ``T - 1`` for an empty row (where every advantage is 0 anyway)."""
+    length = response_mask.shape[1]
+    return (length - 1) - (response_mask != 0).flip(1).to(torch.uint8).argmax(dim=1)
+
+
+def pure_whiten(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """PURE's advantage whitening (CJReinforce/PURE, ``replay_buffer.py`` ``normalize``, on by default there).
+
+    With Z the response tokens whose advantage is exactly 0 (step separators, EOS when zeroed) and
+    ``n = |response tokens| - |Z|``: ``mean = sum(adv) / n``, ``var = sum_{response tokens} (adv - mean)^2 / n``
+    (Z left out of the count but kept in the variance, as PURE does), ``out = (adv - mean) / sqrt(max(var, 1e-8))``
+    on the counted tokens, 0 on Z and outside the mask. With n = 0 everything stays 0. (PURE's zero test also runs
+    over its padding, which it subtracts from n as well; here n counts response tokens only.)
+    """
+    weights = (response_mask != 0).to(advantages.dtype)
+    counted = (response_mask != 0) & (advantages != 0)
+    n = counted.sum().to(advantages.dtype)
+    mean = (advantages * weights).sum() / n.clamp_min(1)
+    variance = (((advantages - mean) * weights) ** 2).sum() / n.clamp_min(1)
+    whitened = (advantages - mean) * torch.rsqrt(variance.clamp_min(1e-8))
+    return torch.where(counted, whitened, torch.zeros_like(whitened))
+
+
 def min_form_advantage(
     outcome_advantage: torch.Tensor,
     step_scores: torch.Tensor,
@@ -639,35 +803,50 @@ def min_form_advantage(
     groups: torch.Tensor,
     num_groups: int,
     temperature: float = 0.1,
-    baseline: bool = True,
+    baseline: str = "token",
     zero_separators: bool = True,
+    zero_eos: bool = False,
+    whiten: bool = True,
     keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """PURE's min-form credit assignment (Cheng et al. 2025) with the process scores p as the PRM's rewards.
 
     1. ``r = min_form_step_rewards(p, T)`` (softmin-weighted step rewards);
-    2. ``q[i, h] = r[i, h] - b_i`` for the real steps h < H_i, with ``b = leave_one_out_step_mean(r)`` when
-       ``baseline`` (PURE's ``reward_baseline=step``), else ``q = r``; ``q = 0`` for responses not in ``keep``;
+    2. ``q[i, h] = r[i, h] - b[i, h]`` for the real steps h < H_i, with b PURE's ``reward_baseline``:
+       ``"token"`` (``leave_one_out_token_baseline``), ``"step"`` (``leave_one_out_step_mean``, the same for
+       every step) or ``"none"`` (b = 0); ``q = 0`` for responses not in ``keep``;
     3. ``d[i, t] = q[i, h]`` at the last token t of step h (``step_end_rewards``);
     4. ``adv[i, t] = (out_i + alpha * sum_{t' >= t} d[i, t']) * response_mask[i, t]``;
     5. ``zero_separators``: ``adv[i, t] = 0`` at the last token of every step h < H_i - 1 (the token that holds
        the step delimiter; PURE gives its step-separator tokens no loss). The last step's last token is answer
-       text and keeps its advantage.
+       text and keeps its advantage;
+    6. ``zero_eos``: ``adv = 0`` also at the response's last token (``response_end_positions``), as PURE, whose
+       reward mask (which it also zeroes) includes the EOS;
+    7. ``whiten``: ``adv = pure_whiten(adv, response_mask)``.
+
+    Unchecked: NaN or inf in a tensor argument reaches the result (the estimator ``pav_pure`` checks its inputs).
 
     Args:
         outcome_advantage: [B] out_i (RLOO of the outcome in the ``pav_pure`` estimator, as in PURE).
         step_scores: [B, S] p; step_ids: [B, T]; num_steps: [B]; response_mask: [B, T].
         alpha: weight of the process return. groups, num_groups: prompt groups (``group_ids``).
-        temperature: T >= 0 of the softmin (PURE: 0.1; 0: the hard minimum).
+        temperature: T of the softmin (PURE: 0.1; 0: the hard minimum; see ``softmin_weights``).
+        baseline: one of ``MIN_FORM_BASELINES``.
         keep: [B] bool, responses that get a process term (and enter the baseline); default all.
 
     Returns:
         [B, T] advantages in the dtype of ``outcome_advantage``.
     """
+    _check_finite("alpha", alpha)
+    if baseline not in MIN_FORM_BASELINES:
+        raise ValueError(f"baseline must be one of {MIN_FORM_BASELINES}, got {baseline!r}")
     valid = valid_steps(num_steps, step_scores.shape[1])
     rewards = min_form_step_rewards(step_scores, num_steps, temperature)
-    if baseline:
+    if baseline == "step":
         rewards = rewards - leave_one_out_step_mean(rewards, num_steps, groups, num_groups, keep)[:, None]
+    elif baseline == "token":
+        rewards = rewards - leave_one_out_token_baseline(rewards, step_ids, num_steps, response_mask, groups,
+                                                         num_groups, keep)
     rewards = torch.where(valid, rewards, torch.zeros_like(rewards))
     if keep is not None:
         _check_per_response(keep, rewards.shape[0], _KEEP)
@@ -677,6 +856,10 @@ def min_form_advantage(
     advantages = advantages * response_mask.to(advantages.dtype)
     if zero_separators:
         advantages = advantages * (~_separator_tokens(step_ids, num_steps, step_scores.shape[1])).to(advantages.dtype)
+    if zero_eos:
+        advantages = advantages.scatter(1, response_end_positions(response_mask)[:, None], 0.0)
+    if whiten:
+        advantages = pure_whiten(advantages, response_mask)
     return advantages
 
 
@@ -698,7 +881,8 @@ def leave_one_out_step_rewards(
     num_groups: int,
     keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """PRIME's leave-one-out on process rewards (Cui et al. 2025, ``compute_rloo_returns``), one reward per step.
+    """PRIME's leave-one-out on process rewards (Cui et al. 2025, ``compute_rloo_returns``), one reward per step
+    (PRIME's reward mask restricted to the step-end tokens).
 
     ``q[i, h] = p[i, h] * n / (n - 1) - (sum_{j in g} m_j) / (n - 1)`` for the real steps h < H_i, with
     ``m_j = (1 / H_j) sum_{h < H_j} p[j, h]`` and the sum and n over the responses j of i's group g that have
@@ -718,6 +902,40 @@ def leave_one_out_step_rewards(
     return torch.where(valid & counted[:, None], rewards, torch.zeros_like(rewards))
 
 
+def leave_one_out_response_rewards(
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    groups: torch.Tensor,
+    num_groups: int,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """PRIME's leave-one-out with its own reward mask, the whole response (``compute_rloo_returns`` with
+    ``reward_mask = eos_mask``), over token rewards d [B, T] (here: the step scores at the step ends, 0 elsewhere).
+
+    ``q[i, t] = d[i, t] * n / (n - 1) - (sum_{j in g} m_j) / (n - 1)`` at every response token t, with
+    ``m_j = sum_t d[j, t] / L_j`` the mean over j's L_j response tokens and n the kept responses of the group
+    with at least one token. The baseline is subtracted at every token, so a token's return carries
+    ``-(tokens from t on) * baseline``: a length term PRIME's implicit PRM (a reward at every token) expects and
+    step-level scores do not have. n = 1 keeps ``q = d``; responses not counted get ``q = 0``.
+
+    Returns:
+        [B, T], 0 outside ``response_mask``.
+    """
+    in_response = response_mask != 0
+    lengths = in_response.sum(dim=1)
+    rewards = torch.where(in_response, token_rewards, torch.zeros_like(token_rewards))
+    means = rewards.sum(dim=1) / lengths.clamp_min(1).to(rewards.dtype)
+    counted = lengths > 0
+    if keep is not None:
+        _check_per_response(keep, rewards.shape[0], _KEEP)
+        counted = counted & keep.bool()
+    counted_f = counted.to(rewards.dtype)
+    n = _group_sums(counted_f, groups, num_groups)[groups][:, None]
+    total = _group_sums(means * counted_f, groups, num_groups)[groups][:, None]
+    loo = torch.where(n > 1, (rewards * n - total) / (n - 1).clamp_min(1), rewards)
+    return torch.where(in_response & counted[:, None], loo, torch.zeros_like(loo))
+
+
 def leave_one_out_process_advantage(
     outcome_advantage: torch.Tensor,
     step_scores: torch.Tensor,
@@ -729,27 +947,47 @@ def leave_one_out_process_advantage(
     groups: torch.Tensor,
     num_groups: int,
     whiten: bool = True,
+    reward_mask: str = "step_end",
     keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """PRIME's advantage (Cui et al. 2025, ``compute_rloo_returns``) with the process scores p as the process
     rewards in place of the implicit PRM's.
 
-    1. ``q = leave_one_out_step_rewards(p)``; ``d[i, t] = q[i, h]`` at the last token t of step h;
+    1. the leave-one-out step rewards, placed at the last token t of step h: with ``reward_mask="step_end"``
+       ``d[i, t] = q[i, h]``, ``q = leave_one_out_step_rewards(p)`` (one reward per step); with
+       ``"response"`` (PRIME's own mask, the whole response) ``d = leave_one_out_response_rewards(p at the step
+       ends)``, the baseline at every response token;
     2. ``G[i, t] = out_i + alpha * sum_{t' >= t} d[i, t']`` (gamma = 1; out_i is PRIME's leave-one-out outcome,
        whose reward sits at the last token, so its return reaches every token of the response);
     3. ``adv = masked_whiten(G, response_mask)`` when ``whiten`` (PRIME whitens the summed returns over the
        batch's response tokens), else ``G * response_mask``.
 
+    Unchecked: NaN or inf in a tensor argument reaches the result (the estimator ``pav_prime`` checks its inputs).
+
     Args:
         outcome_advantage: [B] out_i (``leave_one_out_outcome`` of the outcome in the ``pav_prime`` estimator).
         step_scores: [B, S]; step_ids: [B, T]; num_steps: [B]; response_mask: [B, T]; alpha: process weight.
-        groups, num_groups: prompt groups. keep: [B] bool, responses that get a process term; default all.
+        groups, num_groups: prompt groups. reward_mask: one of ``PRIME_REWARD_MASKS``.
+        keep: [B] bool, responses that get a process term; default all.
 
     Returns:
         [B, T] advantages in the dtype of ``outcome_advantage``.
     """
-    rewards = leave_one_out_step_rewards(step_scores, num_steps, groups, num_groups, keep)
-    returns = outcome_advantage[:, None] + alpha * rewards_to_go(step_end_rewards(rewards, step_ids))
+    _check_finite("alpha", alpha)
+    if reward_mask not in PRIME_REWARD_MASKS:
+        raise ValueError(f"reward_mask must be one of {PRIME_REWARD_MASKS}, got {reward_mask!r}")
+    if reward_mask == "step_end":
+        token_rewards = step_end_rewards(leave_one_out_step_rewards(step_scores, num_steps, groups, num_groups, keep),
+                                         step_ids)
+    else:
+        valid = valid_steps(num_steps, step_scores.shape[1])
+        scores = torch.where(valid, step_scores, torch.zeros_like(step_scores))
+        if keep is not None:
+            _check_per_response(keep, scores.shape[0], _KEEP)
+            scores = scores * keep[:, None].to(scores.dtype)
+        token_rewards = leave_one_out_response_rewards(step_end_rewards(scores, step_ids), response_mask, groups,
+                                                       num_groups, keep)
+    returns = outcome_advantage[:, None] + alpha * rewards_to_go(token_rewards)
     returns = returns.to(outcome_advantage.dtype)
     if whiten:
         return masked_whiten(returns, response_mask)

@@ -7,9 +7,10 @@ Used by the typed configs (``algorithm.pav.*``, ``verl_prm.*``) and by the comma
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Optional
 
-__all__ = ["check_number", "range_text"]
+__all__ = ["check_number", "empty_match_problem", "range_text"]
 
 
 def range_text(low: Optional[float] = None, high: Optional[float] = None, *, low_open: bool = False,
@@ -44,3 +45,23 @@ def check_number(key: str, value: Any, low: Optional[float] = None, high: Option
     if not in_range:
         raise ValueError(f"{key} must be {wanted}, got {number!r}")
     return number
+
+
+# Ordinary words and spaces: a step regex with a zero-width match here splits text at every word or character.
+_PLAIN_TEXT = "ab cd ef"
+
+
+def empty_match_problem(pattern: re.Pattern) -> Optional[str]:
+    """Why the step regex ``pattern`` would split text everywhere, or None.
+
+    A regex that matches the empty string (``''``, ``x*``, ``\\s*``) matches at every position, and one with a
+    zero-width match inside plain words and spaces (``\\b``, ``(?= )``) at every word: every character or
+    word becomes a step. A lookahead for a marker (``(?=Step \\d)``) has no match in plain words and is fine.
+    """
+    if pattern.fullmatch("") is not None:
+        return "matches the empty string, so it matches at every position and makes every character a step"
+    zero_width = [m.start() for m in pattern.finditer(_PLAIN_TEXT) if m.start() == m.end()]
+    if zero_width:
+        return (f"has a zero-width match inside plain words (at {zero_width} of {_PLAIN_TEXT!r}), so it makes "
+                "every word a step")
+    return None

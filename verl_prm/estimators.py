@@ -67,14 +67,15 @@ def _check(name: str, steps: dict[str, Any], token_level_rewards, response_mask,
             "verl_prm.integrations.verl.advantage.compute_advantage_with_steps on a DataProto that carries the "
             "step tensors (the verl-prm trainer hook does this after the prover critic has scored the steps)."
         )
-    if pav.check_inputs:
-        adv.check_step_inputs(steps["step_ids"], steps["step_values"], steps["prompt_values"], steps["num_steps"],
-                              response_mask)
     if token_level_rewards.shape != response_mask.shape:
         raise ValueError(
             f"token_level_rewards {tuple(token_level_rewards.shape)} and response_mask "
             f"{tuple(response_mask.shape)} must have the same shape"
         )
+    if pav.check_inputs:
+        # one host read per batch (verl_prm.advantages.check_step_inputs); the estimators' math has none
+        adv.check_step_inputs(steps["step_ids"], steps["step_values"], steps["prompt_values"], steps["num_steps"],
+                              response_mask, token_level_rewards)
 
 
 def _keep(name: str, pav: PavConfig, truncated) -> torch.Tensor | None:
@@ -133,6 +134,9 @@ def register_estimator(name: str) -> Callable[[Callable[..., torch.Tensor]], Est
 
 
 def _groups(name: str, inputs: EstimatorInputs) -> tuple[torch.Tensor, int]:
+    """Group ids on the batch's device: a tensor ``index`` (group ids made once per batch, e.g. by
+    ``adv.group_ids(uids, device)``) is used where it lies, no transfer; verl's host uids are grouped on the host
+    and uploaded once, asynchronously from pinned memory (``adv.group_ids``)."""
     if inputs.index is None:
         raise ValueError(f"{name} needs `index` (verl's uid per response) to group responses by prompt")
     return adv.group_ids(inputs.index, device=inputs.token_level_rewards.device)
@@ -206,18 +210,20 @@ def _prm_aggregate(name: str, inputs: EstimatorInputs, pav: PavConfig, config) -
 def _pav_pure(name: str, inputs: EstimatorInputs, pav: PavConfig, config) -> torch.Tensor:
     """``pav_pure``: PURE's min-form credit assignment (Cheng et al. 2025) of the PAV process scores.
 
-    Step rewards ``r = softmin_T-weighted p`` minus PURE's leave-one-out step baseline, placed at each step's
-    last token and summed over later tokens, plus RLOO's outcome advantage:
+    Step rewards ``r = softmin_T-weighted p`` minus PURE's leave-one-out baseline (``pav.min_form_baseline``),
+    placed at each step's last token and summed over later tokens, plus RLOO's outcome advantage:
     ``adv[i, t] = (out_i + alpha * sum_{t' >= t} d[i, t']) * response_mask[i, t]``, 0 on step-separator tokens
-    (``verl_prm.advantages.min_form_advantage``; knobs ``pav.min_form_temperature``, ``pav.min_form_baseline``,
-    ``pav.zero_separator_advantage``). With alpha = 0 and ``zero_separator_advantage=false`` it equals verl's rloo.
+    (and on the EOS with ``pav.zero_eos_advantage``), whitened as PURE (``pav.min_form_whiten``):
+    ``verl_prm.advantages.min_form_advantage``. With alpha = 0, ``zero_separator_advantage=false`` and
+    ``min_form_whiten=false`` it equals verl's rloo.
     """
     groups, num_groups = _groups(name, inputs)
     outcome = adv.leave_one_out_outcome(inputs.outcome_rewards, groups, num_groups)
     return adv.min_form_advantage(
         outcome, inputs.scores, inputs.step_ids, inputs.num_steps, inputs.response_mask, pav.alpha,
         temperature=pav.min_form_temperature, baseline=pav.min_form_baseline,
-        zero_separators=pav.zero_separator_advantage, groups=groups, num_groups=num_groups, keep=inputs.keep,
+        zero_separators=pav.zero_separator_advantage, zero_eos=pav.zero_eos_advantage, whiten=pav.min_form_whiten,
+        groups=groups, num_groups=num_groups, keep=inputs.keep,
     )
 
 
@@ -227,7 +233,8 @@ def _pav_prime(name: str, inputs: EstimatorInputs, pav: PavConfig, config) -> to
     the PAV process scores in place of the implicit PRM's rewards.
 
     ``q[i, h] = p[i, h] n/(n-1) - sum_g m_j/(n-1)`` at each step's last token, summed over later tokens, plus
-    RLOO's outcome advantage, whitened over the batch's response tokens (``pav.whiten_returns``):
+    RLOO's outcome advantage, whitened over the batch's response tokens (``pav.whiten_returns``);
+    ``pav.prime_reward_mask="response"`` applies the baseline at every response token, as PRIME's code does:
     ``verl_prm.advantages.leave_one_out_process_advantage``. With alpha = 0 and ``whiten_returns=false`` it
     equals verl's rloo.
     """
@@ -235,5 +242,6 @@ def _pav_prime(name: str, inputs: EstimatorInputs, pav: PavConfig, config) -> to
     outcome = adv.leave_one_out_outcome(inputs.outcome_rewards, groups, num_groups)
     return adv.leave_one_out_process_advantage(
         outcome, inputs.scores, inputs.step_ids, inputs.num_steps, inputs.response_mask, pav.alpha,
-        whiten=pav.whiten_returns, groups=groups, num_groups=num_groups, keep=inputs.keep,
+        whiten=pav.whiten_returns, reward_mask=pav.prime_reward_mask, groups=groups, num_groups=num_groups,
+        keep=inputs.keep,
     )

@@ -29,7 +29,6 @@ from verl_prm.apps.arithmetic.task import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "verl_prm" / "recipes" / "arithmetic"
 EXAMPLE = REPO / "examples" / "arithmetic"
 CONFIGS = [
     TaskConfig(),
@@ -107,7 +106,7 @@ def test_per_step_slips_have_the_documented_rate_fail_and_never_repair():
 def test_sweep_statistics_against_their_definitions():
     import numpy as np
 
-    from verl_prm.apps.arithmetic.sweep import group_statistics, step_accuracy
+    from verl_prm.apps.arithmetic.measure import group_statistics, step_accuracy
 
     outcomes = np.array([[0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 0, 0], [0, 0, 0, 0]])
     assert group_statistics(outcomes) == {"success": 5 / 16, "zero_signal_groups": 0.75, "all_fail_groups": 0.5,
@@ -154,7 +153,10 @@ def test_verifier_edge_cases():
 def test_score_file_loads_through_verls_custom_reward_loader():
     from verl.utils.import_utils import load_extern_object
 
-    fn = load_extern_object(module_path=str(RECIPE / "score.py"), object_name="compute_score")
+    from verl_prm.apps.arithmetic.verl_rl import SCORE_FILE
+
+    assert SCORE_FILE == REPO / "verl_prm" / "apps" / "arithmetic" / "score.py"
+    fn = load_extern_object(module_path=str(SCORE_FILE), object_name="compute_score")
     assert fn(DATA_SOURCE, "5\nanswer 5", "5") == 1.0
     assert fn(DATA_SOURCE, "5\nanswer 6", "5") == 0.0
 
@@ -189,7 +191,7 @@ def test_rl_batch_advantages_follow_the_lines(tmp_path):
 
     from verl_prm.integrations.verl.advantage import compute_advantage_with_steps
     from verl_prm.apps.arithmetic.model import build_tokenizer
-    from verl_prm.apps.arithmetic.rl import build_data
+    from verl_prm.apps.arithmetic.batch import build_data
     from verl_prm.apps.arithmetic.rollout import Rollouts
     from verl_prm.steps import split_steps
 
@@ -320,7 +322,7 @@ def test_pav_on_a_checking_backbone_trains_only_its_value_head(tmp_path):
     messages: list[str] = []
     pav = run(scale, tmp_path, ["data", "sft", "prover", "label", "pav"], progress=False,
               log=messages.append)["pav"]["outputs"]
-    assert "--freeze-backbone" in pav["command"] and f"--init {tmp_path / 'pav' / 'backbone'}" in pav["command"]
+    assert pav["training"]["freeze_backbone"] and pav["training"]["init"] == str(tmp_path / "pav" / "backbone")
     assert pav["critic_init"]["config"] == asdict(init) and len(pav["critic_init"]["curve"]) == 2
     assert sum("critic_init" in m for m in messages) == 2  # each evaluation of the backbone is logged
     backbone = load_file(tmp_path / "pav" / "backbone" / "model.safetensors")
@@ -391,7 +393,7 @@ def _compose(overrides):
 def test_main_ppo_commands_of_every_arm_compose_and_differ_only_in_the_critic(tmp_path, device, scale_name):
     """The recipe's verl command (CPU and GPU the same function): each arm composes with verl's config and passes
     verl's and the plugin's startup validation; the arms differ only in estimator, critic and run names."""
-    from verl_prm.config.hook import validate_run_config
+    from verl_prm.integrations.verl.run_config import validate_run_config
     from verl_prm.apps.arithmetic.pipeline import SCALES
     from verl_prm.apps.arithmetic.task import STEP_REGEX
     from verl_prm.apps.arithmetic.verl_rl import ARMS, RunPaths, main_ppo_command
@@ -431,6 +433,109 @@ def test_main_ppo_commands_of_every_arm_compose_and_differ_only_in_the_critic(tm
                           ("pav_exact", "pav_learned", ("verl_prm.critic.", "+verl_prm.critic."))):
         differing = sorted(commands[a] ^ commands[b])
         assert differing and all(x.startswith(allowed + run_names) for x in differing), differing
+
+
+def test_a_run_stops_with_every_process_of_its_session(tmp_path):
+    """`verl_rl.start_run` (cpu_loop.start_main_ppo): `stop` ends a child that left the run's process group, as
+    Ray's workers do (a process-group kill misses it), and the run keeps its command and appends to its log."""
+    import sys
+    import time
+
+    from verl_prm.apps.arithmetic.verl_rl import start_run
+    from verl_prm.apps.cpu_loop import session_processes
+
+    child = tmp_path / "child.pid"
+    script = ("import os, subprocess, sys, time\n"
+              "p = subprocess.Popen([sys.executable, '-c', 'import os, time; os.setpgid(0, 0); time.sleep(60)'])\n"
+              f"open({str(child)!r}, 'w').write(str(p.pid))\nprint('started', flush=True)\ntime.sleep(60)\n")
+    (tmp_path / "main_ppo.log").write_text("earlier part\n")
+    run = start_run([sys.executable, "-c", script], tmp_path, threads=1)
+    try:
+        deadline = time.time() + 30
+        while not child.exists() or not child.read_text():
+            assert time.time() < deadline and run.poll() is None, (tmp_path / "main_ppo.log").read_text()
+            time.sleep(0.1)
+        pid = int(child.read_text())
+        while os.getpgid(pid) == os.getpgid(run.process.pid):  # the child has left the run's process group
+            assert time.time() < deadline
+            time.sleep(0.1)
+        assert set(session_processes(run.process.pid)) >= {run.process.pid, pid}
+    finally:
+        run.stop()
+    assert not session_processes(run.process.pid) and run.poll() is not None
+    assert (tmp_path / "main_ppo.log").read_text().startswith("earlier part\nstarted")
+    assert (tmp_path / "command.sh").read_text().startswith(f"VERL_FILE_LOGGER_PATH={tmp_path / 'metrics.jsonl'} ")
+
+
+def test_the_gpu_scale_runs_each_gpu_stage_in_a_process_of_its_own(tmp_path, monkeypatch):
+    """At --scale gpu the stages that hold the GPU run in processes of their own (the recipe's own process never
+    holds GPU memory when the next stage starts), each with the same scale (read back from WORK_DIR/scale.json);
+    the label stage's vLLM engine gets the scale's memory share."""
+    from dataclasses import replace
+
+    import verl_prm.labeling.cli as label_cli
+    from verl_prm.apps.arithmetic.pipeline import (
+        SCALES, _jsonable, label_prompts, recipe_parser, scale_from_args, scale_from_json, stage_process_command,
+        stages_in_own_process)
+    from verl_prm.apps.arithmetic.task import generate_problems, verl_row
+
+    assert stages_in_own_process(SCALES["gpu"]) == ("sft", "label", "pav", "evaluate")
+    assert all(stages_in_own_process(SCALES[name]) == () for name in ("cpu", "micro", "tiny"))
+    scale = replace(SCALES["gpu"], pav_steps=7)
+    scale_file = tmp_path / "scale.json"
+    scale_file.write_text(json.dumps(_jsonable(scale)))
+    command = stage_process_command(scale_file, tmp_path / "w", "label", progress=False, python="python3")
+    assert command == ["python3", "-m", "verl_prm.apps.arithmetic.pipeline", "--scale-file", str(scale_file),
+                       "--work-dir", str(tmp_path / "w"), "--stages", "label", "--in-process", "--no-progress"]
+    args = recipe_parser().parse_args(command[3:])
+    assert scale_from_args(args) == scale and args.in_process and args.stages == "label"
+    for name, value in SCALES.items():
+        assert scale_from_json(_jsonable(value)) == value, name
+    with pytest.raises(ValueError, match=r"Scale has no settings \['old'\]"):
+        scale_from_json({**_jsonable(scale), "old": 1})
+    # the engine of the label stage: vLLM at the scale's share of the GPU (0.5: room for what follows)
+    assert SCALES["gpu"].label_gpu_memory_utilization == 0.5
+    prompts = tmp_path / "label.parquet"
+    pd.DataFrame([verl_row(p, "label", i) for i, p in enumerate(generate_problems(2, scale.rl_task, seed=4))]
+                 ).to_parquet(prompts)
+    built = {}
+
+    def engine(backend, path, **settings):
+        built.update(backend=backend, path=path, **settings)
+        raise RuntimeError("engine built")
+
+    monkeypatch.setattr(label_cli, "build_generator", engine)
+    with pytest.raises(RuntimeError, match="engine built"):
+        label_prompts(prompts, tmp_path / "policy", tmp_path / "labels", scale, progress=False)
+    assert built == {"backend": "vllm", "path": str(tmp_path / "policy"), "max_new_tokens": scale.max_new_tokens,
+                     "temperature": 1.0, "top_p": 1.0, "batch_size": 1024, "gpu_memory_utilization": 0.5}
+
+
+@pytest.mark.slow
+def test_a_stage_in_its_own_process_gives_what_it_gives_in_this_one(tmp_path, monkeypatch):
+    """The mechanism of the GPU scale on CPU: the micro scale's sft stage run in a process of its own (as
+    --scale gpu runs it) writes the same policy as the stage run in this process."""
+    from safetensors.torch import load_file
+
+    import verl_prm.apps.arithmetic.pipeline as pipeline
+
+    torch_threads = torch.get_num_threads()
+    try:
+        pipeline.run(pipeline.SCALES["micro"], tmp_path / "here", ["data", "sft"], progress=False,
+                     log=lambda *_: None)
+        monkeypatch.setattr(pipeline, "stages_in_own_process", lambda scale: ("sft",))
+        messages: list[str] = []
+        records = pipeline.run(pipeline.SCALES["micro"], tmp_path / "there", ["data", "sft"], progress=False,
+                               log=messages.append)
+    finally:
+        torch.set_num_threads(torch_threads)
+    assert any("sft: running in its own process" in m for m in messages)
+    assert json.loads((tmp_path / "there" / "scale.json").read_text())["sft"]["steps"] == 4
+    here = load_file(tmp_path / "here" / "policy" / "model.safetensors")
+    there = load_file(tmp_path / "there" / "policy" / "model.safetensors")
+    assert here.keys() == there.keys() and all(torch.equal(here[k], there[k]) for k in here)
+    assert records["sft"]["outputs"]["final_loss"] == json.loads(
+        (tmp_path / "here" / "policy" / "DONE.json").read_text())["outputs"]["final_loss"]
 
 
 def _run_launcher(script: Path, tmp_path: Path, env_extra: dict[str, str]) -> list[list[str]]:

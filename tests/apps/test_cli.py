@@ -125,10 +125,13 @@ def fake_commands(tmp_path, monkeypatch):
         "def bad_config(argv): raise ConfigError('verl_prm.critic.path is required')\n"
         "def missing_file(argv): open('/no/such/file.jsonl')\n"
         "def bug(argv): return {}['missing']\n"
+        "import errno, os\n"
+        "def read_only(argv): raise OSError(errno.EROFS, os.strerror(errno.EROFS), '/data/pav/checkpoint-0000002')\n"
+        "def disk_full(argv): raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), '/data/pav/metrics.jsonl')\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     commands = dict(cli.COMMANDS)
-    for name in ("bad_value", "bad_config", "missing_file", "bug"):
+    for name in ("bad_value", "bad_config", "missing_file", "bug", "read_only", "disk_full"):
         commands[("fake", name)] = (f"fake_verl_prm_commands:{name}", "raises")
     monkeypatch.setattr(cli, "COMMANDS", commands)
     monkeypatch.setenv(cli.LOG_DIR_ENV, str(tmp_path / "logs"))
@@ -141,6 +144,10 @@ def fake_commands(tmp_path, monkeypatch):
     ("bad_config", "verl-prm fake bad_config: error: verl_prm.critic.path is required", "ConfigError"),
     ("missing_file", "verl-prm fake missing_file: error: [Errno 2] No such file or directory: '/no/such/file.jsonl'",
      "FileNotFoundError"),
+    ("read_only", "verl-prm fake read_only: error: Read-only file system (/data/pav/checkpoint-0000002): the file "
+     "system is read-only: choose a writable --output-dir", "OSError"),
+    ("disk_full", "verl-prm fake disk_full: error: No space left on device (/data/pav/metrics.jsonl): the disk is "
+     "full: free space or choose another --output-dir, then rerun (it resumes)", "OSError"),
 ])
 def test_expected_errors_print_one_line_and_the_log_path(fake_commands, name, line, error_type, capsys):
     assert cli.main(["fake", name, "--x"]) == 1
@@ -186,3 +193,65 @@ def test_real_command_error_is_one_line_without_traceback(tmp_path):
     loud = subprocess.run(command + ["--debug"], capture_output=True, text=True, env=env, timeout=120)
     assert loud.returncode == 1 and "Traceback (most recent call last)" in loud.stderr
     assert "FileNotFoundError" in loud.stderr
+
+
+# ---------------------------------------------------------------------------------------------- start-up cost
+
+_IMPORTS_AFTER = """
+import runpy, sys
+sys.argv = ["verl-prm"] + sys.argv[1:]
+try:
+    runpy.run_module("verl_prm.apps.cli", run_name="__main__")
+except SystemExit:
+    pass
+print("torch imported:", "torch" in sys.modules, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"]])
+def test_help_imports_no_torch(argv):
+    """`verl-prm --help` and `verl-prm train --help` answer without importing torch (seconds of start-up)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _IMPORTS_AFTER, *argv], capture_output=True, text=True, timeout=120)
+    assert "usage: verl-prm" in result.stdout
+    assert result.stderr.splitlines()[-1] == "torch imported: False"
+
+
+def test_label_input_errors_are_one_line(tmp_path, capsys):
+    """A missing --reward-fn function and --code-depth without --code-rule: one line each, before any model loads."""
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "1+1?", "reward_model": {"ground_truth": "2"}, '
+                                            '"data_source": "toy"}\n')
+    (tmp_path / "reward.py").write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                        "    return 1.0\n")
+    common = ["label", "--input", str(tmp_path / "prompts.jsonl"), "--output-dir", str(tmp_path / "labels"),
+              "--policy", str(tmp_path / "no_model")]
+    assert cli.main(common + ["--reward-fn", f"{tmp_path / 'reward.py'}:nope"]) == 1
+    assert capsys.readouterr().err.splitlines()[0] == (f"verl-prm label: error: --reward-fn: {tmp_path / 'reward.py'} "
+                                                        "has no function named 'nope'")
+    assert cli.main(common + ["--reward-fn", "pkg://no_such_module_here:score"]) == 1
+    assert capsys.readouterr().err.splitlines()[0].startswith(
+        "verl-prm label: error: --reward-fn: cannot import module 'no_such_module_here'")
+    assert cli.main(common + ["--reward-fn", f"{tmp_path / 'reward.py'}:score", "--step-regex", "x*"]) == 1
+    assert "regex='x*' matches the empty string" in capsys.readouterr().err.splitlines()[0]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(common + ["--code-depth", "1"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "verl-prm label: error: --code-depth applies to --code-rule only (the statement depth of code steps): add "
+        "--code-rule block (or line, indent), or drop --code-depth")
+
+
+def test_train_tokenizer_that_is_a_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "labels").mkdir()
+    (tmp_path / "labels" / "shard-00000.parquet").write_bytes(b"")  # never read: the tokenizer is checked first
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert cli.main(["train", "--labels", str(tmp_path / "labels"), "--init-config", str(tmp_path / "config.json"),
+                     "--tokenizer", str(tmp_path / "tokenizer.json"), "--output-dir", str(tmp_path / "run"),
+                     "--no-progress"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0] == (
+        f"verl-prm train: error: --tokenizer '{tmp_path / 'tokenizer.json'}' is a file, not a tokenizer directory: "
+        "pass the directory that holds tokenizer_config.json and tokenizer.json (e.g. the model's directory)")

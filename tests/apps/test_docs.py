@@ -103,12 +103,17 @@ def test_unknown_directives_and_commands_fail(hooks):
 
 def test_package_map_marks_the_verl_glue(hooks):
     table = hooks.package_map()
-    rows = dict(re.findall(r"^\| `(verl_prm[\w./]*)` \| .*? \| (yes|) \|$", table, re.M))
-    for glue in ("verl_prm.integrations.verl.plugin", "verl_prm.integrations.verl.hook_trainer", "verl_prm.integrations.verl.reward_manager", "verl_prm.estimators"):
-        assert rows[glue] == "yes", glue
+    rows = {name: (layer, verl) for layer, name, verl
+            in re.findall(r"^\| ([\w ]+) \| `(verl_prm[\w./]*)` \| .*? \| (yes|) \|$", table, re.M)}
+    for glue in ("verl_prm.integrations.verl.plugin", "verl_prm.integrations.verl.hook_trainer",
+                 "verl_prm.integrations.verl.reward_manager", "verl_prm.integrations.verl.advantage"):
+        assert rows[glue] == ("verl glue", "yes"), glue
+    assert rows["verl_prm.integrations.trl"][0] == "TRL glue"
+    assert rows["verl_prm.apps.cpu_loop"][0] == "application"
     # the math knows nothing of verl (the layering rule of docs/layout.md)
-    for pure in ("verl_prm.advantages", "verl_prm.steps/", "verl_prm.critic.packing", "verl_prm.critic.scorer"):
-        assert rows[pure] == "", pure
+    for pure in ("verl_prm.advantages", "verl_prm.estimators", "verl_prm.steps/", "verl_prm.critic.packing",
+                 "verl_prm.critic.scorer"):
+        assert rows[pure] == ("library", ""), pure
 
 
 def test_metrics_table_lists_every_logged_metric():

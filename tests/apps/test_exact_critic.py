@@ -477,7 +477,7 @@ def compose_verl(overrides):
 
 def test_exact_overrides_compose_with_verl_and_pass_the_startup_check():
     """(verl's own config validation of a whole launcher with these overrides: test_verl_integration.py)"""
-    from verl_prm.config.hook import validate_run_config
+    from verl_prm.integrations.verl.run_config import validate_run_config
     from verl_prm.integrations.verl.hook_trainer import critic_worker_kwargs
 
     config = compose_verl(EXACT_OVERRIDES)
@@ -510,7 +510,8 @@ def test_exact_overrides_compose_with_verl_and_pass_the_startup_check():
     ],
 )
 def test_exact_startup_errors(overrides, message):
-    from verl_prm.config.hook import ConfigError, validate_run_config
+    from verl_prm.config.hook import ConfigError
+    from verl_prm.integrations.verl.run_config import validate_run_config
 
     config = compose_verl(["verl_prm.critic.format=exact"] + overrides)
     with pytest.raises(ConfigError) as error:

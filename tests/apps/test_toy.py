@@ -306,6 +306,33 @@ def test_demo_quick_runs_end_to_end(tmp_path, capsys, verl_loaded):
     assert min(pav["final_accuracy"]) > max(outcome["final_accuracy"]), (pav, outcome)
 
 
+def test_demo_search_writes_results_summary_and_plot(tmp_path, capsys):
+    """`verl-prm demo search` (through the dispatcher): every method at every N on every problem, the summary
+    and the plot; the sweep itself is the library's (`verl_prm.search.cli.run_sweep`)."""
+    from verl_prm.apps.cli import main
+
+    out = tmp_path / "toy"
+    assert main(["demo", "search", "--problems", "30", "--n", "1,2", "--methods", "best_of_n,beam_q,beam_pav,greedy",
+                 "--output-dir", str(out)]) == 0
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(records) == 4 * 2 * 30
+    assert {(r["method"], r["n"]) for r in records} == {
+        ("best_of_n", 3), ("best_of_n", 6), ("beam_q", 1), ("beam_q", 2), ("beam_pav", 1), ("beam_pav", 2),
+        ("greedy", 1), ("greedy", 2)}
+    summary = (out / "summary.csv").read_text().splitlines()
+    assert summary[0].startswith("method,n,problems,accuracy") and len(summary) == 9
+    assert (out / "accuracy_vs_compute.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {out / 'results.jsonl'}" in capsys.readouterr().out
+
+
+def test_library_search_has_no_toy_task():
+    """The planted task is the demo's: the library's `verl-prm search` takes a data set only."""
+    from verl_prm.search.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--task", "toy", "--output-dir", "x"])
+
+
 def _synthetic_report(learned: bool) -> dict:
     """A report with the fields the plots read: 3 comparison seeds, 2 sweep seeds, every curve crossing the
     axes so that a legend inside them would cover something."""

@@ -4,24 +4,13 @@ name the error when it fails)."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
 import subprocess
 import sys
-import uuid
-from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
-import verl
-from omegaconf import OmegaConf
-from verl_support import EXAMPLES, LAUNCHERS, PLUGIN_OVERRIDES, REPO, compose_verl, responses_for, save_tiny_critic
+from verl_support import PLUGIN_OVERRIDES, REPO
 
-from verl_prm.config import PavConfig
-from verl_prm.config.hook import CRITIC_FORMATS, ConfigError, HookConfig, read_hook_config
-from verl_prm.integrations.verl.run_config import validate_run_config
 
 
 # ---------------------------------------------------------------------------------------------- real main_ppo runs

@@ -3,20 +3,12 @@ the typed sections, and the startup validation's errors (unknown keys, NaN knobs
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-import uuid
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-import verl
 from omegaconf import OmegaConf
-from verl_support import EXAMPLES, LAUNCHERS, PLUGIN_OVERRIDES, REPO, compose_verl, responses_for, save_tiny_critic
+from verl_support import PLUGIN_OVERRIDES, compose_verl
 
 from verl_prm.config import PavConfig
 from verl_prm.config.hook import CRITIC_FORMATS, ConfigError, HookConfig, read_hook_config
@@ -37,14 +29,15 @@ def test_yaml_defaults_equal_the_typed_configs():
 
 
 def test_critic_formats_match_the_critic_module():
-    """The config's formats are the checkpoint formats of verl_prm.critic.formats plus the exact critic's."""
+    """The config's formats are the checkpoint formats of verl_prm.critic.formats plus the exact critic's and
+    the sampling one (rollout)."""
     from verl_prm.config.hook import CHECKPOINT_CRITIC_FORMATS, EXACT_CRITIC_FORMAT
     from verl_prm.critic.exact import EXACT_FORMAT
     from verl_prm.critic.formats import FORMATS
 
     assert set(CHECKPOINT_CRITIC_FORMATS) == set(FORMATS)
     assert EXACT_CRITIC_FORMAT == EXACT_FORMAT and EXACT_FORMAT not in FORMATS
-    assert CRITIC_FORMATS == CHECKPOINT_CRITIC_FORMATS + (EXACT_FORMAT,)
+    assert CRITIC_FORMATS == CHECKPOINT_CRITIC_FORMATS + (EXACT_FORMAT, "rollout")
 
 
 def test_code_step_rules_match_the_code_module():

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-import pytest
 import torch
 import verl
 from hydra import compose, initialize_config_dir

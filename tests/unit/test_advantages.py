@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 import os
 import subprocess
 import sys
@@ -224,16 +223,16 @@ def test_step_progress_matches_loop_and_telescopes(batch):
 
 @SETTINGS
 @given(ragged_batches())
-def test_step_scores_per_token_and_dense_rewards_match_loops(batch):
+def test_step_scores_per_token_and_step_end_rewards_match_loops(batch):
     t = to_tensors(batch)
     scores = torch.nan_to_num(t["step_values"], nan=0.0)
     per_token = adv.step_scores_per_token(scores, t["step_ids"])
-    dense = adv.dense_step_rewards(scores, t["step_ids"])
+    at_ends = adv.step_end_rewards(scores, t["step_ids"])
     for i, row in enumerate(batch["step_ids"]):
         for j, h in enumerate(row):
             assert float(per_token[i, j]) == (float(scores[i, h]) if h >= 0 else 0.0)
-            is_end = h >= 0 and (j + 1 == len(row) or row[j + 1] != h)
-            assert float(dense[i, j]) == (float(scores[i, h]) if is_end else 0.0)
+            is_end = h >= 0 and h not in row[j + 1:]  # the step's last token (steps may be interrupted)
+            assert float(at_ends[i, j]) == (float(scores[i, h]) if is_end else 0.0)
 
 
 @pytest.mark.parametrize("how", adv.AGGREGATIONS)
@@ -255,10 +254,28 @@ def test_aggregate_rejects_unknown():
 def test_group_ids_accepts_verl_uids_lists_and_tensors():
     groups, count = adv.group_ids(np.array(["b", "a", "b", "c"], dtype=object))
     assert count == 3 and groups.tolist() == [1, 0, 1, 2]
-    groups, count = adv.group_ids(torch.tensor([5, 5, 2]))
-    assert count == 2 and groups.tolist() == [1, 1, 0]
+    # a tensor is grouped where it lies, without a host read: G = B slots (an upper bound of the groups)
+    groups, count = adv.group_ids(torch.tensor([5, 5, 2, 9, 2]))
+    assert count == 5 and groups.tolist() == [1, 1, 0, 2, 0]
+    assert adv.group_ids(torch.tensor([7]))[0].tolist() == [0]
     with pytest.raises(TypeError, match="mutually comparable"):
         adv.group_ids(np.array(["a", 1], dtype=object))
+    with pytest.raises(ValueError, match="index as a tensor must hold integer labels"):
+        adv.group_ids(torch.tensor([0.5, 1.0]))
+    with pytest.raises(ValueError, match="index is a tensor on meta but the batch is on cpu"):
+        adv.group_ids(torch.zeros(2, dtype=torch.long, device="meta"), device="cpu")
+
+
+@pytest.mark.parametrize("name", ["pav_grpo", "pav_rloo", "prm_aggregate", "pav_pure", "pav_prime"])
+def test_estimators_take_group_ids_made_once_per_batch(name):
+    labels = np.array(["b", "a", "b", "c", "a"], dtype=object)
+    t5 = to_tensors(dict(index=list(labels), mask=[[1, 1, 1]] * 5, step_ids=[[0, 0, 1]] * 5, num_steps=[2] * 5,
+                         rewards=[[0, 0, r] for r in (1, 0, 0, 1, 1)], values=[[0.5, 0.9], [0.2, 0.3]] * 2 + [[0.1, 1]],
+                         prompt_values=[0.4] * 5))
+    from_uids, _ = ESTIMATORS[name](**t5, config=algo_config(name))
+    ids, _ = adv.group_ids(labels)
+    from_ids, _ = ESTIMATORS[name](**dict(t5, index=ids), config=algo_config(name))
+    torch.testing.assert_close(from_ids, from_uids)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -616,7 +633,8 @@ def test_grpo_family_needs_index():
         ({"aggregate_weight": float("-inf")}, r"algorithm.pav.aggregate_weight must be a finite number, got -inf"),
         ({"best_of_k": float("nan")}, r"algorithm.pav.best_of_k must be an integer >= 1, got nan"),
         ({"best_of_k": float("inf")}, r"algorithm.pav.best_of_k must be an integer >= 1, got inf"),
-        ({"min_form_temperature": float("nan")}, r"algorithm.pav.min_form_temperature must be a finite number"),
+        ({"min_form_temperature": float("nan")},
+         r"algorithm.pav.min_form_temperature must be 0 \(the hard minimum\) or a finite number >= 1e-30"),
     ],
 )
 def test_config_validation(pav, message):
@@ -682,6 +700,93 @@ def test_plugin_disabled_leaves_names_unknown():
 # ----------------------------------------------------------------------------------------------------------
 # CUDA: the same math, and no host-device synchronisation in the hot path
 # ----------------------------------------------------------------------------------------------------------
+
+
+class HostTraffic:
+    """Records what would make an estimator wait for, or copy to or from, the device: scalar reads (``.item()``,
+    ``bool``/``int``/``float`` of a tensor: ``aten._local_scalar_dense``), ``tolist``/``numpy``/``cpu``, copies
+    between devices (``aten._to_copy``/``copy_`` whose source and result devices differ) and tensors made from
+    host data (``aten.lift_fresh``: ``torch.tensor``/``as_tensor``/``from_numpy``, an upload on CUDA). CPU
+    tensors go through the same dispatcher ops as CUDA ones, so the probe runs without a GPU."""
+
+    READS = {"item", "tolist", "numpy", "cpu", "cuda", "pin_memory", "__bool__", "__int__", "__float__",
+             "__index__"}
+
+    def __init__(self):
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.events: list[str] = []
+        probe = self
+
+        class Functions(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                name = getattr(func, "__name__", "")
+                if name in HostTraffic.READS:
+                    probe.events.append(name)
+                return func(*args, **(kwargs or {}))
+
+        class Dispatch(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                result = func(*args, **(kwargs or {}))
+                name = func.overloadpacket.__name__
+                if name == "_local_scalar_dense":
+                    probe.events.append("scalar read")
+                elif name == "lift_fresh":
+                    probe.events.append("host data")
+                elif name in ("_to_copy", "copy_") and isinstance(result, torch.Tensor):
+                    source = args[1] if name == "copy_" else args[0]
+                    if isinstance(source, torch.Tensor) and source.device != result.device:
+                        probe.events.append("device copy")
+                return result
+
+        self.modes = (Functions(), Dispatch())
+
+    def __enter__(self):
+        for mode in self.modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for mode in reversed(self.modes):
+            mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("name", list(ESTIMATORS))
+def test_no_hidden_transfer_or_sync_in_any_estimator(name):
+    """What an estimator may do on the host, per call: nothing with ``check_inputs=false`` and ``index`` as group
+    ids on the batch's device; with verl's host uids, one tensor made from host data (``group_ids``: on CUDA the
+    one upload, pinned and asynchronous); with ``check_inputs=true`` (the default), one ``tolist`` of the check
+    flags (the one synchronisation of ``check_step_inputs``). ``pav_reinforce`` reads no ``index``."""
+    t = small_batch()
+    uids = t["index"]
+    ids, _ = adv.group_ids(uids)
+    uses_groups = name != "pav_reinforce"
+    expected = {
+        (False, "ids"): [],
+        (False, "uids"): ["host data"] if uses_groups else [],
+        (True, "ids"): ["tolist"],
+        (True, "uids"): ["tolist"] + (["host data"] if uses_groups else []),
+    }
+    for (check, kind), allowed in expected.items():
+        inputs = dict(t, index=ids if kind == "ids" else uids)
+        config = algo_config(name, check_inputs=check)
+        reference, _ = ESTIMATORS[name](**inputs, config=config)
+        with HostTraffic() as probe:
+            advantages, _ = ESTIMATORS[name](**inputs, config=config)
+        assert probe.events == allowed, (check, kind)
+        torch.testing.assert_close(advantages, reference)
+
+
+def test_the_probe_sees_what_it_forbids():
+    x = torch.arange(4.0)
+    with HostTraffic() as probe:
+        bool(x.sum() > 0)
+        x.max().item()
+        x.tolist()
+        torch.as_tensor(np.arange(3))
+        x.to("meta")
+    assert probe.events == ["__bool__", "scalar read", "item", "scalar read", "tolist", "host data", "device copy"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -30,7 +30,8 @@ from verl_prm.code.data import (
     read_jsonl,
     write_parquet,
 )
-from verl_prm.code.sandbox import REASONS, SandboxConfig, _processes_of, isolation, run_many, run_program
+from verl_prm.code.sandbox import _processes_of, isolation, run_many, run_program
+from verl_prm.code.sandbox_config import REASONS, SandboxConfig
 from verl_prm.steps.code import (
     ast_block_starts,
     block_regex,
@@ -159,7 +160,7 @@ def test_isolation_mode_matches_the_machine():
         with pytest.raises(RuntimeError, match="mode='user'.* cannot run Python here: user isolation: the probe program"):
             isolation(SandboxConfig(mode="user"))
     for bad in (float("nan"), float("inf"), 0.0):
-        with pytest.raises(ValueError, match="finite timeout_s > 0"):
+        with pytest.raises(ValueError, match="SandboxConfig.timeout_s must be a finite number of seconds > 0"):
             SandboxConfig(timeout_s=bad)
 
 
@@ -397,6 +398,173 @@ def test_parallel_runs_keep_input_order_and_match_sequential_runs():
     assert [r.stdout for r in parallel if r.passed] == [f"{i}\n" for i in range(12) if i % 3]
     assert [r.reason for r in parallel[:4]] == [r.reason for r in sequential]
     assert sandbox_processes() == []
+
+
+def _outside_the_masks(prefix: str) -> Path:
+    """A new 0755 directory the sandbox does not mask: in the clone, or under / where the clone is in a masked
+    directory (CI may clone under /tmp); removed by the caller."""
+    from verl_prm.code.sandbox_setup import mask_dirs
+
+    parent = "/" if any(str(REPO) == d or str(REPO).startswith(d + "/") for d in mask_dirs()) else str(REPO)
+    directory = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    directory.chmod(0o755)
+    return directory
+
+
+def host_world_writable_dirs() -> list[str]:
+    """The host's world-writable directories an unprivileged uid can reach, enumerated now with find(1) (not with
+    the sandbox's own scan): every o+w directory outside /proc and /sys whose ancestors all have o+x."""
+    found = subprocess.run(["find", "/", "(", "-path", "/proc", "-o", "-path", "/sys", ")", "-prune", "-o", "-type",
+                            "d", "-perm", "-0002", "-print", "-prune"], capture_output=True, text=True).stdout.split()
+
+    def reachable(path: str) -> bool:
+        parents = [str(p) for p in Path(path).parents]
+        return all(os.stat(p).st_mode & 0o001 for p in parents)
+
+    return sorted(p for p in found if reachable(p))
+
+
+def test_every_world_writable_directory_of_the_host_is_private_in_full_isolation(full_isolation):
+    if not full_isolation:
+        pytest.skip("only full isolation has a mount namespace")
+    dirs = host_world_writable_dirs()
+    assert "/tmp" in dirs  # the enumeration works
+    later = _outside_the_masks(".sandbox_ww_probe_")  # world-writable, but created after the sandbox's scan
+    try:
+        isolation()  # the scan has run in this process
+        later.chmod(0o777)
+        name = f"verl_prm_probe_{uuid.uuid4().hex}"
+        program = f"""import errno
+mounts = {{line.split()[4]: line.split(' - ')[1].split()[0] for line in open('/proc/self/mountinfo')}}
+for d in {dirs!r}:
+    with open(d + '/{name}', 'wb') as f:
+        f.write(b'x' * (3 << 20))  # 3 MiB, as in the report (/run/lock)
+    print(d, mounts.get(d))
+try:
+    open({str(later)!r} + '/{name}', 'w')
+except OSError as error:
+    print('later', errno.errorcode[error.errno])
+"""
+        result = run_program(program, HOSTILE)
+        assert result.reason == "passed", result
+        assert result.stdout.splitlines() == [f"{d} tmpfs" for d in dirs] + ["later EROFS"]
+        left = [d for d in dirs + [str(later)] if os.path.exists(f"{d}/{name}")]
+        assert left == []  # nothing reached the host
+    finally:
+        shutil.rmtree(later, ignore_errors=True)
+
+
+def test_no_host_unix_socket_is_reachable_in_full_isolation(full_isolation):
+    if not full_isolation:
+        pytest.skip("only full isolation refuses Unix-domain sockets")
+    import socket
+    import threading
+
+    home = _outside_the_masks(".sandbox_socket_probe_")
+    path = str(home / "listener.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    received = []
+    try:
+        listener.bind(path)
+        os.chmod(path, 0o777)
+        listener.listen(8)
+        listener.settimeout(0.2)
+        stop = threading.Event()
+
+        def serve():
+            while not stop.is_set():
+                try:
+                    connection, _ = listener.accept()
+                except OSError:
+                    continue
+                with connection:
+                    received.append(connection.recv(100))
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        pid = os.fork()
+        if pid == 0:  # another uid (nobody) outside the sandbox reaches the listener
+            try:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+                with socket.socket(socket.AF_UNIX) as control:
+                    control.connect(path)
+                    control.send(b"control")
+                os._exit(0)
+            except BaseException:
+                os._exit(1)
+        assert os.waitpid(pid, 0)[1] == 0
+        direct = f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({path!r})\ns.send(b'direct')\n"
+        child = (f"import subprocess, sys\nr = subprocess.run([sys.executable, '-S', '-c', {direct!r}], "
+                 f"capture_output=True, text=True)\nprint(r.stderr.strip().splitlines()[-1])\n")
+        raw = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+               "print(libc.socket(1, 1, 0), ctypes.get_errno())\n")
+        pair = "import socket\na, b = socket.socketpair()\na.send(b'ok')\nprint(b.recv(2))\n"
+        results = run_many([direct, child, raw, pair], HOSTILE, max_workers=2)
+        stop.set()
+        thread.join(timeout=5)
+    finally:
+        listener.close()
+        shutil.rmtree(home, ignore_errors=True)
+    assert [r.reason for r in results] == ["network_blocked", "passed", "passed", "passed"], results
+    assert results[0].detail == "OSError: [Errno 97] Address family not supported by protocol"
+    assert results[1].stdout == "OSError: [Errno 97] Address family not supported by protocol\n"  # no audit hook
+    assert results[2].stdout == "-1 97\n"  # the raw system call: seccomp, not the audit hook
+    assert results[3].stdout == "b'ok'\n"  # a socketpair reaches nothing outside and still works
+    assert received == [b"control"]
+
+
+def test_sandbox_config_checks_every_field():
+    cases = {
+        "max_files": (3, "SandboxConfig.max_files must be a whole number in [16, 2147483647] (file descriptors"),
+        "file_mb": (0, "SandboxConfig.file_mb must be a whole number in [1, 2147483647] (MiB"),
+        "cpu_s": (0, "SandboxConfig.cpu_s must be a whole number in [1, 2147483647]"),
+        "memory_mb": (32, "SandboxConfig.memory_mb must be a whole number in [64, 2147483647]"),
+        "nproc": (0, "SandboxConfig.nproc must be a whole number in [1, 2147483647]"),
+        "max_output_bytes": (-1, "SandboxConfig.max_output_bytes must be a whole number in [0, 2147483647]"),
+    }
+    for name, (value, message) in cases.items():
+        for bad in (value, True, 2.0, float("nan"), "8", None, 2**31):
+            with pytest.raises(ValueError, match=re.escape(message.split(" (")[0])):
+                SandboxConfig(**{name: bad})
+        with pytest.raises(ValueError) as error:
+            SandboxConfig(**{name: value})
+        assert str(error.value).startswith(message) and str(error.value).endswith(f"got {value}")
+    for bad in (True, "10", None, float("-inf")):
+        with pytest.raises(ValueError, match="SandboxConfig.timeout_s must be a finite number of seconds > 0"):
+            SandboxConfig(timeout_s=bad)
+    with pytest.raises(ValueError, match="SandboxConfig.site_packages must be True or False, got 1"):
+        SandboxConfig(site_packages=1)
+    with pytest.raises(ValueError, match="SandboxConfig.python must be the path of an interpreter, got ''"):
+        SandboxConfig(python="")
+    assert SandboxConfig(timeout_s=5, max_files=16, file_mb=1, memory_mb=64, nproc=1, max_output_bytes=0).timeout_s == 5
+
+
+def test_the_startup_probe_runs_under_the_configured_limits_and_names_the_limit_too_small(tmp_path):
+    # A launcher that holds descriptors 3..40 open (all but the status pipe) before it starts Python: the probe
+    # passes with the default max_files and fails with 16, which passes SandboxConfig's own check.
+    launcher = tmp_path / "python-launcher"
+    launcher.write_text(f"""#!/bin/bash
+status=-1
+[[ "${{@: -1}}" =~ \\"status_fd\\":\\ ([0-9]+) ]] && status=${{BASH_REMATCH[1]}}
+for fd in $(seq 3 40); do [[ $fd == "$status" ]] || eval "exec $fd</dev/null"; done
+exec {sys.executable} "$@"
+""")
+    launcher.chmod(0o755)
+    level = isolation().mode
+    assert run_program("print('ok')\n", SandboxConfig(timeout_s=10, python=str(launcher))).stdout == "ok\n"
+    tight = SandboxConfig(timeout_s=10, max_files=16, python=str(launcher))
+    expected = (f"SandboxConfig(max_files=16) is too small to start {launcher} in {level} isolation: the start-up "
+                f"probe ended with sandbox_error: OSError: [Errno 24] Too many open files")
+    with pytest.raises(ValueError) as error:
+        isolation(tight)
+    assert str(error.value).startswith(expected), error.value
+    assert str(error.value).endswith("and passes with max_files=256 (the default); raise max_files")
+    with pytest.raises(ValueError, match=re.escape(expected)):  # at start-up, never a 0 for a correct program
+        task = CodeTask(task_id="t", kind="assert", prompt="def f():\n", tests="assert f() == 1\n")
+        verify_many([(task, "    return 1\n")], tight, max_workers=1)
+    assert run_program("print('ok')\n", dataclasses.replace(tight, max_files=64)).stdout == "ok\n"
 
 
 # ---------------------------------------------------------------------------------------------- verifier
@@ -710,7 +878,7 @@ def test_code_launcher_composes_with_verl_and_passes_validation(tmp_path, bpe_sm
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    from verl_prm.config.hook import validate_run_config
+    from verl_prm.integrations.verl.run_config import validate_run_config
 
     critic = tmp_path / "critic"
     config = Qwen2Config(vocab_size=len(bpe_small), hidden_size=32, intermediate_size=64, num_hidden_layers=1,

@@ -1,19 +1,26 @@
 """PURE's min-form and PRIME's leave-one-out credit assignment (``pav_pure``, ``pav_prime``) against the peers'
 formulas, written as plain loops over samples, steps and tokens.
 
-PURE (CJReinforce/PURE, openrlhf/utils/utils.py ``turn_process_reward_logits_to_reward`` and
-openrlhf/trainer/ppo_utils/experience_maker.py): step rewards weighted by a softmax of ``-r / T`` over the
-response's steps, minus the leave-one-out mean step reward of the prompt's other responses (``reward_baseline
-= step``), placed at the step-end tokens, the verifiable reward's RLOO at the last token, returns = reverse
-cumulative sum, 0 advantage on step-separator tokens. PRIME (PRIME-RL/PRIME ``compute_rloo_returns``): per reward
-source, ``r * n/(n-1) - sum_g mean_j / (n-1)`` at the reward positions, undiscounted returns summed over the
-sources, whitened over the response tokens.
+PURE (github.com/CJReinforce/PURE at 41f9363: openrlhf/utils/utils.py ``turn_process_reward_logits_to_reward``,
+openrlhf/trainer/ppo_utils/experience_maker.py ``process_experiences`` and ``make_experience_list``,
+openrlhf/trainer/ppo_utils/replay_buffer.py ``normalize``): step rewards weighted by a softmax of ``-r / T`` over
+the response's steps; ``reward_baseline=step``: minus the others' mean of ``sum(r) / num_steps``;
+``reward_baseline=token``: minus ``(sum of the others' sum(r)) / (sum of their response lengths) *
+num_tokens_per_step``; placed at the step-end tokens, the verifiable reward's RLOO added at the EOS index,
+returns = ``reward.fliplr().cumsum(dim=1).fliplr()``, ``returns.masked_fill_(process_reward_mask, 0)`` (the
+separators and the EOS), then (``disable_advantage_normalization`` off, the default) mean over the count of
+non-zero tokens, ``rstd = (sum(action_mask * (adv - mean)^2) / count).clamp(min=1e-8).rsqrt()``, zero tokens
+kept 0. PRIME (github.com/PRIME-RL/PRIME at 18ad596, training/verl/trainer/ppo/core_algos.py
+``compute_rloo_returns``): per reward source, ``r * n/(n-1) - sum_g mean_j / (n-1)`` at the reward positions
+(``rm_scores``: ``reward_mask = eos_mask``, the whole response; ``gt_scores``: the last valid token),
+undiscounted returns summed over the sources, whitened over the response tokens.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -88,40 +95,67 @@ def pure_min_form_loop(scores: list[float], temperature: float) -> list[float]:
     return [e / sum(exps) * s for e, s in zip(exps, scores)]
 
 
-def pure_reference(b, alpha, temperature, baseline, zero_separators, keep=None):
+def pure_normalize_loop(advantages, mask, count_padding_zeros=False):
+    """replay_buffer.normalize: zero-advantage tokens out of the count (``num_actions -= (adv == 0).sum()``), in
+    the variance (``(adv - mean)^2 * action_mask``), kept 0. PURE's zero test runs over the padded tensor, so its
+    padding also leaves the count (``count_padding_zeros``); verl-prm counts the response tokens only."""
+    cells = [(i, t) for i in range(len(advantages)) for t in range(len(advantages[i]))]
+    zeros = [(i, t) for i, t in cells if advantages[i][t] == 0 and (mask[i][t] or count_padding_zeros)]
+    count = sum(mask[i][t] for i, t in cells) - len(zeros)
+    if count == 0:
+        return [[0.0] * len(row) for row in advantages]
+    mean = sum(advantages[i][t] for i, t in cells) / count
+    variance = sum((advantages[i][t] - mean) ** 2 * mask[i][t] for i, t in cells) / count
+    rstd = 1.0 / math.sqrt(max(variance, 1e-8))
+    zero_set = set(zeros)
+    return [[0.0 if (i, t) in zero_set or not mask[i][t] else (x - mean) * rstd for t, x in enumerate(row)]
+            for i, row in enumerate(advantages)]
+
+
+def pure_reference(b, alpha, temperature, baseline, zero_separators, keep=None, zero_eos=False, whiten=False):
     batch, length = b["step_ids"].shape
     ids = b["step_ids"].tolist()
     mask = b["mask"].tolist()
     uids = b["uids"]
     keep = keep or [True] * batch
     rewards = [pure_min_form_loop(row, temperature) for row in b["scores"]]
-    # reward_baseline = "step": the others' (sum of weighted rewards / number of steps), averaged
-    per_step = [sum(r) / len(r) if r else None for r in rewards]
+    # the responses that enter the others' baseline: with steps (PURE's all have one) and kept
+    counted = [bool(rewards[j]) and keep[j] for j in range(batch)]
     out_rloo = rloo_loop(b["outcome"].tolist(), uids)
+    lengths = [sum(row) for row in mask]  # response_length = action_mask.sum(-1)
     result = []
     for i in range(batch):
-        base = 0.0
-        if baseline:
-            others = [per_step[j] for j in range(batch)
-                      if uids[j] == uids[i] and j != i and per_step[j] is not None and keep[j]]
-            base = sum(others) / len(others) if others else 0.0
+        others = [j for j in range(batch) if uids[j] == uids[i] and j != i and counted[j]]
         token_rewards = [0.0] * length
         separators = set()
         for h, r in enumerate(rewards[i]):
             end = step_ends_loop(ids[i], h)
+            if baseline == "step":  # others' average_process_reward = outcome_rewards / num_steps, averaged
+                base = sum(sum(rewards[j]) / len(rewards[j]) for j in others) / len(others) if others else 0.0
+            elif baseline == "token":  # average_reward_per_token * num_tokens_per_step (tokens of step h here)
+                others_tokens = sum(lengths[j] for j in others)
+                per_token = sum(sum(rewards[j]) for j in others) / others_tokens if others_tokens else 0.0
+                base = per_token * sum(1 for t in range(length) if ids[i][t] == h and mask[i][t])
+            else:
+                base = 0.0
             token_rewards[end] += alpha * (r - base) if keep[i] else 0.0
             if h < len(rewards[i]) - 1:
                 separators.add(end)
         last = max(t for t in range(length) if mask[i][t])
-        token_rewards[last] += out_rloo[i]  # the verifiable reward's RLOO at the last token (PURE: EOS)
+        token_rewards[last] += out_rloo[i]  # the verifiable reward's RLOO at eos_indices
+        if zero_eos:  # reward_mask[j, eos_indices[j]] = True, and masked_fill_(process_reward_mask, 0) below
+            separators.add(last)
         returns, running = [0.0] * length, 0.0
         for t in reversed(range(length)):  # returns = reward.fliplr().cumsum(dim=1).fliplr()
             running += token_rewards[t]
             returns[t] = running
         row = [returns[t] * mask[i][t] for t in range(length)]
-        if zero_separators:  # returns.masked_fill_(process_reward_mask, 0) for the separator tokens
-            row = [0.0 if t in separators else x for t, x in enumerate(row)]
+        if zero_separators or zero_eos:  # returns.masked_fill_(process_reward_mask, 0)
+            zeroed = separators if zero_separators else {last}
+            row = [0.0 if t in zeroed else x for t, x in enumerate(row)]
         result.append(row)
+    if whiten:
+        result = pure_normalize_loop(result, mask)
     return torch.tensor(result, dtype=torch.float64)
 
 
@@ -157,30 +191,75 @@ def test_hard_min_splits_ties_equally():
 
 
 @pytest.mark.parametrize("temperature", [0.1, 0.0])
-@pytest.mark.parametrize("baseline", [True, False])
-@pytest.mark.parametrize("zero_separators", [True, False])
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_min_form_advantage_equals_pures_formula(temperature, baseline, zero_separators, seed):
+@pytest.mark.parametrize("baseline", adv.MIN_FORM_BASELINES)
+@pytest.mark.parametrize("zero_separators, zero_eos", [(True, False), (False, False), (True, True), (False, True)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_min_form_advantage_equals_pures_formula(temperature, baseline, zero_separators, zero_eos, seed):
     b = random_batch(seed)
     out = adv.leave_one_out_outcome(b["outcome"], b["groups"], b["num_groups"])
-    ours = adv.min_form_advantage(out, b["step_scores"], b["step_ids"], b["num_steps"], b["mask"], 2.5,
-                                  groups=b["groups"], num_groups=b["num_groups"], temperature=temperature,
-                                  baseline=baseline, zero_separators=zero_separators)
-    expected = pure_reference(b, 2.5, temperature, baseline, zero_separators)
-    torch.testing.assert_close(ours, expected, atol=1e-10, rtol=1e-10)
+    for whiten in (False, True):
+        ours = adv.min_form_advantage(out, b["step_scores"], b["step_ids"], b["num_steps"], b["mask"], 2.5,
+                                      groups=b["groups"], num_groups=b["num_groups"], temperature=temperature,
+                                      baseline=baseline, zero_separators=zero_separators, zero_eos=zero_eos,
+                                      whiten=whiten)
+        expected = pure_reference(b, 2.5, temperature, baseline, zero_separators, zero_eos=zero_eos, whiten=whiten)
+        torch.testing.assert_close(ours, expected, atol=1e-10, rtol=1e-10)
+
+
+def test_pure_whiten_equals_pures_normalize_on_an_unpadded_batch():
+    """On a batch without padding PURE's count (its zero test over the padded tensor) and ours agree; with
+    padding PURE also drops the padding positions from the count (the documented difference)."""
+    b = random_batch(8)
+    full = torch.ones_like(b["mask"])
+    out = adv.leave_one_out_outcome(b["outcome"], b["groups"], b["num_groups"])
+    raw = adv.min_form_advantage(out, b["step_scores"], b["step_ids"], b["num_steps"], full, 1.5,
+                                 groups=b["groups"], num_groups=b["num_groups"], zero_eos=True, whiten=False)
+    expected = pure_normalize_loop(raw.tolist(), full.tolist(), count_padding_zeros=True)
+    torch.testing.assert_close(adv.pure_whiten(raw, full), torch.tensor(expected, dtype=torch.float64))
+    padded = raw * b["mask"]
+    literal = torch.tensor(pure_normalize_loop(padded.tolist(), b["mask"].tolist(), count_padding_zeros=True),
+                           dtype=torch.float64)
+    assert not torch.allclose(adv.pure_whiten(padded, b["mask"]), literal)
+    assert adv.pure_whiten(torch.zeros(2, 3, dtype=torch.float64), torch.ones(2, 3)).tolist() == [[0.0] * 3] * 2
+
+
+def test_the_eos_token_keeps_the_outcome_term_unless_zeroed():
+    b = random_batch(9)
+    out = adv.leave_one_out_outcome(b["outcome"], b["groups"], b["num_groups"])
+    last = adv.response_end_positions(b["mask"])
+    for zero_eos in (False, True):
+        ours = adv.min_form_advantage(out, b["step_scores"], b["step_ids"], b["num_steps"], b["mask"], 1.0,
+                                      groups=b["groups"], num_groups=b["num_groups"], zero_eos=zero_eos,
+                                      whiten=False)
+        at_eos = ours.gather(1, last[:, None]).squeeze(1)
+        torch.testing.assert_close(at_eos, torch.zeros_like(out) if zero_eos else out)
+
+
+def test_the_token_baseline_charges_longer_steps_more():
+    # two responses of one prompt: the baseline of response 0's steps is response 1's reward per token (0.4 / 4
+    # tokens) times each step's token count (1 and 3)
+    scores = torch.tensor([[0.2, 0.2], [0.4, 0.0]], dtype=torch.float64)
+    step_ids = torch.tensor([[0, 1, 1, 1], [0, 0, 0, -1]])
+    mask = torch.ones(2, 4)
+    groups, num_groups = adv.group_ids(["a", "a"])
+    base = adv.leave_one_out_token_baseline(scores, step_ids, torch.tensor([2, 1]), mask, groups, num_groups)
+    torch.testing.assert_close(base, torch.tensor([[0.1, 0.3], [0.4 / 4 * 3, 0.0]], dtype=torch.float64))
 
 
 def test_min_form_advantage_with_dropped_and_stepless_responses():
     b = random_batch(3, allow_empty=True)
     keep = [i % 3 != 0 for i in range(len(b["uids"]))]
     out = adv.leave_one_out_outcome(b["outcome"], b["groups"], b["num_groups"])
-    ours = adv.min_form_advantage(out, b["step_scores"], b["step_ids"], b["num_steps"], b["mask"], 1.0,
-                                  groups=b["groups"], num_groups=b["num_groups"], keep=torch.tensor(keep))
-    torch.testing.assert_close(ours, pure_reference(b, 1.0, 0.1, True, True, keep=keep), atol=1e-10, rtol=1e-10)
-    for i, kept in enumerate(keep):  # a dropped response gets the outcome term alone (0 on its separators)
-        if not kept:
-            row = ours[i][b["mask"][i] > 0]
-            assert set(row.tolist()) <= {0.0, float(out[i])}
+    for baseline in ("token", "step"):
+        ours = adv.min_form_advantage(out, b["step_scores"], b["step_ids"], b["num_steps"], b["mask"], 1.0,
+                                      groups=b["groups"], num_groups=b["num_groups"], keep=torch.tensor(keep),
+                                      baseline=baseline, whiten=False)
+        torch.testing.assert_close(ours, pure_reference(b, 1.0, 0.1, baseline, True, keep=keep), atol=1e-10,
+                                   rtol=1e-10)
+        for i, kept in enumerate(keep):  # a dropped response gets the outcome term alone (0 on its separators)
+            if not kept:
+                row = ours[i][b["mask"][i] > 0]
+                assert set(row.tolist()) <= {0.0, float(out[i])}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -188,9 +267,10 @@ def test_min_form_advantage_with_dropped_and_stepless_responses():
 # ----------------------------------------------------------------------------------------------------------
 
 
-def prime_reference(b, alpha, whiten, n):
-    """compute_rloo_returns with two reward sources: the process scores at the step ends (rm_scores, reward
-    mask = step-end tokens) and the outcome at the last valid token (gt_scores); gamma = 1."""
+def prime_reference(b, alpha, whiten, n, reward_mask="step_end"):
+    """compute_rloo_returns with two reward sources: the process scores at the step ends (rm_scores) and the
+    outcome at the last valid token (gt_scores); gamma = 1. rm_scores' reward mask is PRIME's ``eos_mask`` (the
+    whole response) with ``reward_mask="response"``, the step-end tokens with ``"step_end"`` (PRIME changed)."""
     batch, length = b["step_ids"].shape
     ids, mask = b["step_ids"].tolist(), b["mask"].tolist()
     sources = []
@@ -201,6 +281,8 @@ def prime_reference(b, alpha, whiten, n):
             end = step_ends_loop(ids[i], h)
             process[i][end] = alpha * p
             process_mask[i][end] = True
+        if reward_mask == "response":  # reward_mask = eos_mask.bool()
+            process_mask[i] = [bool(m) for m in mask[i]]
     outcome = [[0.0] * length for _ in range(batch)]
     outcome_mask = [[False] * length for _ in range(batch)]
     for i in range(batch):
@@ -236,14 +318,38 @@ def prime_reference(b, alpha, whiten, n):
                         dtype=torch.float64)
 
 
+@pytest.mark.parametrize("reward_mask", adv.PRIME_REWARD_MASKS)
 @pytest.mark.parametrize("whiten", [True, False])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_leave_one_out_process_advantage_equals_primes_formula(whiten, seed):
+def test_leave_one_out_process_advantage_equals_primes_formula(reward_mask, whiten, seed):
     b = random_batch(seed, groups=3, n=4)
     out = adv.leave_one_out_outcome(b["outcome"], b["groups"], b["num_groups"])
     ours = adv.leave_one_out_process_advantage(out, b["step_scores"], b["step_ids"], b["num_steps"], b["mask"], 1.7,
-                                               groups=b["groups"], num_groups=b["num_groups"], whiten=whiten)
-    torch.testing.assert_close(ours, prime_reference(b, 1.7, whiten, n=4), atol=1e-9, rtol=1e-9)
+                                               groups=b["groups"], num_groups=b["num_groups"], whiten=whiten,
+                                               reward_mask=reward_mask)
+    torch.testing.assert_close(ours, prime_reference(b, 1.7, whiten, n=4, reward_mask=reward_mask), atol=1e-9,
+                               rtol=1e-9)
+
+
+def test_prime_masks_differ_with_multi_token_steps_and_agree_when_every_token_is_a_step():
+    b = random_batch(4, groups=2, n=3)
+    out = adv.leave_one_out_outcome(b["outcome"], b["groups"], b["num_groups"])
+
+    def both(batch):
+        return [adv.leave_one_out_process_advantage(out, batch["step_scores"], batch["step_ids"], batch["num_steps"],
+                                                    batch["mask"], 1.0, groups=batch["groups"],
+                                                    num_groups=batch["num_groups"], reward_mask=m)
+                for m in adv.PRIME_REWARD_MASKS]
+
+    step_end, response = both(b)
+    assert not torch.allclose(step_end, response)
+    # every response token its own step (no EOS, no padding): the two masks are the same tokens
+    lengths = b["num_steps"].tolist()
+    width = max(lengths)
+    one = dict(b, step_ids=torch.tensor([[h if h < k else -1 for h in range(width)] for k in lengths]),
+               mask=torch.tensor([[1.0 if h < k else 0.0 for h in range(width)] for k in lengths]))
+    step_end, response = both(one)
+    torch.testing.assert_close(step_end, response)
 
 
 def test_prime_step_rewards_fallbacks():
@@ -313,7 +419,7 @@ def config(name, **pav):
     return {"adv_estimator": name, "pav": pav}
 
 
-@pytest.mark.parametrize("name, off", [("pav_pure", {"zero_separator_advantage": False}),
+@pytest.mark.parametrize("name, off", [("pav_pure", {"zero_separator_advantage": False, "min_form_whiten": False}),
                                        ("pav_prime", {"whiten_returns": False})])
 def test_alpha_zero_is_verls_rloo(name, off):
     from verl.trainer.ppo.core_algos import compute_rloo_outcome_advantage
@@ -364,10 +470,15 @@ def test_the_shared_input_checks_apply(name):
         ESTIMATORS[name](**estimator_inputs(random_batch(7)), config=config(name, drop_truncated=True))
 
 
+BOUND = re.escape("min_form_temperature must be 0 (the hard minimum) or a finite number >= 1e-30 (below it the "
+                  "softmin logits -p/T overflow float32 and the weights become NaN), got ")
+
+
 @pytest.mark.parametrize("value, message", [
-    (-0.1, "min_form_temperature must be a finite number >= 0"),
-    (float("nan"), "min_form_temperature must be a finite number >= 0"),
-    (float("inf"), "min_form_temperature must be a finite number >= 0"),
+    (-0.1, BOUND + "-0.1"),
+    (1e-31, BOUND + "1e-31"),
+    (float("nan"), BOUND + "nan"),
+    (float("inf"), BOUND + "inf"),
     ("0.1", "min_form_temperature must be a number"),
 ])
 def test_bad_temperature_names_the_key(value, message):
@@ -375,10 +486,71 @@ def test_bad_temperature_names_the_key(value, message):
         read_pav_config({"pav": {"min_form_temperature": value}})
 
 
-@pytest.mark.parametrize("key", ["min_form_baseline", "zero_separator_advantage", "whiten_returns"])
+def test_the_bare_softmin_checks_its_temperature_too():
+    with pytest.raises(ValueError, match="temperature must be 0 .* >= 1e-30"):
+        adv.softmin_weights(torch.zeros(1, 2), torch.tensor([2]), 3e-39)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_smallest_temperature_keeps_the_weights_finite(dtype):
+    # |p| <= 1000: the largest process score the estimators make (|progress| <= 1 over a std >= 1e-3)
+    scores = torch.tensor([[1000.0, -1000.0, 0.5], [-0.25, 0.75, 0.0]], dtype=dtype)
+    weights = adv.softmin_weights(scores, torch.tensor([3, 2]), adv.MIN_SOFTMIN_TEMPERATURE)
+    assert weights.dtype == dtype and torch.isfinite(weights).all()
+    assert weights.float().tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]  # the hard minimum, in the limit
+
+
+@pytest.mark.parametrize("key", ["zero_separator_advantage", "zero_eos_advantage", "min_form_whiten",
+                                 "whiten_returns"])
 def test_bad_switch_names_the_key(key):
     with pytest.raises(ValueError, match=f"algorithm.pav.{key} must be true or false"):
         PavConfig(**{key: "yes"})
+
+
+@pytest.mark.parametrize("key, value, choices", [("min_form_baseline", True, adv.MIN_FORM_BASELINES),
+                                                 ("prime_reward_mask", "eos", adv.PRIME_REWARD_MASKS)])
+def test_bad_choice_names_the_key_and_the_choices(key, value, choices):
+    with pytest.raises(ValueError, match=re.escape(f"algorithm.pav.{key} must be one of {choices}, got {value!r}")):
+        PavConfig(**{key: value})
+
+
+@pytest.mark.parametrize("name", ["pav_pure", "pav_prime"])
+def test_the_new_options_reach_the_math(name):
+    b = random_batch(10)
+    t = estimator_inputs(b, values_seed=2)
+    options = ({"min_form_baseline": "step", "zero_eos_advantage": True, "min_form_whiten": False}
+               if name == "pav_pure" else {"prime_reward_mask": "response", "whiten_returns": False})
+    ours, _ = ESTIMATORS[name](**t, config=config(name, alpha=1.5, **options))
+    scores = adv.process_scores(t["step_values"], t["prompt_values"], t["num_steps"])
+    out = adv.leave_one_out_outcome(t["token_level_rewards"].sum(1).double(), b["groups"], b["num_groups"]).float()
+    common = dict(groups=b["groups"], num_groups=b["num_groups"])
+    if name == "pav_pure":
+        expected = adv.min_form_advantage(out, scores, b["step_ids"], b["num_steps"], b["mask"], 1.5,
+                                          baseline="step", zero_eos=True, whiten=False, **common)
+    else:
+        expected = adv.leave_one_out_process_advantage(out, scores, b["step_ids"], b["num_steps"], b["mask"], 1.5,
+                                                       reward_mask="response", whiten=False, **common)
+    torch.testing.assert_close(ours, expected)
+    assert not torch.allclose(ours, ESTIMATORS[name](**t, config=config(name, alpha=1.5))[0])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_token_level_rewards_name_the_sample(bad):
+    t = estimator_inputs(random_batch(7))
+    t["token_level_rewards"] = t["token_level_rewards"].clone()
+    t["token_level_rewards"][3, 1] = bad
+    for name in ESTIMATORS:
+        with pytest.raises(ValueError, match=re.escape(f"sample 3: token_level_rewards[3, 1] = {bad} is not finite")):
+            ESTIMATORS[name](**t, config=config(name))
+
+
+def test_the_bare_functions_check_alpha():
+    b = random_batch(0)
+    out = adv.leave_one_out_outcome(b["outcome"], b["groups"], b["num_groups"])
+    for function in (adv.min_form_advantage, adv.leave_one_out_process_advantage):
+        with pytest.raises(ValueError, match="alpha must be a finite number, got nan"):
+            function(out, b["step_scores"], b["step_ids"], b["num_steps"], b["mask"], float("nan"),
+                     groups=b["groups"], num_groups=b["num_groups"])
 
 
 def test_every_estimator_is_registered_in_verl():

@@ -1,4 +1,6 @@
-"""Prover critic: every format scores all steps in one packed pass exactly as one forward pass per prefix does.
+"""Prover critic: every format scores all steps in one packed pass exactly as one forward pass per prefix does
+(token formats), or as one pass of the plain model per sample on the format's input (text formats; that the
+input is the authors' one is tests/unit/test_prm_formats.py).
 
 Tiny Qwen2 models with random weights are built from configs, saved with ``save_pretrained`` (safetensors) and
 loaded back through ``ProverCritic.from_pretrained`` (trust_remote_code=False). The reference is independent of
@@ -30,6 +32,24 @@ from verl_prm.critic.packing import padding_share, plan_micro_batches
 TOL = 1e-4
 FORMATS = ("value_head", "qwen_prm", "qwen_prm_public", "math_shepherd", "value_head_lm")
 MARKERS = {"qwen_prm": "<extra_0>", "qwen_prm_public": "<extra_0>", "math_shepherd": "ки"}
+# The two-class token classifier is scored token-level by `pure_prm` (marker: the "\n" token after each step);
+# the public Qwen layout by the text format `qwen_prm`.
+FORMAT_NAMES = {"qwen_prm": "pure_prm", "qwen_prm_public": "qwen_prm"}
+TEXT_KINDS = ("qwen_prm_public", "math_shepherd", "value_head_lm")
+
+
+def format_options(kind: str, tokenizer) -> dict:
+    """The byte-level test tokenizer has no SentencePiece pieces: math_shepherd takes its tokens by id."""
+    if kind != "math_shepherd":
+        return {}
+    ids = tokenizer.convert_tokens_to_ids
+    return {"tag": ids("ки"), "positive_token": ids("+"), "negative_token": ids("-")}
+
+
+def load_critic(kind: str, path, **kwargs) -> ProverCritic:
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    return ProverCritic.from_pretrained(str(path), format=format_name(kind), **format_options(kind, tokenizer),
+                                        **kwargs)
 
 
 def _config(vocab_size: int, **extra) -> Qwen2Config:
@@ -140,7 +160,7 @@ def build_checkpoint(kind: str, tokenizer, directory: Path, seed: int = 0) -> Pa
 
 
 def format_name(kind: str) -> str:
-    return "qwen_prm" if kind == "qwen_prm_public" else kind
+    return FORMAT_NAMES.get(kind, kind)
 
 
 class PrefixReference:
@@ -150,6 +170,9 @@ class PrefixReference:
         self.kind = kind
         tok = PreTrainedTokenizerFast.from_pretrained(path)
         self.marker = tok.convert_tokens_to_ids(MARKERS[kind]) if kind in MARKERS else None
+        if kind == "qwen_prm":  # PURE's layout: the "\n" token after each step, none after the prompt
+            self.marker = tok.convert_tokens_to_ids("Ċ")
+            self.separators = {i for i in range(len(tok)) if tok.decode([i]).endswith("\n\n")}
         if kind in ("value_head", "qwen_prm"):
             self.model = AutoModelForTokenClassification.from_pretrained(path).eval()
         elif kind == "math_shepherd":
@@ -160,28 +183,34 @@ class PrefixReference:
             self.head = load_file(path / "model.safetensors")
 
     @torch.inference_mode()
-    def value_at_last(self, ids: list[int]) -> float:
+    def values_at(self, ids: list[int], positions: list[int]) -> list[float]:
         x = torch.tensor([ids])
         if self.kind == "value_head":
-            return torch.sigmoid(self.model(x).logits[0, -1, 0]).item()
+            return torch.sigmoid(self.model(x).logits[0, positions, 0]).tolist()
         if self.kind == "qwen_prm":
-            return torch.softmax(self.model(x).logits[0, -1], -1)[1].item()
+            return torch.softmax(self.model(x).logits[0, positions], -1)[:, 1].tolist()
         if self.kind == "math_shepherd":
-            return torch.softmax(self.model(x).logits[0, -1, self.candidates], -1)[0].item()
-        h = self.model(x).last_hidden_state[0, -1]
+            return torch.softmax(self.model(x).logits[0, positions][:, self.candidates], -1)[:, 0].tolist()
+        h = self.model(x).last_hidden_state[0, positions]
         if self.kind == "value_head_lm":
-            return torch.sigmoid(h @ self.head["v_head.summary.weight"][0] + self.head["v_head.summary.bias"][0]).item()
-        z = torch.relu(self.head["score.0.weight"] @ h + self.head["score.0.bias"])
-        return torch.softmax(self.head["score.2.weight"] @ z + self.head["score.2.bias"], -1)[1].item()
+            return torch.sigmoid(h @ self.head["v_head.summary.weight"][0] + self.head["v_head.summary.bias"][0]).tolist()
+        z = torch.relu(h @ self.head["score.0.weight"].T + self.head["score.0.bias"])
+        return torch.softmax(z @ self.head["score.2.weight"].T + self.head["score.2.bias"], -1)[:, 1].tolist()
+
+    def value_at_last(self, ids: list[int]) -> float:
+        return self.values_at(ids, [len(ids) - 1])[0]
 
     def prefix(self, ids: list[int], ends: list[int]) -> list[int]:
         """ids up to ends[-1] with a marker after every end (marker formats), written independently of
         verl_prm.critic.packing."""
-        if self.marker is None:
+        if self.marker is None or len(ends) == 1:
             return ids[: ends[-1] + 1]
-        out, start = [], 0
-        for end in ends:
-            out += ids[start : end + 1] + [self.marker]
+        out, start = ids[: ends[0] + 1], ends[0] + 1
+        for end in ends[1:]:
+            step = ids[start : end + 1]
+            if self.kind == "qwen_prm" and step[-1] in self.separators:
+                step = step[:-1]
+            out += step + [self.marker]
             start = end + 1
         return out
 
@@ -226,14 +255,18 @@ def _sequences(tokenizer, samples, rng: random.Random, steps: int = 4):
 @pytest.mark.parametrize("packing", ["varlen", "padded"])
 def test_packed_equals_per_prefix(kind, packing, checkpoints, samples):
     path = checkpoints[kind]
-    critic = ProverCritic.from_pretrained(str(path), format=format_name(kind), packing=packing, max_tokens_per_batch=400)
+    critic = load_critic(kind, path, packing=packing, max_tokens_per_batch=400)
     assert critic.packing == packing
     ids, prompt_ends, step_ends = _sequences(critic.tokenizer, samples, random.Random(1))
     scores = critic.score_sequences(ids, prompt_ends, step_ends)
     reference = PrefixReference(kind, path)
     all_values = []
     for b in range(len(ids)):
-        expected = reference.score(ids[b], prompt_ends[b], step_ends[b])
+        if kind in TEXT_KINDS:  # one pass of the plain model on the format's input of this sample alone
+            (alone,) = critic.build_inputs([ids[b]], [prompt_ends[b]], [step_ends[b]])
+            expected = reference.values_at(alone.input_ids, alone.read_positions)
+        else:
+            expected = reference.score(ids[b], prompt_ends[b], step_ends[b])
         h = len(step_ends[b])
         assert int(scores.num_steps[b]) == h
         got = [float(scores.prompt_values[b])] + scores.step_values[b, :h].tolist()
@@ -246,7 +279,7 @@ def test_packed_equals_per_prefix(kind, packing, checkpoints, samples):
 
 @pytest.mark.parametrize("kind", ["value_head", "math_shepherd"])
 def test_order_preserved_under_shuffled_lengths(kind, checkpoints, samples):
-    critic = ProverCritic.from_pretrained(str(checkpoints[kind]), format=kind, max_tokens_per_batch=300)
+    critic = load_critic(kind, checkpoints[kind], max_tokens_per_batch=300)
     rng = random.Random(2)
     ids, prompt_ends, step_ends = _sequences(critic.tokenizer, samples * 2, rng)
     base = critic.score_sequences(ids, prompt_ends, step_ends)
@@ -283,15 +316,18 @@ def test_too_long_names_the_sample_and_left_prompt_truncation(checkpoints, sampl
     ids, prompt_ends, step_ends = _sequences(
         PreTrainedTokenizerFast.from_pretrained(path), samples, random.Random(4)
     )
-    lengths = [len(x) + 1 + len(e) for x, e in zip(ids, step_ends)]  # with markers
+    unlimited = ProverCritic.from_pretrained(str(path), format="pure_prm")
+    lengths = [len(x.input_ids) for x in unlimited.build_inputs(ids, prompt_ends, step_ends)]
+    # a marker after every step, the tokens after the last step end not read (PURE's input ends there)
+    assert lengths == [e[-1] + 1 + len(e) if e else p + 1 for p, e in zip(prompt_ends, step_ends)]
     longest = max(range(len(ids)), key=lambda i: lengths[i])
     limit = sorted(lengths)[-2]  # only the longest sample does not fit
     assert lengths[longest] > limit
-    strict = ProverCritic.from_pretrained(str(path), format="qwen_prm", max_length=limit)
+    strict = ProverCritic.from_pretrained(str(path), format="pure_prm", max_length=limit)
     with pytest.raises(ValueError, match=rf"sample {longest}: the critic input has {lengths[longest]} tokens"):
         strict.score_sequences(ids, prompt_ends, step_ends)
 
-    truncating = ProverCritic.from_pretrained(str(path), format="qwen_prm", max_length=limit, truncation="left_prompt")
+    truncating = ProverCritic.from_pretrained(str(path), format="pure_prm", max_length=limit, truncation="left_prompt")
     scores = truncating.score_sequences(ids, prompt_ends, step_ends)
     drop = lengths[longest] - limit
     assert drop <= prompt_ends[longest]
@@ -303,7 +339,7 @@ def test_too_long_names_the_sample_and_left_prompt_truncation(checkpoints, sampl
     assert got == pytest.approx(expected, abs=TOL)
 
     # the response alone is too long: still an error, also with left_prompt
-    response_only = ProverCritic.from_pretrained(str(path), format="qwen_prm", max_length=lengths[longest] - prompt_ends[longest] - 1,
+    response_only = ProverCritic.from_pretrained(str(path), format="pure_prm", max_length=lengths[longest] - prompt_ends[longest] - 1,
                                                  truncation="left_prompt")
     with pytest.raises(ValueError, match=rf"sample {longest}: .*alone needs"):
         response_only.score_sequences(ids, prompt_ends, step_ends)
@@ -360,7 +396,7 @@ def _policy_batch(tokenizer, samples):
 def test_policy_tokens_with_another_tokenizer_equal_scoring_the_text(kind, checkpoints, samples, bpe_large, bpe_small):
     from verl_prm.steps import split_steps
 
-    critic = ProverCritic.from_pretrained(str(checkpoints[kind]), format=kind)
+    critic = load_critic(kind, checkpoints[kind])
     texts = [(q, a) for q, a in samples]
     expected = critic.score_texts([q for q, _ in texts], [a for _, a in texts], delimiter="\n")
     assert int(expected.num_steps.min()) >= 2
@@ -401,7 +437,7 @@ def test_worker_group_matches_in_process_critic(ray_local, checkpoints, samples,
         non_tensors={"critic_prompts": np.array([q for q, _ in texts], dtype=object)},
     )
     path = str(checkpoints["qwen_prm"])
-    kwargs = {"format": "qwen_prm", "max_tokens_per_batch": 512}
+    kwargs = {"format": "pure_prm", "max_tokens_per_batch": 512}
     pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1)
     worker_cls = RayClassWithInitArgs(cls=ray_local.remote(ProverCriticWorker), model_path=path, critic_kwargs=kwargs,
                                       policy_tokenizer_path=str(policy_dir))

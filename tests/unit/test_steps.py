@@ -797,3 +797,24 @@ def test_tensors_keep_their_device_and_dtype(bpe_small):
     split = split_steps(ids, mask.bool(), bpe_small)  # a bool mask works as a 0/1 mask
     assert split.step_ids.device == ids.device and split.step_ids.dtype == torch.int64
     assert split.num_steps.dtype == split.step_ends.dtype == split.merged_steps.dtype == torch.int64
+
+
+@pytest.mark.parametrize("regex, problem", [
+    ("", "matches the empty string, so it matches at every position and makes every character a step"),
+    ("x*", "matches the empty string, so it matches at every position and makes every character a step"),
+    (r"\s*", "matches the empty string, so it matches at every position and makes every character a step"),
+    (r"\b", "has a zero-width match inside plain words (at [0, 2, 3, 5, 6, 8] of 'ab cd ef'), so it makes every "
+            "word a step"),
+])
+def test_a_step_regex_that_matches_everywhere_is_refused(regex, problem):
+    """Before the check, '' and 'x*' made each character a step and '\\b' each word; the config check of a verl
+    run (verl_prm.steps.regex) refuses the same regexes."""
+    from verl_prm.config.hook import ConfigError, read_hook_config
+
+    with pytest.raises(ValueError, match=re.escape(f"regex={regex!r} {problem}: make it match at least one character")):
+        step_char_spans("Step 1 a\n\nStep 2 b", None, regex=regex)
+    with pytest.raises(ConfigError, match=re.escape(f"verl_prm.steps.regex {regex!r} {problem}")):
+        read_hook_config({"steps": {"delimiter": None, "regex": regex}})
+    # a lookahead for a marker is zero-width too, but matches only at the marker
+    assert step_char_spans("Step 1 a\nStep 2 b", None, regex=r"(?=Step \d)") == [(0, 9), (9, 17)]
+    assert read_hook_config({"steps": {"delimiter": None, "regex": r"(?=Step \d)"}}).steps.regex == r"(?=Step \d)"

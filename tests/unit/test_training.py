@@ -276,8 +276,9 @@ def test_label_train_score_cli_end_to_end(tmp_path, bpe_small):
     """`verl-prm label` (tiny causal LM) -> `verl-prm train --init` that LM -> ProverCritic scores."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from verl_prm.apps.cli import main
     from verl_prm.critic import ProverCritic
+    from verl_prm.labeling.cli import main as label_main
+    from verl_prm.training.cli import main as train_main
 
     config = Qwen2Config(vocab_size=len(bpe_small), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -290,13 +291,13 @@ def test_label_train_score_cli_end_to_end(tmp_path, bpe_small):
     pd.DataFrame(prompts).to_parquet(tmp_path / "prompts.parquet")
     (tmp_path / "reward.py").write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
                                         "    return float(solution_str.count(' ') % 2 == 1)\n")
-    assert main(["label", "--input", str(tmp_path / "prompts.parquet"), "--output-dir", str(tmp_path / "labels"),
+    assert label_main(["--input", str(tmp_path / "prompts.parquet"), "--output-dir", str(tmp_path / "labels"),
                  "--policy", str(tmp_path / "lm"), "--n-cov", "2", "--n-mc", "2", "--max-new-tokens", "10",
                  "--delimiter", " ", "--max-steps", "3", "--reward-fn", f"{tmp_path / 'reward.py'}:score",
                  "--device", "cpu", "--no-progress"]) == 0
     labels = read_labels(tmp_path / "labels")
     assert len(labels) == 12 and labels["step_ends"].map(len).max() <= 3
-    assert main(["train", "--labels", str(tmp_path / "labels"), "--output-dir", str(tmp_path / "pav"), "--init",
+    assert train_main(["--labels", str(tmp_path / "labels"), "--output-dir", str(tmp_path / "pav"), "--init",
                  str(tmp_path / "lm"), "--max-steps", "3", "--batch-size", "4", "--warmup-steps", "1",
                  "--eval-fraction", "0.3", "--lr", "1e-3", "--no-progress"]) == 0
     checkpoint = latest_checkpoint(tmp_path / "pav")
@@ -317,14 +318,14 @@ def test_label_train_score_cli_end_to_end(tmp_path, bpe_small):
 
 
 def test_keep_checkpoints_zero_is_refused_and_rotation_keeps_the_final_model(critic_setup, tmp_path):
-    from verl_prm.apps.cli import main
+    from verl_prm.training.cli import main
 
     root, _, _ = critic_setup
     message = "keep_checkpoints (--keep-checkpoints) must be an integer >= 1, got 0: the newest checkpoint is the model"
     with pytest.raises(ValueError, match=re.escape(message)):
         _config(root, "keep0", keep_checkpoints=0)
     with pytest.raises(ValueError, match=re.escape(message)):
-        main(["--debug", "train", "--labels", str(root / "labels"), "--output-dir", str(tmp_path / "pav"), "--init-config",
+        main(["--labels", str(root / "labels"), "--output-dir", str(tmp_path / "pav"), "--init-config",
               str(root / "config.json"), "--tokenizer", str(root / "tokenizer"), "--keep-checkpoints", "0"])
     assert not (tmp_path / "pav").exists()
     summary = train(_config(root, "keep1", max_steps=3, save_every=1, keep_checkpoints=1, warmup_steps=1))
@@ -427,10 +428,11 @@ def test_nan_auroc_says_why_and_held_out_labels_must_not_be_training_labels(crit
     root, _, rows = critic_setup
     one_class = [dict(row, q=[1.0] * len(row["q"]), n_success=[0] * len(row["q"]), n_mc=[0] * len(row["q"]),
                       first_pit=-1, outcome=1.0, prompt_value=math.nan, prompt_n_mc=0, prompt_n_success=0)
-                 for row in rows[:8]]
+                 for row in _label_rows(ScriptedStepTask(num_steps=NUM_STEPS), range(100, 102), n_cov=4, n_mc=2)]
     ShardStore(root / "one_class").write_shard(one_class)
     capsys.readouterr()
-    summary = train(_config(root, "nan_auroc", max_steps=2, warmup_steps=1, eval_labels=[str(root / "one_class")]))
+    summary = train(_config(root, "nan_auroc", max_steps=2, warmup_steps=1, eval_fraction=None,
+                           eval_labels=[str(root / "one_class")]))
     metrics = summary["metrics"]
     steps = sum(len(row["q"]) for row in one_class)
     why = (f"AUROC is NaN: all {steps} held-out step labels are at or above 0.5 (one class); it needs both classes. "
@@ -440,8 +442,10 @@ def test_nan_auroc_says_why_and_held_out_labels_must_not_be_training_labels(crit
     logged = json.loads((root / "nan_auroc" / "metrics.jsonl").read_text().splitlines()[-1])
     assert logged["eval/auroc_note"] == why
     assert json.loads((root / "nan_auroc" / "eval_metrics.json").read_text())["eval/auroc_note"] == why
-    with pytest.raises(ValueError, match="--eval-labels and --labels share shards"):
-        train(_config(root, "leak", eval_labels=[str(root / "labels" / "shard-00000.parquet")]))
+    shard = root / "labels" / "shard-00000.parquet"
+    with pytest.raises(ValueError, match=re.escape(f"--eval-labels and --labels share {len(rows)} rollouts (e.g. "
+                                                   f"{shard} row 0 is {shard} row 0, prompt_index=0, rollout_index=0)")):
+        train(_config(root, "leak", eval_fraction=None, eval_labels=[str(shard)]))
 
 
 def test_train_refuses_labels_that_break_the_format(critic_setup, tmp_path):
@@ -458,3 +462,202 @@ def test_train_refuses_labels_that_break_the_format(critic_setup, tmp_path):
                                                    f"{bad[2]['prompt_index']}, rollout_index={bad[2]['rollout_index']}): "
                                                    f"q has {NUM_STEPS - 1} entries but there are {NUM_STEPS} steps")):
         train(_config(root, "bad_labels", labels=[str(tmp_path)]))
+
+
+# ------------------------------------------------------------------------------------------------ hostile inputs
+
+
+def _copy_labels(root: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    shutil.copytree(root / "labels", tmp_path / "labels")
+    return tmp_path / "labels"
+
+
+def test_a_nan_init_weight_stops_at_step_1_and_writes_no_checkpoint(critic_setup, tmp_path):
+    from safetensors.torch import save_file
+    import shutil
+
+    from verl_prm.training.trainer import NonFiniteLossError
+
+    root, _, _ = critic_setup
+    base = train(_config(root, "nan_base", max_steps=1, warmup_steps=1))
+    init = tmp_path / "nan_init"
+    shutil.copytree(base["checkpoint"], init)
+    weights = load_file(init / "model.safetensors")
+    weights["model.norm.weight"][0] = math.nan  # one NaN weight
+    save_file(weights, init / "model.safetensors", metadata={"format": "pt"})
+    output = tmp_path / "nan_run"
+    with pytest.raises(NonFiniteLossError, match=re.escape("step 1: loss nan is not finite; training stopped before "
+                                                           "this step changed the weights and no checkpoint was "
+                                                           "written. Check the --init weights for NaN/inf")):
+        train(_config(root, "unused", output_dir=str(output), init=str(init), init_config=None, tokenizer=None,
+                      max_steps=2, warmup_steps=1))
+    assert not list(output.glob("checkpoint-*")) and latest_checkpoint(output) is None
+
+
+def test_a_nan_loss_keeps_the_last_good_checkpoint(critic_setup, tmp_path, monkeypatch):
+    import verl_prm.training.trainer as trainer
+
+    root, _, _ = critic_setup
+    calls = []
+
+    def nan_at_step_3(*args):
+        calls.append(1)
+        loss = trainer_loss(*args)
+        return loss * math.nan if len(calls) == 3 else loss
+
+    trainer_loss = trainer.soft_label_bce
+    monkeypatch.setattr(trainer, "soft_label_bce", nan_at_step_3)
+    output = tmp_path / "run"
+    good = output / "checkpoint-0000002"
+    with pytest.raises(trainer.NonFiniteLossError, match=re.escape(f"step 3: loss nan is not finite; training stopped "
+                                                                   f"before this step changed the weights and the last "
+                                                                   f"good checkpoint, {good}, is kept")):
+        train(_config(root, "unused", output_dir=str(output), max_steps=4, save_every=1, warmup_steps=1))
+    assert latest_checkpoint(output) == good and not (output / "checkpoint-0000003").exists()
+    assert all(torch.isfinite(tensor).all() for tensor in load_file(good / "model.safetensors").values())
+
+
+def test_resume_refuses_changed_inputs_and_settings(critic_setup, tmp_path):
+    import shutil
+
+    root, _, rows = critic_setup
+    labels = _copy_labels(root, tmp_path)
+    init_config = tmp_path / "config.json"
+    shutil.copy(root / "config.json", init_config)
+    settings = dict(labels=[str(labels)], init_config=str(init_config), output_dir=str(tmp_path / "run"), max_steps=3,
+                    save_every=1, warmup_steps=1)
+
+    def crash_at_one(step, record):
+        if step == 1:
+            raise RuntimeError("crash")
+
+    with pytest.raises(RuntimeError, match="crash"):
+        train(_config(root, "unused", **settings), on_step=crash_at_one)
+    checkpoint = tmp_path / "run" / "checkpoint-0000001"
+    with pytest.raises(ValueError, match=re.escape(f"cannot resume from {checkpoint}: settings differ (grad_clip: 1.0 "
+                                                   "-> 0.5)")):
+        train(_config(root, "unused", **settings, grad_clip=0.5))
+    ShardStore(labels).write_shard(_label_rows(ScriptedStepTask(num_steps=NUM_STEPS), range(200, 201), n_cov=2, n_mc=2))
+    with pytest.raises(ValueError, match=re.escape(f"cannot resume from {checkpoint}: inputs changed since it was "
+                                                   f"written (--labels: added {labels / 'shard-00001.parquet'}); "
+                                                   "restore them, or start over with --no-resume")):
+        train(_config(root, "unused", **settings))
+    (labels / "shard-00001.parquet").unlink()
+    config = json.loads(init_config.read_text())
+    init_config.write_text(json.dumps(dict(config, rope_theta=5000.0)))
+    with pytest.raises(ValueError, match=re.escape("inputs changed since it was written (--init-config: changed "
+                                                   "config.json)")):
+        train(_config(root, "unused", **settings))
+    init_config.write_text(json.dumps(config))
+    assert train(_config(root, "unused", **settings))["start_step"] == 1
+
+
+def test_no_resume_sets_the_earlier_run_aside(critic_setup, tmp_path):
+    root, _, _ = critic_setup
+    output = tmp_path / "run"
+    train(_config(root, "unused", output_dir=str(output), max_steps=4, save_every=2, keep_checkpoints=5, log_every=1,
+                  warmup_steps=1))
+    summary = train(_config(root, "unused", output_dir=str(output), max_steps=2, warmup_steps=1, log_every=1,
+                            resume=False, seed=1))
+    assert latest_checkpoint(output) == output / "checkpoint-0000002" == Path(summary["checkpoint"])
+    assert sorted(p.name for p in output.glob("checkpoint-*")) == ["checkpoint-0000002"]
+    state = torch.load(output / "checkpoint-0000002" / "training_state.pt", weights_only=False)
+    assert state["config"]["seed"] == 1  # this run's, not the earlier run's checkpoint-0000002
+    (earlier,) = output.glob("earlier-run-*")
+    assert sorted(p.name for p in earlier.iterdir()) == ["checkpoint-0000002", "checkpoint-0000004",
+                                                          "eval_metrics.json", "metrics.jsonl"]
+    assert [json.loads(line)["step"] for line in (output / "metrics.jsonl").read_text().splitlines()] == [1, 2, 2]
+
+
+def test_held_out_labels_copied_from_the_training_shards_are_refused(critic_setup, tmp_path):
+    root, _, rows = critic_setup
+    copy = _copy_labels(root, tmp_path)
+    with pytest.raises(ValueError, match=re.escape(f"--eval-labels and --labels share {len(rows)} rollouts (e.g. "
+                                                   f"{copy / 'shard-00000.parquet'} row 0 is "
+                                                   f"{root / 'labels' / 'shard-00000.parquet'} row 0")):
+        train(_config(root, "copied", eval_fraction=None, eval_labels=[str(copy)]))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(eval_batch_size=0), "eval_batch_size (--eval-batch-size) must be an integer >= 1, got 0"),
+    (dict(warmup_steps=-5), "warmup_steps (--warmup-steps) must be an integer >= 0, got -5"),
+    (dict(log_every=0), "log_every (--log-every) must be an integer >= 1, got 0"),
+    (dict(lr=math.nan), "lr (--lr) must be > 0 (a finite number), got nan"),
+    (dict(freeze_backbone=True), "freeze_backbone (--freeze-backbone) with init_config (--init-config) trains a "
+                                 "value head on a random backbone"),
+    (dict(eval_labels=["held_out/"]), "eval_fraction (--eval-fraction) splits --labels when there are no "
+                                      "eval_labels; with --eval-labels nothing is split: drop one of the two"),
+])
+def test_settings_a_user_likely_mistyped_are_refused_at_start(critic_setup, overrides, message):
+    root, _, _ = critic_setup
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _config(root, "refused", **overrides)
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused_at_start(critic_setup, tmp_path, bpe_small):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    root, _, _ = critic_setup
+    small = len(bpe_small) - 40
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=small, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path / "lm")
+    bpe_small.save_pretrained(tmp_path / "lm")
+    with pytest.raises(ValueError, match=re.escape(f"the tokenizer of --init (no --tokenizer given) {tmp_path / 'lm'} "
+                                                   f"has {len(bpe_small)} tokens but the model has {small} embeddings")):
+        train(_config(root, "unused", output_dir=str(tmp_path / "run"), init=str(tmp_path / "lm"), init_config=None,
+                      tokenizer=None))
+
+
+def test_a_truncated_newest_checkpoint_falls_back_to_the_older_intact_one(critic_setup, tmp_path, capsys):
+    from verl_prm.training.trainer import checkpoint_problem
+
+    root, _, _ = critic_setup
+    output = tmp_path / "run"
+    settings = dict(output_dir=str(output), max_steps=4, save_every=2, keep_checkpoints=5, warmup_steps=1)
+    train(_config(root, "unused", **settings))
+    weights = output / "checkpoint-0000004" / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as handle:
+        handle.truncate(size - 1000)  # a copy or save cut short
+    problem = (f"model.safetensors is cut short: its header describes {size} bytes, the file has {size - 1000}")
+    assert checkpoint_problem(output / "checkpoint-0000004") == problem
+    with pytest.warns(UserWarning, match=re.escape(f"skipping damaged checkpoint(s) {output / 'checkpoint-0000004'} "
+                                                   f"({problem}); using the older intact {output / 'checkpoint-0000002'}")):
+        assert latest_checkpoint(output) == output / "checkpoint-0000002"
+    capsys.readouterr()
+    assert train(_config(root, "unused", **settings))["start_step"] == 2
+    assert "skipping damaged checkpoint(s)" in capsys.readouterr().out
+    assert checkpoint_problem(output / "checkpoint-0000004") is None  # rewritten by the resumed run
+    (output / "checkpoint-0000004" / "tokenizer_config.json").unlink()
+    assert checkpoint_problem(output / "checkpoint-0000004") == ("it has no tokenizer files: tokenizer_config.json "
+                                                                 "missing")
+
+
+def test_a_tokenizer_path_that_is_a_file_or_has_no_tokenizer_is_refused(critic_setup, tmp_path):
+    from verl_prm.checkpoints import CheckpointError
+
+    root, _, _ = critic_setup
+    file = root / "tokenizer" / "tokenizer.json"
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"--tokenizer '{file}' is a file, not a tokenizer directory: pass the directory that holds "
+            "tokenizer_config.json and tokenizer.json (e.g. the model's directory)")):
+        train(_config(root, "unused", output_dir=str(tmp_path / "run"), tokenizer=str(file)))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"--tokenizer '{tmp_path / 'empty'}' has no tokenizer files: tokenizer_config.json and a vocabulary "
+            "(tokenizer.json or vocab.json")):
+        train(_config(root, "unused", output_dir=str(tmp_path / "run"), tokenizer=str(tmp_path / "empty")))
+
+
+def test_an_empty_prompt_names_the_shard_and_row(critic_setup, tmp_path):
+    root, _, rows = critic_setup
+    bad = [dict(row) for row in rows[:3]]
+    bad[1]["prompt"] = ""
+    ShardStore(tmp_path / "labels").write_shard(bad)
+    shard = tmp_path / "labels" / "shard-00000.parquet"
+    with pytest.raises(ValueError, match=re.escape(f"label shard {shard} row 1 (prompt_index={bad[1]['prompt_index']}, "
+                                                   f"rollout_index={bad[1]['rollout_index']}): the prompt is empty")):
+        train(_config(root, "unused", output_dir=str(tmp_path / "run"), labels=[str(tmp_path / "labels")],
+                      eval_fraction=0.0))

@@ -1,7 +1,8 @@
 """The ``verl-prm`` command line: a thin dispatcher to the recipes, each a module with ``main(argv)``.
 
 An expected error of a command (bad input or settings: ``ValueError`` and its subclasses such as
-``ConfigError``, a missing or existing file, a permission error, or any error class of verl-prm itself) prints
+``ConfigError``, a missing or existing file, a permission error, a read-only or full disk, or any error class of
+verl-prm itself) prints
 one line, ``verl-prm COMMAND: error: MESSAGE``, and the path of a log file that holds the full traceback; the
 exit status is 1. ``--debug`` (anywhere on the command line) or ``VERL_PRM_DEBUG=1`` lets the exception
 propagate with its traceback instead. Any other exception is a bug and always shows its traceback.
@@ -9,6 +10,7 @@ propagate with its traceback instead. Any other exception is a bug and always sh
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import sys
@@ -45,10 +47,27 @@ EXPECTED_ERRORS: tuple[type[BaseException], ...] = (
     ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError,
 )
 
+# OSErrors of the machine, not of verl-prm (the path is in the message), with what to do about them.
+DISK_ERRORS = {
+    errno.EROFS: "the file system is read-only: choose a writable --output-dir",
+    errno.ENOSPC: "the disk is full: free space or choose another --output-dir, then rerun (it resumes)",
+    errno.EDQUOT: "the disk quota is exceeded: free space or choose another --output-dir, then rerun (it resumes)",
+}
+
 
 def is_expected_error(error: BaseException) -> bool:
-    """An error to report in one line: one of ``EXPECTED_ERRORS`` or an exception class of verl-prm itself."""
-    return isinstance(error, EXPECTED_ERRORS) or type(error).__module__.split(".")[0] == "verl_prm"
+    """An error to report in one line: one of ``EXPECTED_ERRORS``, a disk error (``DISK_ERRORS``) or an
+    exception class of verl-prm itself."""
+    return (isinstance(error, EXPECTED_ERRORS) or (isinstance(error, OSError) and error.errno in DISK_ERRORS)
+            or type(error).__module__.split(".")[0] == "verl_prm")
+
+
+def error_message(error: BaseException) -> str:
+    """The one line of an expected error: its message (a disk error: what failed, the path and the fix)."""
+    if isinstance(error, OSError) and error.errno in DISK_ERRORS:
+        where = f" ({error.filename})" if error.filename else ""
+        return f"{error.strerror or os.strerror(error.errno)}{where}: {DISK_ERRORS[error.errno]}"
+    return str(error).strip() or type(error).__name__
 
 
 def debug_enabled(argv: list[str]) -> bool:
@@ -93,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as error:
                 if debug or not is_expected_error(error):
                     raise
-                message = str(error).strip() or type(error).__name__
+                message = error_message(error)
                 print(f"verl-prm {command}: error: {message}", file=sys.stderr)
                 log = write_traceback_log(command, error)
                 if log is not None:

@@ -8,7 +8,9 @@
 format), ``WORK_DIR/data/{train,val}.parquet`` (arithmetic problems in verl's RL layout). ``main_ppo_args``
 returns the overrides of one run: verl's ``main_ppo`` with the plugin's config group (``+verl_prm=pav``), the
 CPU platform's settings (``trainer.device=cpu``, fsdp2, logical Ray GPUs), the ``hf`` rollout and the launcher's
-batch (``LoopSize``). ``read_metrics`` reads verl's file logger (one JSON line per step).
+batch (``LoopSize``). ``start_main_ppo`` starts a run as a session of its own (``poll``, ``wait``; ``stop`` ends
+every process of the session, Ray's included), ``run_main_ppo`` runs one to its end; the arithmetic recipe starts
+its runs the same way. ``read_metrics`` reads verl's file logger (one JSON line per step).
 """
 
 from __future__ import annotations
@@ -28,11 +30,13 @@ from typing import Sequence
 __all__ = [
     "LoopSize",
     "MainPPOResult",
+    "MainPPORun",
     "cpu_overrides",
     "main_ppo_args",
     "prepare",
     "read_metrics",
     "run_main_ppo",
+    "start_main_ppo",
 ]
 
 # A step of the tiny policy's responses: fixed-size steps (a random policy writes no delimiters).
@@ -212,7 +216,7 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 def session_processes(session: int) -> dict[int, int]:
     """{pid: resident bytes} of the live processes of a session (``/proc``; Ray's workers change their process
-    group but stay in the session of the ``main_ppo`` process, which ``run_main_ppo`` starts as a new session)."""
+    group but stay in the session of the ``main_ppo`` process, which ``start_main_ppo`` starts as a new session)."""
     page = os.sysconf("SC_PAGE_SIZE")
     found = {}
     for entry in os.listdir("/proc"):
@@ -230,38 +234,80 @@ def session_processes(session: int) -> dict[int, int]:
     return found
 
 
-def run_main_ppo(args: Sequence[str], metrics_path: str | Path, log_path: str | Path, *,
-                 timeout: float = 900, env: dict | None = None) -> MainPPOResult:
-    """Run ``python -m verl.trainer.main_ppo ARGS`` as a new session, so that every process it starts (Ray's
-    GCS, raylet and workers) is ended with it; verl's file logger writes ``metrics_path``, stdout and stderr go to
-    ``log_path``. The summed resident memory of the session is sampled each second (``peak_rss_gib``)."""
+class MainPPORun:
+    """A ``main_ppo`` process started by :func:`start_main_ppo`, in a session of its own: ``poll`` (which also
+    samples the session's resident memory), ``wait``, and ``stop``, which ends every process left in the session
+    (Ray's GCS, raylet and workers change their process group, not their session)."""
+
+    def __init__(self, process: subprocess.Popen, log, log_path: Path, metrics_path: Path) -> None:
+        self.process, self._log = process, log
+        self.log_path, self.metrics_path = log_path, metrics_path
+        self.started = time.perf_counter()
+        self.peak_bytes, self.peak_processes = 0, 0
+
+    def poll(self) -> int | None:
+        """The exit status once ``main_ppo`` has exited, else None (after sampling the session's memory)."""
+        returncode = self.process.poll()
+        if returncode is None:
+            resident = session_processes(self.process.pid)
+            if sum(resident.values()) > self.peak_bytes:
+                self.peak_bytes, self.peak_processes = sum(resident.values()), len(resident)
+        return returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Wait up to ``timeout`` seconds (None: until it exits), sampling memory each second; the exit status, or
+        None when the time ran out (the run is still going: ``stop`` it)."""
+        while True:
+            returncode = self.poll()
+            if returncode is not None:
+                return returncode
+            if timeout is not None and time.perf_counter() - self.started > timeout:
+                return None
+            try:
+                return self.process.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                continue
+
+    def stop(self) -> None:
+        """End every process of the run's session (SIGTERM, up to 5 s, then SIGKILL) and close the log."""
+        try:
+            _end_session(self.process)
+        finally:
+            self._log.close()
+
+
+def start_main_ppo(command: Sequence[str], metrics_path: str | Path, log_path: str | Path, *,
+                   env: dict | None = None, cwd: str | Path | None = None, append_log: bool = False) -> MainPPORun:
+    """Start ``command`` (``python -m verl.trainer.main_ppo ...``) as a new session, so that ``stop`` ends every
+    process it starts; verl's file logger writes ``metrics_path``, stdout and stderr go to ``log_path`` (appended
+    to with ``append_log``: a resumed run keeps the log of its first part)."""
     metrics_path, log_path = Path(metrics_path), Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     run_env = dict(os.environ if env is None else env)
     run_env["VERL_FILE_LOGGER_PATH"] = str(metrics_path)
     run_env.setdefault("RAY_DEDUP_LOGS", "0")
-    start = time.perf_counter()
-    peak_bytes, peak_processes = 0, 0
-    with open(log_path, "w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "verl.trainer.main_ppo", *args], stdout=log,
-                                   stderr=subprocess.STDOUT, env=run_env, start_new_session=True)
-        try:
-            while True:
-                try:
-                    returncode = process.wait(timeout=1.0)
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
-                resident = session_processes(process.pid)
-                if sum(resident.values()) > peak_bytes:
-                    peak_bytes, peak_processes = sum(resident.values()), len(resident)
-                if time.perf_counter() - start > timeout:
-                    returncode = -9
-                    break
-        finally:
-            _end_session(process)
-    return MainPPOResult(returncode, time.perf_counter() - start, read_metrics(metrics_path), log_path,
-                         peak_bytes / 2**30, peak_processes)
+    log = open(log_path, "ab" if append_log else "wb")
+    try:
+        process = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT, env=run_env,
+                                   cwd=None if cwd is None else str(cwd), start_new_session=True)
+    except BaseException:
+        log.close()
+        raise
+    return MainPPORun(process, log, log_path, metrics_path)
+
+
+def run_main_ppo(args: Sequence[str], metrics_path: str | Path, log_path: str | Path, *,
+                 timeout: float = 900, env: dict | None = None) -> MainPPOResult:
+    """Run ``python -m verl.trainer.main_ppo ARGS`` (:func:`start_main_ppo`) to its end or for at most ``timeout``
+    seconds (return code -9), then end every process left in its session. The summed resident memory of the
+    session is sampled each second (``peak_rss_gib``)."""
+    run = start_main_ppo([sys.executable, "-m", "verl.trainer.main_ppo", *args], metrics_path, log_path, env=env)
+    try:
+        returncode = run.wait(timeout)
+    finally:
+        run.stop()
+    return MainPPOResult(-9 if returncode is None else returncode, time.perf_counter() - run.started,
+                         read_metrics(run.metrics_path), run.log_path, run.peak_bytes / 2**30, run.peak_processes)
 
 
 def _end_session(process: subprocess.Popen) -> None:

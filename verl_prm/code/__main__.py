@@ -15,7 +15,8 @@ from dataclasses import asdict
 
 def main(argv: list[str] | None = None) -> int:
     from verl_prm.code.data import humaneval_task, read_humaneval
-    from verl_prm.code.sandbox import SandboxConfig, isolation
+    from verl_prm.code.sandbox import isolation
+    from verl_prm.code.sandbox_config import SandboxConfig
     from verl_prm.code.verifier import verify_many
 
     parser = argparse.ArgumentParser(prog="python -m verl_prm.code", description=__doc__.split("\n\n")[0])

@@ -15,7 +15,7 @@ All programs of a ``score_nodes`` call (every prefix of every node, every rollou
 (`verify_many`); the ``tokens`` reported per node are the tokens the rollouts generated for it (the compute the
 critic spent), so accuracy-against-compute plots count them.
 
-For ``verl-prm search --task text`` on code data no code is needed: pass
+For ``verl-prm search`` on code data no code is needed: pass
 ``--reward-fn verl_prm/code/verl_score.py:compute_score`` (the outcome of every chosen response) and a code step
 rule, e.g. ``--step-regex "$(python -c 'from verl_prm.steps.code import block_regex; print(block_regex(4))')"``.
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from verl_prm.code.sandbox import SandboxConfig
+from verl_prm.code.sandbox_config import SandboxConfig
 from verl_prm.code.verifier import CodeTask, verify_many
 from verl_prm.labeling.generators import derive_seed
 from verl_prm.search import Node

@@ -28,7 +28,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-from verl_prm.code.sandbox import RunResult, SandboxConfig, run_many, run_program
+from verl_prm.code.sandbox import run_many, run_program
+from verl_prm.code.sandbox_config import RunResult, SandboxConfig
 
 __all__ = ["CodeTask", "Verdict", "build_program", "extract_code", "verify", "verify_many", "TASK_KINDS"]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from verl_prm.code.sandbox import SandboxConfig
+from verl_prm.code.sandbox_config import SandboxConfig
 from verl_prm.code.verifier import CodeTask, verify, verify_many
 
 __all__ = ["compute_score", "compute_score_batch", "sandbox_config"]

@@ -13,7 +13,13 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from verl_prm.advantages import AGGREGATIONS, COMPILE_MODES
+from verl_prm.advantages import (
+    AGGREGATIONS,
+    COMPILE_MODES,
+    MIN_FORM_BASELINES,
+    PRIME_REWARD_MASKS,
+    check_softmin_temperature,
+)
 from verl_prm.checks import check_number
 
 __all__ = ["PavConfig", "read_pav_config"]
@@ -41,9 +47,10 @@ class PavConfig:
     normalize: bool = False
     # No process term for responses that were truncated (no EOS). Needs the `truncated` tensor.
     drop_truncated: bool = False
-    # Validate the step tensors against the contract (one host read per batch). Errors name the sample. Off: no
-    # checks; a step id outside [-1, S - 1] (S = step_values columns) is clamped into that range, so it reads its
-    # own response's row (the last step column, or "no step"), never another response's value.
+    # Validate the step tensors and token_level_rewards (finite) against the contract, in one host read per batch.
+    # Errors name the sample. Off: no checks and no host read, so NaN or inf inputs reach the advantages; a step id
+    # outside [-1, S - 1] (S = step_values columns) is clamped into that range, so it reads its own response's row
+    # (the last step column, or "no step"), never another response's value.
     check_inputs: bool = True
     # How the per-token lookup runs: "auto" (one kernel made by torch.compile for batches of >= 1M tokens,
     # compiled once per process; eager below or if compilation fails, with a warning), "always", "never".
@@ -57,14 +64,24 @@ class PavConfig:
     # Small constant of the std normalisations.
     epsilon: float = 1e-6
     # pav_pure only (PURE's min-form credit assignment): temperature T of the softmin over a response's steps
-    # (PURE: 0.1; 0: the hard minimum) ...
+    # (PURE: 0.1; 0: the hard minimum; else >= 1e-30, where -p/T stays finite in float32) ...
     min_form_temperature: float = 0.1
-    # ... PURE's "step" baseline: subtract the mean step reward of the prompt's other responses ...
-    min_form_baseline: bool = True
-    # ... and no advantage on the token that ends each step but the last (PURE's step-separator tokens).
+    # ... PURE's leave-one-out baseline of the step rewards: "token" (the other responses' reward per token times
+    # the step's tokens; PURE's README and training script), "step" (their mean step reward: favours fewer steps,
+    # and PURE saw it reward-hacked), "none" ...
+    min_form_baseline: str = "token"
+    # ... no advantage on the token that ends each step but the last (PURE's step-separator tokens) ...
     zero_separator_advantage: bool = True
-    # pav_prime only (PRIME's leave-one-out process returns): whiten the returns over the batch's response tokens.
+    # ... no advantage on the response's last token (PURE's EOS, in its reward mask). Off: the EOS keeps the
+    # outcome term, the gradient of the decision to stop ...
+    zero_eos_advantage: bool = False
+    # ... and whiten the advantages as PURE does by default (zero-advantage tokens out of the count).
+    min_form_whiten: bool = True
+    # pav_prime only (PRIME's leave-one-out process returns): whiten the returns over the batch's response tokens ...
     whiten_returns: bool = True
+    # ... and where the leave-one-out baseline applies: "step_end" (one reward per step, at its last token) or
+    # "response" (every response token, PRIME's own mask: a baseline times the tokens left, a length term).
+    prime_reward_mask: str = "step_end"
 
     def __post_init__(self) -> None:
         for name in ("alpha", "aggregate_weight", "epsilon", "min_form_temperature") + (
@@ -74,8 +91,8 @@ class PavConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"algorithm.pav.{name} must be a number, got {value!r}")
             setattr(self, name, float(value))
-        for name in ("normalize", "drop_truncated", "check_inputs", "aggregate_with_outcome", "min_form_baseline",
-                     "zero_separator_advantage", "whiten_returns"):
+        for name in ("normalize", "drop_truncated", "check_inputs", "aggregate_with_outcome",
+                     "zero_separator_advantage", "zero_eos_advantage", "min_form_whiten", "whiten_returns"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"algorithm.pav.{name} must be true or false, got {getattr(self, name)!r}")
         # NaN or inf in any float knob would turn every advantage into NaN: finite and in range, at startup.
@@ -94,10 +111,14 @@ class PavConfig:
             raise ValueError(f"algorithm.pav.compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"algorithm.pav.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
-        if not 0.0 <= self.min_form_temperature < float("inf"):  # NaN fails both comparisons
+        check_softmin_temperature("algorithm.pav.min_form_temperature", self.min_form_temperature)
+        if self.min_form_baseline not in MIN_FORM_BASELINES:
             raise ValueError(
-                f"algorithm.pav.min_form_temperature must be a finite number >= 0 (0: the hard minimum), got "
-                f"{self.min_form_temperature}"
+                f"algorithm.pav.min_form_baseline must be one of {MIN_FORM_BASELINES}, got {self.min_form_baseline!r}"
+            )
+        if self.prime_reward_mask not in PRIME_REWARD_MASKS:
+            raise ValueError(
+                f"algorithm.pav.prime_reward_mask must be one of {PRIME_REWARD_MASKS}, got {self.prime_reward_mask!r}"
             )
 
     @property

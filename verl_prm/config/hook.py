@@ -11,8 +11,9 @@ how responses are split into steps, and where the critic's worker group is place
       placement: {pool, n_gpus_per_node, nnodes}
       score_outcome_estimators: true
 
-``validate_run_config(config)`` checks a composed verl config (DictConfig or dict) before any model is loaded
-and returns the typed ``HookConfig`` and ``PavConfig``. Every error names the config key and the fix.
+``verl_prm.integrations.verl.run_config.validate_run_config(config)`` checks a composed verl config (DictConfig
+or dict) before any model is loaded with these checks and returns the typed ``HookConfig`` and ``PavConfig``.
+Every error names the config key and the fix.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from verl_prm.config import PavConfig, read_pav_config
+from verl_prm.checks import empty_match_problem
 
 __all__ = [
     "CHECKPOINT_CRITIC_FORMATS",
     "CRITIC_FORMATS",
     "EXACT_CRITIC_FORMAT",
+    "MC_PREFIX_RULES",
+    "ROLLOUT_CRITIC_FORMAT",
     "ConfigError",
     "CriticSection",
     "HOOK_TRAINER_NAME",
@@ -48,11 +51,16 @@ HOOK_TRAINER_NAME = "pav_sync"
 # batch keys besides the rewards, the mask and the uid).
 # Checkpoint formats a prover critic can be read from (docs/critic.md; verl_prm.critic.formats.FORMATS,
 # which a test holds equal to this tuple: the config check must not import torch models).
-CHECKPOINT_CRITIC_FORMATS = ("value_head", "qwen_prm", "math_shepherd", "value_head_lm")
+CHECKPOINT_CRITIC_FORMATS = ("value_head", "qwen_prm", "pure_prm", "math_shepherd", "rlhflow", "value_head_lm")
 # No checkpoint: the values of an exact prover (verl_prm.critic.exact.EXACT_FORMAT, held equal by a test),
 # named by verl_prm.critic.options.prover ("module:Class").
 EXACT_CRITIC_FORMAT = "exact"
-CRITIC_FORMATS = CHECKPOINT_CRITIC_FORMATS + (EXACT_CRITIC_FORMAT,)
+# No checkpoint: Monte-Carlo values sampled from the run's own rollout replicas (verl_prm.critic.sampled,
+# verl_prm.integrations.verl.rollout_critic; docs/step_values.md), set by the mc_* keys.
+ROLLOUT_CRITIC_FORMAT = "rollout"
+# Prefix rules of format "rollout" (verl_prm.critic.sampled.PREFIX_RULES, held equal by a test).
+MC_PREFIX_RULES = ("every", "fixed", "first_pit")
+CRITIC_FORMATS = CHECKPOINT_CRITIC_FORMATS + (EXACT_CRITIC_FORMAT, ROLLOUT_CRITIC_FORMAT)
 TRUNCATIONS = ("error", "left_prompt")
 # verl_prm.steps.code.CODE_STEP_RULES without "delimiter" (the text rules cover it); a test holds them equal.
 CODE_STEP_RULES = ("line", "block", "indent")
@@ -91,6 +99,19 @@ class CriticSection:
     # Also load a checkpoint whose weights are pickle only (pytorch_model.bin): unpickling can run arbitrary code,
     # so the default loads safetensors only (verl_prm.checkpoints).
     allow_pickle: bool = False
+    # format "rollout" only (docs/step_values.md): continuations sampled per step prefix, through the run's rollout
+    # replicas with the rollout's sampling settings, scored by the run's reward function.
+    mc_n: int = 4
+    # ... which prefixes are sampled: "every" step but the last, "fixed" (mc_prefixes_per_response evenly spaced
+    # steps), or "first_pit" (bisection for the first step whose value is 0 in each failed response, ~log2(H)).
+    mc_prefixes: str = "every"
+    # ... the number of steps sampled per response under mc_prefixes=fixed.
+    mc_prefixes_per_response: int = 4
+    # ... the most continuation tokens one training step may generate (null: no bound). A prefix is sampled only if
+    # mc_n x its continuation limit fits; the others hold the value of the step before them (pav/mc_prefixes_skipped).
+    mc_token_budget: Optional[int] = None
+    # ... a continuation succeeds iff its reward is greater than this (verl's rule-based scorers: 1 or 0/-1).
+    mc_success_threshold: float = 0.5
 
 
 @dataclass
@@ -204,6 +225,8 @@ def _check_ranges(config: HookConfig) -> None:
         raise ConfigError(f"verl_prm.critic.format must be one of {CRITIC_FORMATS}, got {critic.format!r}")
     if critic.format == EXACT_CRITIC_FORMAT:
         _check_exact_critic_section(critic)
+    if critic.format == ROLLOUT_CRITIC_FORMAT:
+        _check_rollout_critic_section(critic, placement)
     if critic.max_tokens_per_batch < 1:
         raise ConfigError(f"verl_prm.critic.max_tokens_per_batch must be >= 1, got {critic.max_tokens_per_batch}")
     if critic.truncation not in TRUNCATIONS:
@@ -214,9 +237,13 @@ def _check_ranges(config: HookConfig) -> None:
         )
     if steps.regex is not None:
         try:
-            re.compile(steps.regex)
+            pattern = re.compile(steps.regex)
         except re.error as error:
             raise ConfigError(f"verl_prm.steps.regex {steps.regex!r} is not a valid regex: {error}") from None
+        problem = empty_match_problem(pattern)
+        if problem is not None:
+            raise ConfigError(f"verl_prm.steps.regex {steps.regex!r} {problem}: make it match at least one "
+                              r"character (e.g. '\n\n+') or look ahead for a marker (e.g. '(?=Step \d)')")
     if steps.max_tokens is not None and steps.max_tokens < 1:
         raise ConfigError(f"verl_prm.steps.max_tokens must be >= 1 or null, got {steps.max_tokens}")
     if steps.max_steps is not None and steps.max_steps < 1:
@@ -257,6 +284,35 @@ def _check_ranges(config: HookConfig) -> None:
             "verl_prm.placement.pool=own needs n_gpus_per_node >= 1 and nnodes >= 1, got "
             f"{placement.n_gpus_per_node} x {placement.nnodes}"
         )
+
+
+def _check_rollout_critic_section(critic: CriticSection, placement: PlacementSection) -> None:
+    """format=rollout: no checkpoint, no critic pool, and sampling knobs in range."""
+    if critic.path is not None and str(critic.path).strip() != "":
+        raise ConfigError(
+            f"verl_prm.critic.path={critic.path!r} is unused with verl_prm.critic.format=rollout (the values are "
+            "sampled from the run's own rollout replicas): set verl_prm.critic.path=null"
+        )
+    if placement.pool != "colocated":
+        raise ConfigError(
+            "verl_prm.placement.pool=own is unused with verl_prm.critic.format=rollout (no critic workers: the "
+            "rollout replicas sample): set verl_prm.placement.pool=colocated"
+        )
+    if critic.mc_n < 1:
+        raise ConfigError(f"verl_prm.critic.mc_n (continuations per step prefix) must be >= 1, got {critic.mc_n}")
+    if critic.mc_prefixes not in MC_PREFIX_RULES:
+        raise ConfigError(f"verl_prm.critic.mc_prefixes must be one of {MC_PREFIX_RULES}, got {critic.mc_prefixes!r}")
+    if critic.mc_prefixes_per_response < 1:
+        raise ConfigError(
+            f"verl_prm.critic.mc_prefixes_per_response must be >= 1, got {critic.mc_prefixes_per_response}"
+        )
+    if critic.mc_token_budget is not None and critic.mc_token_budget < 1:
+        raise ConfigError(
+            f"verl_prm.critic.mc_token_budget must be >= 1 or null (no bound), got {critic.mc_token_budget}: a "
+            "budget of zero samples nothing; use an outcome-only estimator instead"
+        )
+    if not math.isfinite(critic.mc_success_threshold):
+        raise ConfigError(f"verl_prm.critic.mc_success_threshold must be a finite number, got {critic.mc_success_threshold}")
 
 
 def _check_exact_critic_section(critic: CriticSection) -> None:

@@ -64,17 +64,21 @@ def check_step_positions(sample: int, length: int, prompt_end: int, step_ends: S
 
 
 def insert_markers(
-    input_ids: Sequence[int], prompt_end: int, step_ends: Sequence[int], marker_id: int | None
+    input_ids: Sequence[int], prompt_end: int, step_ends: Sequence[int], marker_id: int | None,
+    prompt_marker: bool = False,
 ) -> tuple[list[int], list[int]]:
-    """Insert ``marker_id`` after the prompt's last token and after each step's last token.
+    """Insert ``marker_id`` after each step's last token, and after the prompt's last token only when
+    ``prompt_marker`` (a format whose authors put a marker there; otherwise v_0 is read at the prompt's last
+    token and no step's context holds a marker the authors' input lacks).
 
     Without a marker (``marker_id is None``) the ids are returned unchanged and the read positions are
-    ``[prompt_end, *step_ends]``. With a marker, the k-th marker (0-based; k = 0 for the prompt) lands at
+    ``[prompt_end, *step_ends]``. With a marker, the k-th inserted marker (0-based) lands at
     ``original_position + 1 + k`` and the values are read at the markers. Tokens after the last step's end (if
     any) are kept after the last marker.
 
     Returns:
-        (ids, read_positions): ids of length ``len(input_ids) + (1 + H)`` with a marker, and H + 1 positions.
+        (ids, read_positions): ids of length ``len(input_ids) + H (+ 1 with a prompt marker)`` with a marker,
+        and H + 1 positions.
     """
     ids = list(input_ids)
     ends = [prompt_end, *step_ends]
@@ -83,6 +87,11 @@ def insert_markers(
     out: list[int] = []
     read_positions: list[int] = []
     start = 0
+    if not prompt_marker:
+        out.extend(ids[: prompt_end + 1])
+        read_positions.append(prompt_end)
+        start = prompt_end + 1
+        ends = list(step_ends)
     for end in ends:
         out.extend(ids[start : end + 1])
         read_positions.append(len(out))

@@ -26,7 +26,6 @@ from verl_prm.critic.packing import (
     Truncation,
     check_step_positions,
     fit_context,
-    insert_markers,
     packed_tensors,
     padded_tensors,
     plan_micro_batches,
@@ -34,7 +33,7 @@ from verl_prm.critic.packing import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CriticScores", "ProverCritic", "runs_varlen"]
+__all__ = ["CriticScores", "ProverCritic", "decode_segments", "runs_varlen"]
 
 
 
@@ -99,6 +98,8 @@ class ProverCritic:
         if packing not in ("auto", "varlen", "padded"):
             raise ValueError(f"packing must be 'auto', 'varlen' or 'padded', got {packing!r}")
         best_of_k_transform(torch.zeros(1), best_of_k)  # validates k
+        if best_of_k > 1 and getattr(adapter, "score", None) == "pos_minus_neg":
+            raise ValueError("best_of_k > 1 needs values in [0, 1]; score='pos_minus_neg' gives P(pos) - P(neg)")
         self.adapter = adapter
         self.tokenizer = tokenizer
         self.device = device
@@ -144,8 +145,8 @@ class ProverCritic:
             path: checkpoint directory (model + tokenizer), or an ``org/model`` hub id. A missing directory, a
                 file, a directory without weights and, in offline mode (``HF_HUB_OFFLINE``), a hub id that is not
                 in the local cache are errors before anything is loaded (``verl_prm.checkpoints``).
-            format: one of ``value_head`` (default), ``qwen_prm``, ``math_shepherd``, ``value_head_lm``
-                (see ``verl_prm.critic.formats``).
+            format: one of ``value_head`` (default), ``qwen_prm``, ``pure_prm``, ``math_shepherd``, ``rlhflow``,
+                ``value_head_lm`` (see ``verl_prm.critic.formats`` and docs/critic.md).
             best_of_k: K >= 1; K > 1 returns Best-of-K values ``1 - (1 - v)^K``.
             device: default CUDA when available, else CPU.
             dtype: default bf16 on CUDA, fp32 elsewhere. The head always runs in fp32.
@@ -165,7 +166,8 @@ class ProverCritic:
                 the ``VERL_PRM_ALLOW_PICKLE`` environment variable, else False (safetensors only). Weights the
                 model needs but the checkpoint lacks (a value head never saved) are always an error.
             format_options: per format, e.g. ``separator=`` (qwen_prm), ``tag=``, ``positive_token=``,
-                ``negative_token=`` (math_shepherd), ``head_prefix=`` (value_head_lm, qwen_prm).
+                ``negative_token=`` (math_shepherd), ``head_prefix=`` (value_head_lm, qwen_prm, pure_prm),
+                ``step_delimiter=`` (the text formats), ``score=`` (pure_prm).
         """
         if format not in FORMATS:
             raise ValueError(f"unknown critic format {format!r}; choose one of {sorted(FORMATS)}")
@@ -177,6 +179,7 @@ class ProverCritic:
         if tokenizer is None:
             from transformers import AutoTokenizer
 
+            _require_tokenizer_files(path)
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
         adapter = FORMATS[format].load(path, tokenizer, dtype=torch_dtype, attn_implementation=attn,
                                        allow_pickle=allow_pickle, **format_options)
@@ -205,9 +208,10 @@ class ProverCritic:
     ) -> CriticScores:
         """Score responses given as text.
 
-        Steps are split with ``verl_prm.steps.step_char_spans`` (``delimiter`` or ``regex``); prompt and response
-        are tokenised separately by the critic's tokenizer and concatenated (``encode_with_step_ends``); v_h is
-        read at the token that holds step h's last character (or at the marker after it).
+        Steps are split with ``verl_prm.steps.step_char_spans`` (``delimiter`` or ``regex``). A text format (the
+        public PRMs) builds its authors' input from the prompt and the step texts; the others tokenise prompt
+        and response separately and concatenate them (``encode_with_step_ends``); v_h is read at the token that
+        holds step h's last character (or at the marker after it).
 
         Returns:
             CriticScores with prompt_values [B], step_values [B, max H], num_steps [B].
@@ -216,6 +220,10 @@ class ProverCritic:
 
         if len(prompts) != len(responses):
             raise ValueError(f"score_texts: {len(prompts)} prompts but {len(responses)} responses")
+        if self.adapter.text_input:
+            step_texts = [[response[a:e] for a, e in step_char_spans(response, delimiter, regex=regex,
+                                                                     max_steps=max_steps)] for response in responses]
+            return self._score_step_texts(list(prompts), step_texts, None, 0)
         input_ids, prompt_ends, step_ends = [], [], []
         for prompt, response in zip(prompts, responses):
             spans = step_char_spans(response, delimiter, regex=regex, max_steps=max_steps)
@@ -299,6 +307,12 @@ class ProverCritic:
                 )
             if prompt_texts is None:
                 prompt_texts = _decode_prompts(policy_tokenizer, prompts, prompt_mask)
+            if self.adapter.text_input:  # the format rebuilds its authors' input from the texts themselves
+                step_texts = []
+                for b, text in enumerate(step_split.texts):
+                    ends = [int(e) for e in step_split.step_char_ends[b, : int(step_split.num_steps[b])].tolist()]
+                    step_texts.append([text[a:e] for a, e in zip([0] + ends[:-1], ends)])
+                return self._score_step_texts(list(prompt_texts), step_texts, num_slots, sample_offset)
             aligned = align_to_critic(
                 responses, response_mask, policy_tokenizer, self.tokenizer, step_split, prompts=list(prompt_texts)
             )
@@ -316,15 +330,42 @@ class ProverCritic:
         *,
         sample_offset: int = 0,
     ) -> list[CriticInput]:
-        """Validate positions, insert the format's markers, and fit the critic's context (see ``packing``)."""
-        inputs = []
+        """Validate positions, build the format's input (its markers, or its authors' input rebuilt from the
+        decoded prompt and steps for a text format), and fit the critic's context (see ``packing``)."""
+        built = []
         for i, (ids, prompt_end, ends) in enumerate(zip(input_ids, prompt_ends, step_ends)):
             sample = sample_offset + i
             ids = [int(t) for t in ids]
             ends = [int(e) for e in ends]
             check_step_positions(sample, len(ids), int(prompt_end), ends)
-            marked, read_positions = insert_markers(ids, int(prompt_end), ends, self.adapter.marker_id)
-            inputs.append(fit_context(sample, marked, read_positions, int(prompt_end), self.max_length, self.truncation))
+            if self.adapter.text_input:  # decode the segments; the format rebuilds its authors' input from them
+                try:
+                    prompt, steps = decode_segments(self.tokenizer, ids, int(prompt_end), ends)
+                except ValueError as error:
+                    raise ValueError(f"sample {sample}: {error}") from None
+                built.append(self._text_input(sample, prompt, steps))
+            else:
+                built.append(self.adapter.build_token_input(ids, int(prompt_end), ends))
+        return self._fit(built, sample_offset)
+
+    def _text_input(self, sample: int, prompt: str, steps: Sequence[str]) -> tuple[list[int], list[int], int]:
+        if not prompt:
+            raise ValueError(f"sample {sample}: the prompt is empty; the critic reads v_0 at its last token")
+        try:
+            return self.adapter.build_text_input(self.tokenizer, prompt, steps)
+        except ValueError as error:
+            raise ValueError(f"sample {sample}: {error}") from None
+
+    def _score_step_texts(self, prompts: Sequence[str], step_texts: Sequence[Sequence[str]],
+                          num_step_slots: int | None, sample_offset: int) -> CriticScores:
+        """Text formats: prompts and their step texts (with delimiters) -> the authors' inputs -> values."""
+        built = [self._text_input(sample_offset + i, p, s) for i, (p, s) in enumerate(zip(prompts, step_texts))]
+        inputs = self._fit(built, sample_offset)
+        return self._assemble(self.forward_values(inputs, sample_offset=sample_offset), num_step_slots)
+
+    def _fit(self, built: Sequence[tuple[list[int], list[int], int]], sample_offset: int) -> list[CriticInput]:
+        inputs = [fit_context(sample_offset + i, ids, reads, prompt_last, self.max_length, self.truncation)
+                  for i, (ids, reads, prompt_last) in enumerate(built)]
         truncated = [sample_offset + i for i, x in enumerate(inputs) if x.prompt_tokens_dropped]
         if truncated:
             logger.warning(
@@ -407,6 +448,58 @@ class ProverCritic:
             prompt_values = best_of_k_transform(prompt_values, self.best_of_k)
             step_values = best_of_k_transform(step_values, self.best_of_k)  # padding stays 0: 1 - (1 - 0)^K = 0
         return CriticScores(prompt_values.float(), step_values, num_steps)
+
+
+def _adds_bos(tokenizer) -> bool:
+    bos = tokenizer.bos_token_id
+    return bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
+
+
+def decode_segments(tokenizer, ids: Sequence[int], prompt_end: int, step_ends: Sequence[int]
+                    ) -> tuple[str, list[str]]:
+    """(prompt text, step texts) of critic ids, as a text format reads them.
+
+    The prompt is ``decode(ids[:prompt_end + 1])`` without a leading BOS that the tokenizer's own encode adds
+    (the format encodes its input itself; decoding the BOS as text would double it). Step h's text is
+    ``decode(r[:e_h + 1])[len(decode(r[:e_{h-1} + 1])):]`` over the response ids ``r``: decoding a step alone
+    would drop the leading space of a SentencePiece "▁" piece (the decoder strips it at the first token), while
+    the response decoded as a whole keeps it. A step end that cuts a character (a byte-level token holding part
+    of a multi-byte character) makes the decoded prefixes disagree: a ValueError, not a garbled text.
+    """
+    decode = lambda part: tokenizer.decode(part, skip_special_tokens=False,  # noqa: E731
+                                           clean_up_tokenization_spaces=False)
+    ids = list(ids)
+    first = 1 if ids and _adds_bos(tokenizer) and ids[0] == tokenizer.bos_token_id else 0
+    prompt = decode(ids[first : prompt_end + 1])
+    response = ids[prompt_end + 1 :]
+    steps, done = [], ""
+    for h, end in enumerate(step_ends):
+        text = decode(response[: end - prompt_end])
+        if not text.startswith(done):
+            raise ValueError(
+                f"step {h - 1} ends inside a character (the decoded response up to it, {done[-20:]!r}, is no prefix "
+                f"of the text decoded up to step {h}); put step ends on character boundaries"
+            )
+        steps.append(text[len(done) :])
+        done = text
+    return prompt, steps
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def _require_tokenizer_files(path: str) -> None:
+    """A local checkpoint directory must hold its tokenizer (else transformers fails later or differently)."""
+    from pathlib import Path
+
+    from verl_prm.checkpoints import CheckpointError
+
+    directory = Path(path)
+    if directory.is_dir() and not any((directory / name).is_file() for name in TOKENIZER_FILES[:3]):
+        raise CheckpointError(
+            f"critic checkpoint {path!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES[:3])}); save "
+            "the critic's tokenizer there (tokenizer.save_pretrained) or pass tokenizer="
+        )
 
 
 def _policy_sequences(

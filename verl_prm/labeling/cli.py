@@ -161,7 +161,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "convert":
         return convert_main(argv[1:])
-    args = label_parser().parse_args(argv)
+    parser = label_parser()
+    args = parser.parse_args(argv)
+    if args.code_depth is not None and args.code_rule is None:
+        parser.error("--code-depth applies to --code-rule only (the statement depth of code steps): add --code-rule "
+                     "block (or line, indent), or drop --code-depth")
     from verl_prm.locking import DirectoryLock
 
     # one writer per output directory: a second run would label the same prompts into duplicate shards
@@ -185,12 +189,17 @@ def _label(args: argparse.Namespace) -> int:
         delimiter=delimiter, step_regex=args.step_regex, max_steps=args.max_steps, code_rule=args.code_rule,
         code_depth=args.code_depth or 0, prompt_value=not args.no_prompt_value, seed=args.seed, source=prover_path,
     )
+    settings.step_spans("a")  # a bad step rule (e.g. a regex that matches the empty string) fails before any load
     # Inputs and the scorer are checked before anything is written to the output directory.
     notes: list[str] = []
     items = read_prompts(args.input, prompt_field=args.prompt_field, answer_field=args.answer_field,
                          data_source_field=args.data_source_field, data_source=args.data_source,
                          answer_regex=args.answer_regex, limit=args.limit, notes=notes)
-    scorer = OutcomeScorer(load_reward_function(args.reward_fn), args.success_threshold)
+    try:
+        reward_function = load_reward_function(args.reward_fn)
+    except (AttributeError, ImportError) as error:  # no such function or module: bad input, one line
+        raise ValueError(str(error)) from None
+    scorer = OutcomeScorer(reward_function, args.success_threshold)
     for flag, path in (("--policy", args.policy), ("--prover", args.prover)):
         if path is not None:  # no such directory, no weights, pickle-only, offline hub id: before any model loads
             resolve_checkpoint(path, flag)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from verl_prm.checks import empty_match_problem
 from verl_prm.steps.results import DEFAULT_DELIMITER
 
 
@@ -17,9 +18,14 @@ def _delimiter_pattern(delimiter: str | None, regex: str | re.Pattern | None) ->
                 "with a regex"
             )
         try:
-            return regex if isinstance(regex, re.Pattern) else re.compile(regex)
+            pattern = regex if isinstance(regex, re.Pattern) else re.compile(regex)
         except re.error as error:
             raise ValueError(f"regex={regex!r} does not compile: {error}") from None
+        problem = empty_match_problem(pattern)
+        if problem is not None:
+            raise ValueError(f"regex={pattern.pattern!r} {problem}: make it match at least one character (e.g. "
+                             r"r'\n\n+') or look ahead for a marker (e.g. r'(?=Step \d)')")
+        return pattern
     if not isinstance(delimiter, str) or delimiter == "":
         raise ValueError(f"delimiter must be a non-empty string (or pass regex=...), got {delimiter!r}")
     return re.compile("".join(r"\r?\n" if ch == "\n" else re.escape(ch) for ch in delimiter))

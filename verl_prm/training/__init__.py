@@ -1,7 +1,17 @@
-"""Training a PAV on soft step labels (docs: labels.md, "Training"): data encoding, loss, metrics, the trainer, CLI."""
+"""Training a PAV on soft step labels (docs: labels.md, "Training"): data encoding, loss, metrics, the trainer, CLI.
 
-from verl_prm.training.metrics import auroc, expected_calibration_error, mse, value_metrics
-from verl_prm.training.trainer import TrainConfig, evaluate_examples, latest_checkpoint, train
+The names below load their module on first use, so that ``verl-prm train --help`` (verl_prm.training.cli) does
+not import torch.
+"""
 
-__all__ = ["auroc", "expected_calibration_error", "mse", "value_metrics", "TrainConfig", "evaluate_examples",
-           "latest_checkpoint", "train"]
+import importlib
+
+_NAMES = {"auroc": "metrics", "expected_calibration_error": "metrics", "mse": "metrics", "value_metrics": "metrics",
+          "TrainConfig": "trainer", "evaluate_examples": "trainer", "latest_checkpoint": "trainer", "train": "trainer"}
+__all__ = list(_NAMES)
+
+
+def __getattr__(name: str):
+    if name not in _NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"verl_prm.training.{_NAMES[name]}"), name)

@@ -26,8 +26,8 @@ def train_parser() -> argparse.ArgumentParser:
     init.add_argument("--init-config", help="config.json (file or directory) of a new model with random weights")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --init)")
     p.add_argument("--eval-labels", nargs="+", default=None, help="held-out label shards (default: split)")
-    p.add_argument("--eval-fraction", type=finite_float(0.0, 1.0, high_open=True), default=0.1, help="share of prompts held out when no "
-                   "--eval-labels (split by prompt)")
+    p.add_argument("--eval-fraction", type=finite_float(0.0, 1.0, high_open=True), default=None, help="share of "
+                   "prompts held out when no --eval-labels (split by prompt; default 0.1)")
     p.add_argument("--max-length", type=int, default=4096, help="tokens per rollout (longer: labels beyond are "
                    "dropped and reported)")
     p.add_argument("--batch-size", type=int, default=8, help="rollouts per process per micro-batch")
@@ -79,3 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = train(config)
     print(json.dumps(summary, default=float))
     return 0
+
+
+if __name__ == "__main__":  # python -m verl_prm.training.cli (the same as `verl-prm train`)
+    raise SystemExit(main())

@@ -91,7 +91,10 @@ def encode_labels(
         q = np.asarray(row.q, dtype=np.float64)
         if best_of_k > 1:
             q = best_of_k_from_counts(np.asarray(row.n_success), np.asarray(row.n_mc), q, best_of_k)
-        encoded = encode_with_step_ends(tokenizer, row.prompt, row.response, spans)
+        try:
+            encoded = encode_with_step_ends(tokenizer, row.prompt, row.response, spans)
+        except ValueError as error:  # it names "sample 0", the one-row batch: name the label row instead
+            raise ValueError(f"{_row_name(row)}: {str(error).removeprefix('sample 0: ')}") from None
         positions, targets = [], []
         prompt_value = float(row.prompt_value)
         if use_prompt_value and not math.isnan(prompt_value):
@@ -124,6 +127,13 @@ def encode_labels(
             f"are kept and {stats.steps_beyond_max_length} step labels beyond them are not trained on"
         )
     return examples, stats
+
+
+def _row_name(row) -> str:
+    """"label shard S row R (prompt_index=..., rollout_index=...)" when the frame has the ``shard`` and
+    ``shard_row`` columns of the trainer, else the rollout's indices."""
+    where = f"label shard {row.shard} row {row.shard_row} " if hasattr(row, "shard") else "label row "
+    return f"{where}(prompt_index={row.prompt_index}, rollout_index={row.rollout_index})"
 
 
 def class_balanced_weights(examples: list[EncodedRollout], threshold: float = 0.5) -> np.ndarray:

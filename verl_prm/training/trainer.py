@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import pandas as pd
 import torch
 
 from verl_prm.training.data import (
@@ -427,3 +428,344 @@ def auroc_note(targets: np.ndarray) -> str | None:
     return None
 
 
+def train(config: TrainConfig, *, on_step: Callable[[int, dict], None] | None = None) -> dict:
+    """Train (or resume) a PAV; returns a summary with the final held-out metrics and checkpoint path.
+
+    ``on_step(step, record)`` is called after every optimizer step (tests use it to simulate a crash).
+    The output directory is locked against a second writer (:mod:`verl_prm.locking`) by the main process
+    (``RANK`` 0 or unset under ``accelerate launch``/``torchrun``).
+    """
+    from verl_prm.locking import DirectoryLock
+
+    if os.environ.get("RANK", "0") != "0":
+        return _train(config, on_step)
+    with DirectoryLock(config.output_dir, "verl-prm train"):
+        return _train(config, on_step)
+
+
+@dataclass
+class _Run:
+    """What the steps of one training run share."""
+
+    config: TrainConfig
+    accelerator: object
+    output_dir: Path
+    model: object
+    tokenizer: object
+    pad_token_id: int
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    train_examples: list[EncodedRollout]
+    eval_examples: list[EncodedRollout]
+    weights: np.ndarray
+    inputs: dict
+    logged_evals: set[int] = field(default_factory=set)
+
+    @property
+    def log_path(self) -> Path:
+        return self.output_dir / "metrics.jsonl"
+
+
+def _train(config: TrainConfig, on_step: Callable[[int, dict], None] | None) -> dict:
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+
+    accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=config.cpu)
+    output_dir = Path(config.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    inputs = input_digests(config)
+    if not config.resume and accelerator.is_main_process:
+        _set_aside_earlier_run(output_dir, accelerator.print)
+    accelerator.wait_for_everyone()
+    checkpoint, state = _resume_point(config, output_dir, inputs, accelerator.print) if config.resume else (None, None)
+    tokenizer, model = _tokenizer_and_model(config, checkpoint, output_dir, accelerator.print)
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_token_id is None:
+        raise ValueError(f"tokenizer {checkpoint or config.tokenizer or config.init} has neither a pad nor an EOS "
+                         "token to pad batches with")
+    train_examples, eval_examples = _examples(config, tokenizer, accelerator.print)
+    weights = class_balanced_weights(train_examples) if config.balance else np.full(len(train_examples), 1.0 / len(train_examples))
+    optimizer, scheduler = _optimizer(config, model)
+    # The scheduler is not prepared: accelerate would step it once per process; ours counts optimizer steps.
+    model, optimizer = accelerator.prepare(model, optimizer)
+    start_step = 0
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start_step = int(state["step"])
+    run = _Run(config, accelerator, output_dir, model, tokenizer, pad_token_id, optimizer, scheduler, train_examples,
+               eval_examples, weights, inputs)
+    if accelerator.is_main_process:
+        kept = _trim_log(run.log_path, start_step, accelerator.print)
+        run.logged_evals = {int(r["step"]) for r in kept if any(k.startswith("eval/") for k in r)}
+        accelerator.print(
+            f"verl-prm train: {len(train_examples)} train rollouts ({sum(len(e.targets) for e in train_examples)} "
+            f"labels), {len(eval_examples)} held-out rollouts; steps {start_step} -> {config.max_steps}"
+            + (f", resumed from {checkpoint}" if checkpoint is not None else "")
+        )
+
+    metrics: dict = {}
+    last_checkpoint = checkpoint
+    bar = tqdm(total=config.max_steps, initial=start_step, desc="training PAV", unit="step",
+               disable=not (config.progress and accelerator.is_main_process))
+    for step in range(start_step, config.max_steps):
+        record = _optimizer_step(run, step, last_checkpoint)
+        completed = step + 1
+        if completed % config.log_every == 0 or completed == config.max_steps:
+            _log(run, record)
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+        if (config.eval_every and completed % config.eval_every == 0) or completed == config.max_steps:
+            metrics = _evaluate(run, completed)
+            record.update(metrics)
+        if (config.save_every and completed % config.save_every == 0) or completed == config.max_steps:
+            last_checkpoint = _save(run, completed)
+        if on_step is not None:
+            on_step(completed, record)
+    bar.close()
+    if start_step >= config.max_steps:
+        metrics = _evaluate(run, config.max_steps)
+    if accelerator.is_main_process:
+        (output_dir / "eval_metrics.json").write_text(json.dumps(metrics, indent=2))
+    return {"checkpoint": str(last_checkpoint) if last_checkpoint else None, "metrics": metrics,
+            "train_rollouts": len(train_examples), "eval_rollouts": len(eval_examples), "start_step": start_step}
+
+
+def _set_aside_earlier_run(output_dir: Path, note: Callable[[str], None]) -> None:
+    """``--no-resume``: move the checkpoints and logs of an earlier run into ``earlier-run-<time>/``, so that
+    the top-level checkpoints (what :func:`latest_checkpoint` and rotation see) are this run's alone."""
+    earlier = [path for _, path in _checkpoint_dirs(output_dir)]
+    earlier += [output_dir / name for name in ("metrics.jsonl", "eval_metrics.json") if (output_dir / name).exists()]
+    if not earlier:
+        return
+    archive = output_dir / f"earlier-run-{time.strftime('%Y%m%d-%H%M%S')}"
+    suffix = 1
+    while archive.exists():
+        suffix += 1
+        archive = output_dir / f"earlier-run-{time.strftime('%Y%m%d-%H%M%S')}-{suffix}"
+    archive.mkdir()
+    for path in earlier:
+        os.replace(path, archive / path.name)
+    note(f"verl-prm train: --no-resume: moved the earlier run's {', '.join(p.name for p in earlier)} to {archive}")
+
+
+def _resume_point(config: TrainConfig, output_dir: Path, inputs: dict,
+                  note: Callable[[str], None]) -> tuple[Path | None, dict | None]:
+    """The newest intact checkpoint and its training state, after checking that the run's settings and inputs
+    are the ones it was written with; (None, None) for a fresh start."""
+    checkpoint = latest_checkpoint(output_dir, note)
+    while checkpoint is not None:
+        try:
+            state = torch.load(checkpoint / "training_state.pt", map_location="cpu", weights_only=False)
+            break
+        except Exception as error:  # a pickle cut short raises EOFError, UnpicklingError or RuntimeError
+            note(f"verl-prm train: skipping damaged checkpoint {checkpoint} (training_state.pt cannot be read: "
+                 f"{type(error).__name__}: {error})")
+            older = [path for step, path in _checkpoint_dirs(output_dir) if path.name < checkpoint.name
+                     and checkpoint_problem(path) is None]
+            checkpoint = older[-1] if older else None
+    if checkpoint is None:
+        return None, None
+    stored, current = state["config"], asdict(config)
+    differing = [k for k in sorted(set(stored) | set(current)) if k not in _RESUME_FREE_KEYS
+                 and stored.get(k) != current.get(k)]
+    if differing:
+        details = ", ".join(f"{k}: {stored.get(k)!r} -> {current.get(k)!r}" for k in differing)
+        raise ValueError(f"cannot resume from {checkpoint}: settings differ ({details}); use the same settings, "
+                         "or start over with --no-resume or a new --output-dir")
+    changes = _changed_inputs(state.get("inputs", {}), inputs)
+    if changes:
+        raise ValueError(f"cannot resume from {checkpoint}: inputs changed since it was written ({'; '.join(changes)}); "
+                         "restore them, or start over with --no-resume or a new --output-dir")
+    return checkpoint, state
+
+
+def _tokenizer_and_model(config: TrainConfig, checkpoint: Path | None, output_dir: Path,
+                         note: Callable[[str], None]):
+    """The tokenizer and the model to train, after the checks that need no model (paths, tokenizer files) and
+    the one that needs both (every token id has an embedding)."""
+    from transformers import AutoTokenizer
+
+    from verl_prm.checkpoints import check_tokenizer_files, resolve_checkpoint
+
+    if checkpoint is None and config.init is not None:
+        # no such directory, a file, no weights, pickle-only weights: an error naming --init before any load
+        resolve_checkpoint(config.init, "--init")
+    if checkpoint is not None:
+        tokenizer_path, flag = str(checkpoint), "checkpoint"
+    elif config.tokenizer is not None:
+        tokenizer_path, flag = config.tokenizer, "--tokenizer"
+    else:
+        tokenizer_path, flag = config.init, "--init (no --tokenizer given)"
+    check_tokenizer_files(tokenizer_path, flag)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=False)
+    model = build_model(config, tokenizer, checkpoint)
+    embeddings = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > embeddings:
+        raise ValueError(f"the tokenizer of {flag} {tokenizer_path} has {len(tokenizer)} tokens but the model has "
+                         f"{embeddings} embeddings: token ids >= {embeddings} have none. Use the model's own "
+                         "tokenizer (--tokenizer), or a model whose vocab_size covers it")
+    if checkpoint is None:
+        tokenizer = _tokenizer_as_checkpoint_loads_it(tokenizer, model.config, output_dir, note)
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+    if config.freeze_backbone:
+        head = value_head_of(model)
+        for parameter in model.parameters():
+            parameter.requires_grad_(False)
+        for parameter in head.parameters():
+            parameter.requires_grad_(True)
+    return tokenizer, model
+
+
+def _with_origin(frame: pd.DataFrame, paths) -> pd.DataFrame:
+    """``frame`` (rows of ``read_labels(paths)``, in order) with the ``shard`` and ``shard_row`` of each row."""
+    import pyarrow.parquet as pq
+
+    from verl_prm.labeling.format import label_files
+
+    shards, rows = [], []
+    for file in label_files(paths):
+        count = pq.read_metadata(file).num_rows
+        shards += [str(file)] * count
+        rows += list(range(count))
+    return frame.assign(shard=shards, shard_row=rows)
+
+
+def _check_held_out(train_frame, eval_frame, note: Callable[[str], None]) -> None:
+    """Refuse held-out rollouts that are training rollouts. A rollout's identity is
+    ``(prompt_index, rollout_index, prompt, response)`` (verl_prm.labeling.format.check_duplicate_rollouts),
+    so a copied or renamed shard is caught, not only a shard named twice. Shared prompts only get a note."""
+    key = ["prompt_index", "rollout_index", "prompt", "response"]
+    shared = eval_frame.merge(train_frame[key + ["shard", "shard_row"]], on=key, suffixes=("", "_train"))
+    if len(shared):
+        first = shared.iloc[0]
+        raise ValueError(f"--eval-labels and --labels share {len(shared)} rollouts (e.g. {first['shard']} row "
+                         f"{first['shard_row']} is {first['shard_train']} row {first['shard_row_train']}, "
+                         f"prompt_index={first['prompt_index']}, rollout_index={first['rollout_index']}): held-out "
+                         "metrics would be measured on training data; pass held-out shards of other rollouts")
+    prompts = set(eval_frame["prompt"]) & set(train_frame["prompt"])
+    if prompts:
+        note(f"verl-prm train: {len(prompts)} of the {eval_frame['prompt'].nunique()} held-out prompts also have "
+             "training rollouts (their step prefixes overlap); the held-out metrics are optimistic for them")
+
+
+def _examples(config: TrainConfig, tokenizer, note: Callable[[str], None]) -> tuple[list, list]:
+    """The encoded training and held-out rollouts (held out: --eval-labels, else a split by prompt)."""
+    from verl_prm.labeling.format import read_labels
+
+    frame = _with_origin(read_labels(config.labels), config.labels)
+    if config.eval_labels:
+        train_frame, eval_frame = frame, _with_origin(read_labels(config.eval_labels), config.eval_labels)
+        _check_held_out(train_frame, eval_frame, note)
+    else:
+        train_frame, eval_frame = split_by_prompt(frame, config.held_out_fraction, config.seed)
+    encode = dict(max_length=config.max_length, best_of_k=config.best_of_k, use_prompt_value=config.use_prompt_value)
+    train_examples, train_stats = encode_labels(train_frame, tokenizer, **encode)
+    eval_examples = encode_labels(eval_frame, tokenizer, **encode)[0] if len(eval_frame) else []
+    if not train_examples:
+        raise ValueError(f"no labelled steps to train on in {config.labels}")
+    for message in train_stats.notes:
+        note(f"verl-prm train: {message}")
+    return train_examples, eval_examples
+
+
+def _optimizer(config: TrainConfig, model):
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
+                                  weight_decay=config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda t: warmup_cosine_factor(t, config.warmup_steps, config.max_steps, config.min_lr_ratio)
+    )
+    return optimizer, scheduler
+
+
+def _optimizer_step(run: _Run, step: int, last_checkpoint: Path | None) -> dict:
+    """One optimizer step (step -> step + 1) on this process's slice of the global batch; its log record.
+
+    Raises NonFiniteLossError before the weights change if the loss or the gradient norm is NaN or infinite.
+    """
+    config, accelerator, model = run.config, run.accelerator, run.model
+    world, rank = accelerator.num_processes, accelerator.process_index
+    # Dropout and any other randomness of a step is seeded by (seed, step, rank): a resumed run repeats
+    # the uninterrupted run's step exactly without carrying RNG state through the checkpoint.
+    torch.manual_seed((config.seed * 1_000_003 + step) * 4099 + rank)
+    indices = sample_batch_indices(run.weights, config.batch_size * world * config.grad_accum, step, config.seed)
+    losses = []
+    for micro in range(config.grad_accum):
+        begin = (micro * world + rank) * config.batch_size
+        batch = collate([run.train_examples[i] for i in indices[begin : begin + config.batch_size]], run.pad_token_id)
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        sync = accelerator.no_sync(model) if micro < config.grad_accum - 1 else contextlib.nullcontext()
+        with sync:
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            loss = soft_label_bce(gather_step_logits(logits, batch["positions"]), batch["targets"], batch["step_mask"])
+            accelerator.backward(loss / config.grad_accum)
+        losses.append(loss.detach().float().item())
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.grad_clip) if config.grad_clip else None
+    completed = step + 1
+    bad = [f"loss {value}" for value in losses if not math.isfinite(value)]
+    if grad_norm is not None and not math.isfinite(float(grad_norm)):
+        bad.append(f"gradient norm {float(grad_norm)}")
+    if bad:
+        kept = (f"the last good checkpoint, {last_checkpoint}, is kept" if last_checkpoint is not None
+                else "no checkpoint was written")
+        raise NonFiniteLossError(
+            f"step {completed}: {bad[0]} is not finite; training stopped before this step changed the weights and "
+            f"{kept}. Check the --init weights for NaN/inf, or lower --lr (or use --mixed-precision no)")
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    record = {"step": completed, "loss": float(np.mean(losses)), "lr": run.scheduler.get_last_lr()[0]}
+    if grad_norm is not None:
+        record["grad_norm"] = float(grad_norm)
+    return record
+
+
+def _log(run: _Run, record: dict) -> None:
+    if run.accelerator.is_main_process:
+        with open(run.log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _evaluate(run: _Run, step: int) -> dict:
+    """Held-out metrics at ``step`` (main process), logged once per step."""
+    accelerator = run.accelerator
+    metrics: dict = {}
+    if accelerator.is_main_process and run.eval_examples:
+        predictions, targets = evaluate_examples(accelerator.unwrap_model(run.model), run.eval_examples,
+                                                 batch_size=run.config.eval_batch_size, pad_token_id=run.pad_token_id,
+                                                 device=accelerator.device)
+        metrics = {f"eval/{k}": v for k, v in value_metrics(predictions, targets).items()}
+        why = auroc_note(targets)
+        if why is not None:
+            metrics["eval/auroc_note"] = why
+            accelerator.print(f"verl-prm train: step {step}: {why}")
+        if step not in run.logged_evals:  # a rerun of a finished run evaluates again but logs no second line
+            _log(run, {"step": step, **metrics})
+            run.logged_evals.add(step)
+    accelerator.wait_for_everyone()
+    return metrics
+
+
+def _save(run: _Run, step: int) -> Path:
+    """Write ``checkpoint-<step>`` (atomically: a temporary directory renamed when complete), then rotate."""
+    accelerator, output_dir = run.accelerator, run.output_dir
+    final = output_dir / f"checkpoint-{step:07d}"
+    if accelerator.is_main_process:
+        temp = output_dir / f".checkpoint-{step:07d}.tmp"
+        shutil.rmtree(temp, ignore_errors=True)
+        accelerator.unwrap_model(run.model).save_pretrained(temp, safe_serialization=True)
+        run.tokenizer.save_pretrained(temp)
+        torch.save({"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(), "step": step,
+                    "config": asdict(run.config), "inputs": run.inputs}, temp / "training_state.pt")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(temp, final)
+        # Rotation removes the oldest of the checkpoints before this one (keep_checkpoints >= 1 is checked at
+        # startup); newer ones (a damaged one skipped by the resume) are rewritten when the run gets there.
+        older = [path for number, path in _checkpoint_dirs(output_dir) if number < step]
+        for old in older[: max(0, len(older) + 1 - run.config.keep_checkpoints)]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return final

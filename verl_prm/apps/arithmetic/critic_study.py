@@ -191,18 +191,15 @@ def sft_label_rows(data_dir: Path, tokenizer, step_accuracy: float) -> list[dict
 
 
 def _train(labels: Path, policy: Path, output: Path, scale, steps: int, progress: bool) -> Path:
-    from verl_prm.apps.cli import main as cli
+    """A value head on ``policy``, the whole model fine-tuned on ``labels`` at ``FINETUNE_LR`` (once: a finished
+    training in ``output`` is kept); its checkpoint."""
+    from verl_prm.apps.arithmetic.pipeline import train_pav
     from verl_prm.training.trainer import latest_checkpoint
 
     if not (output / "eval_metrics.json").exists():
-        argv = ["train", "--labels", str(labels), "--init", str(policy), "--output-dir", str(output),
-                "--max-steps", str(steps), "--batch-size", str(scale.pav_batch_size), "--lr", str(FINETUNE_LR),
-                "--warmup-steps", str(scale.pav_warmup), "--eval-fraction", "0.2", "--best-of-k", "1",
-                "--max-length", str(scale.model.max_position_embeddings), "--log-every", "50", "--seed", "0", "--cpu"]
-        if not progress:
-            argv.append("--no-progress")
-        if cli(argv) != 0:
-            raise RuntimeError(f"verl-prm {' '.join(argv)} failed")
+        train_pav(labels, policy, output, steps=steps, batch_size=scale.pav_batch_size, lr=FINETUNE_LR,
+                  warmup_steps=scale.pav_warmup, max_length=scale.model.max_position_embeddings, log_every=50,
+                  cpu=True, progress=progress)
     return latest_checkpoint(output)
 
 
@@ -251,15 +248,10 @@ def run_study(scale, work_dir: Path, variants: Sequence[str], *, long_steps: int
     """Train and measure every variant; writes ``critic_study/study.json`` and ``study.md`` under ``work_dir``
     (a finished recipe run's directory: policy, prover, labels and pav stages)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verl_prm.critic import ProverCritic
-    from verl_prm.labeling.format import read_labels
-    from verl_prm.labeling.store import ShardStore
     from verl_prm.locking import DirectoryLock
-    from verl_prm.apps.arithmetic.evaluate import critic_step_auroc
-    from verl_prm.apps.arithmetic.model import render
-    from verl_prm.apps.arithmetic.pipeline import _problems, stages_of
+    from verl_prm.apps.arithmetic.critic_init import CriticInitConfig
+    from verl_prm.apps.arithmetic.pipeline import stages_of
 
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -271,94 +263,141 @@ def run_study(scale, work_dir: Path, variants: Sequence[str], *, long_steps: int
                                     f"up to it first (--stages data,sft,prover,label,pav)")
     out_dir = work_dir / "critic_study"
     out_dir.mkdir(parents=True, exist_ok=True)
-    long_steps = long_steps or 4 * scale.pav_steps
-    from verl_prm.apps.arithmetic.critic_init import CriticInitConfig
-
-    init_config = init_config or CriticInitConfig()
-    policy, labels = stages["sft"].path, stages["label"].path
-    step_accuracy = float(stages["prover"].outputs()["step_accuracy"])
     threads = torch.get_num_threads()
     torch.set_num_threads(scale.threads)
-    rows = []
     try:
         with DirectoryLock(out_dir, "arithmetic critic study"):
-            tokenizer = AutoTokenizer.from_pretrained(str(policy), trust_remote_code=False)
-            exact_labels, sft_labels = out_dir / "exact_labels", out_dir / "exact_sft_labels"
-            if any(v in ("exact", "exact_long") for v in variants) and not any(exact_labels.glob("shard-*.parquet")):
-                ShardStore(exact_labels).write_shard(exact_label_rows(read_labels(labels), step_accuracy))
-            if any(v.startswith("exact_sft") for v in variants) and not any(sft_labels.glob("shard-*.parquet")):
-                ShardStore(sft_labels).write_shard(sft_label_rows(stages["data"].path, tokenizer, step_accuracy))
-            # the backbone taught the check: the recipe's (pav/backbone) when its scale trains one, else the study's
-            recipe_checks = scale.critic_init is not None and scale.critic_init.check_weight > 0
-
-            def check_init() -> Path:
-                if recipe_checks:
-                    return stages["pav"].path / "backbone"
-                return _critic_init(out_dir / "critic_check", policy, stages["data"].path, scale,
-                                    replace(init_config, check_weight=1.0), progress, log)
-
-            test = _problems(scale)[3]
-            model = AutoModelForCausalLM.from_pretrained(str(policy), trust_remote_code=False).eval()
-            signal_path = out_dir / "policy_signal.json"
-            if not signal_path.exists():
-                signal = policy_signal(model, tokenizer, [render(tokenizer, p.prompt_text) for p in test], test,
-                                       samples=1, max_new_tokens=scale.max_new_tokens, seed=12346)
-                signal_path.write_text(json.dumps(signal, indent=2))
-            signal = json.loads(signal_path.read_text())
-            for variant in variants:
-                result_path = out_dir / f"{variant}.json"
-                if result_path.exists():
-                    rows.append(json.loads(result_path.read_text()))
-                    continue
-                started = time.perf_counter()
-                if variant == "check_frozen":
-                    if not recipe_checks:
-                        raise ValueError("check_frozen is the recipe's PAV of a scale with a critic_init (check_weight "
-                                         f"> 0); this scale's PAV fine-tunes the policy (variant mc)")
-                    checkpoint, steps = Path(stages["pav"].outputs()["checkpoint"]), scale.pav_steps
-                    train_dir = stages["pav"].path
-                elif variant == "check_head":
-                    checkpoint, steps = check_head_checkpoint(check_init(), out_dir / variant), 0
-                    train_dir = out_dir / variant
-                else:
-                    steps = long_steps if variant.endswith("_long") else scale.pav_steps
-                    source = (sft_labels if variant.startswith("exact_sft") else
-                              exact_labels if variant.startswith("exact") else labels)
-                    train_dir = out_dir / variant
-                    if variant == "mc_check":
-                        init = check_init()
-                    elif variant.endswith("_init"):
-                        init = _critic_init(out_dir / "critic_init", policy, stages["data"].path, scale, init_config,
-                                            progress, log)
-                    else:
-                        init = policy
-                    checkpoint = _train(source, init, train_dir, scale, steps, progress)
-                seconds = time.perf_counter() - started
-                if variant == "check_frozen":  # trained by the recipe's pav stage, critic_init included
-                    seconds = json.loads(stages["pav"].marker.read_text())["seconds"] + float(
-                        json.loads((check_init() / "critic_init_summary.json").read_text())["seconds"])
-                critic = ProverCritic.from_pretrained(str(checkpoint), format="value_head", device="cpu")
-                measured = critic_step_auroc(critic, tokenizer, model, [render(tokenizer, p.prompt_text) for p in test],
-                                             test, samples=1, max_new_tokens=scale.max_new_tokens, seed=12346)
-                metrics_path = train_dir / "eval_metrics.json"
-                held_out = json.loads(metrics_path.read_text()) if metrics_path.exists() else {}
-                row = {"variant": variant, "labels": "exact, SFT solutions" if variant.startswith("exact_sft") else
-                           "exact" if variant.startswith("exact") else
-                           "none (SFT solutions' slips, in critic_init)" if variant == "check_head" else "monte_carlo",
-                       "init": {"mc_check": "critic_init, check_weight 1",
-                                "check_frozen": "critic_init, check_weight 1, frozen",
-                                "check_head": "critic_init's check head"}.get(
-                           variant, "critic_init" if variant.endswith("_init") else "policy"),
-                       "train_steps": steps, "train_seconds": round(seconds, 1), "checkpoint": str(checkpoint),
-                       "label_auroc": held_out.get("eval/auroc", math.nan), "label_mse": held_out.get("eval/mse", math.nan),
-                       **measured}
-                result_path.write_text(json.dumps(row, indent=2))
-                log(f"[critic study] {variant}: step AUROC {row['step_auroc']:.3f}, label AUROC "
-                    f"{row['label_auroc']:.3f} ({steps} steps)")
-                rows.append(row)
+            study = _Study(scale, stages, out_dir, long_steps or 4 * scale.pav_steps,
+                           init_config or CriticInitConfig(), progress, log)
+            study.write_labels(variants)
+            signal = study.policy_signal()
+            rows = [study.variant_row(variant) for variant in variants]
     finally:
         torch.set_num_threads(threads)
     (out_dir / "study.json").write_text(json.dumps(rows, indent=2))
+    table = study_table(rows, signal)
+    (out_dir / "study.md").write_text(table + "\n")
+    log(table)
+    return rows
+
+
+class _Study:
+    """The study of one recipe run: its stages, the study's directory and the pieces every variant shares (the
+    SFT policy, its tokenizer and the held-out test problems, loaded once)."""
+
+    def __init__(self, scale, stages: dict, out_dir: Path, long_steps: int, init_config, progress: bool, log) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from verl_prm.apps.arithmetic.model import render
+        from verl_prm.apps.arithmetic.pipeline import split_problems
+
+        self.scale, self.stages, self.out_dir = scale, stages, out_dir
+        self.long_steps, self.init_config, self.progress, self.log = long_steps, init_config, progress, log
+        self.policy, self.labels = stages["sft"].path, stages["label"].path
+        self.step_accuracy = float(stages["prover"].outputs()["step_accuracy"])
+        self.exact_labels, self.sft_labels = out_dir / "exact_labels", out_dir / "exact_sft_labels"
+        # the backbone taught the check: the recipe's (pav/backbone) when its scale trains one, else the study's
+        self.recipe_checks = scale.critic_init is not None and scale.critic_init.check_weight > 0
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.policy), trust_remote_code=False)
+        self.model = AutoModelForCausalLM.from_pretrained(str(self.policy), trust_remote_code=False).eval()
+        self.test = split_problems(scale)[3]
+        self.test_texts = [render(self.tokenizer, p.prompt_text) for p in self.test]
+
+    def write_labels(self, variants: Sequence[str]) -> None:
+        """The exact labels the requested variants train on (once)."""
+        from verl_prm.labeling.format import read_labels
+        from verl_prm.labeling.store import ShardStore
+
+        if any(v in ("exact", "exact_long") for v in variants) and not any(self.exact_labels.glob("shard-*.parquet")):
+            ShardStore(self.exact_labels).write_shard(exact_label_rows(read_labels(self.labels), self.step_accuracy))
+        if any(v.startswith("exact_sft") for v in variants) and not any(self.sft_labels.glob("shard-*.parquet")):
+            ShardStore(self.sft_labels).write_shard(sft_label_rows(self.stages["data"].path, self.tokenizer,
+                                                                   self.step_accuracy))
+
+    def policy_signal(self) -> dict:
+        """``policy_signal`` on the test problems (measured once, ``policy_signal.json``)."""
+        signal_path = self.out_dir / "policy_signal.json"
+        if not signal_path.exists():
+            signal = policy_signal(self.model, self.tokenizer, self.test_texts, self.test, samples=1,
+                                   max_new_tokens=self.scale.max_new_tokens, seed=12346)
+            signal_path.write_text(json.dumps(signal, indent=2))
+        return json.loads(signal_path.read_text())
+
+    def check_init(self) -> Path:
+        if self.recipe_checks:
+            return self.stages["pav"].path / "backbone"
+        return _critic_init(self.out_dir / "critic_check", self.policy, self.stages["data"].path, self.scale,
+                            replace(self.init_config, check_weight=1.0), self.progress, self.log)
+
+    def trained(self, variant: str) -> tuple[Path, int, Path]:
+        """The variant's critic: (its checkpoint, its training steps, the directory of its eval_metrics.json)."""
+        scale = self.scale
+        if variant == "check_frozen":
+            if not self.recipe_checks:
+                raise ValueError("check_frozen is the recipe's PAV of a scale with a critic_init (check_weight "
+                                 f"> 0); this scale's PAV fine-tunes the policy (variant mc)")
+            return Path(self.stages["pav"].outputs()["checkpoint"]), scale.pav_steps, self.stages["pav"].path
+        train_dir = self.out_dir / variant
+        if variant == "check_head":
+            return check_head_checkpoint(self.check_init(), train_dir), 0, train_dir
+        steps = self.long_steps if variant.endswith("_long") else scale.pav_steps
+        source = (self.sft_labels if variant.startswith("exact_sft") else
+                  self.exact_labels if variant.startswith("exact") else self.labels)
+        if variant == "mc_check":
+            init = self.check_init()
+        elif variant.endswith("_init"):
+            init = _critic_init(self.out_dir / "critic_init", self.policy, self.stages["data"].path, scale,
+                                self.init_config, self.progress, self.log)
+        else:
+            init = self.policy
+        return _train(source, init, train_dir, scale, steps, self.progress), steps, train_dir
+
+    def variant_row(self, variant: str) -> dict:
+        """The variant trained (once) and measured: its row of the study (``VARIANT.json``)."""
+        from verl_prm.critic import ProverCritic
+        from verl_prm.apps.arithmetic.evaluate import critic_step_auroc
+
+        result_path = self.out_dir / f"{variant}.json"
+        if result_path.exists():
+            return json.loads(result_path.read_text())
+        started = time.perf_counter()
+        checkpoint, steps, train_dir = self.trained(variant)
+        seconds = time.perf_counter() - started
+        if variant == "check_frozen":  # trained by the recipe's pav stage, critic_init included
+            seconds = json.loads(self.stages["pav"].marker.read_text())["seconds"] + float(
+                json.loads((self.check_init() / "critic_init_summary.json").read_text())["seconds"])
+        critic = ProverCritic.from_pretrained(str(checkpoint), format="value_head", device="cpu")
+        measured = critic_step_auroc(critic, self.tokenizer, self.model, self.test_texts, self.test, samples=1,
+                                     max_new_tokens=self.scale.max_new_tokens, seed=12346)
+        metrics_path = train_dir / "eval_metrics.json"
+        held_out = json.loads(metrics_path.read_text()) if metrics_path.exists() else {}
+        row = {"variant": variant, "labels": variant_labels(variant), "init": variant_init(variant),
+               "train_steps": steps, "train_seconds": round(seconds, 1), "checkpoint": str(checkpoint),
+               "label_auroc": held_out.get("eval/auroc", math.nan), "label_mse": held_out.get("eval/mse", math.nan),
+               **measured}
+        result_path.write_text(json.dumps(row, indent=2))
+        self.log(f"[critic study] {variant}: step AUROC {row['step_auroc']:.3f}, label AUROC "
+                 f"{row['label_auroc']:.3f} ({steps} steps)")
+        return row
+
+
+def variant_labels(variant: str) -> str:
+    """What the variant's value head is trained on (the study table's "labels" column)."""
+    if variant.startswith("exact_sft"):
+        return "exact, SFT solutions"
+    if variant.startswith("exact"):
+        return "exact"
+    return "none (SFT solutions' slips, in critic_init)" if variant == "check_head" else "monte_carlo"
+
+
+def variant_init(variant: str) -> str:
+    """The model under the variant's value head (the study table's "value head on" column)."""
+    return {"mc_check": "critic_init, check_weight 1", "check_frozen": "critic_init, check_weight 1, frozen",
+            "check_head": "critic_init's check head"}.get(variant, "critic_init" if variant.endswith("_init") else "policy")
+
+
+def study_table(rows: Sequence[dict], signal: dict) -> str:
+    """``study.md``: a row per variant, then the policy's own signal."""
     lines = ["| variant | labels | value head on | training steps | step AUROC vs true prefix correctness | "
              "held-out label AUROC | mean value drop at the first wrong step | training time (s) |",
              "|---|---|---|---:|---:|---:|---:|---:|"]
@@ -370,9 +409,7 @@ def run_study(scale, work_dir: Path, variants: Sequence[str], *, long_steps: int
               f"written result, running minimum over the steps: step AUROC {signal['policy_logprob_step_auroc']:.3f}; "
               f"first step only: {signal['policy_logprob_first_step_auroc']:.3f}; a linear probe of its last hidden "
               f"state at the first step's end (the value head's input): {signal['probe_first_step_auroc']:.3f}."]
-    (out_dir / "study.md").write_text("\n".join(lines) + "\n")
-    log("\n".join(lines))
-    return rows
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

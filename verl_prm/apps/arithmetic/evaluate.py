@@ -108,7 +108,7 @@ def summarise_arms(runs: dict, reference: str = "grpo", bootstrap: int = 2000) -
 def critic_step_auroc(critic, tokenizer, model, prompt_texts: Sequence[str], problems: Sequence[Problem], *,
                       samples: int, max_new_tokens: int, seed: int) -> dict:
     """AUROC of the critic's value after each step against the truth of the prefix (all lines right so far)."""
-    from verl_prm.apps.arithmetic.rl import step_tensors
+    from verl_prm.apps.arithmetic.batch import step_tensors
     from verl_prm.apps.arithmetic.rollout import sample
     from verl_prm.training.metrics import auroc
 
@@ -318,7 +318,7 @@ def policy_accuracy(path: str | Path, prompt_texts_of, problems: Sequence[Proble
     """Sampled accuracy and mean response tokens of the policy at ``path``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verl_prm.apps.arithmetic.rl import outcome_rewards
+    from verl_prm.apps.arithmetic.batch import outcome_rewards
     from verl_prm.apps.arithmetic.rollout import sample
 
     tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)

@@ -10,12 +10,13 @@ data        ``data/``: verl parquet rows (``rl_train``, ``test``; the label stag
 sft         ``policy/``: a tiny Qwen2 causal LM trained from scratch (HF format, safetensors, tokenizer)
 prover      ``prover/``: the SFT policy measured on the label prompts: success, groups with no outcome signal and
             its per-step accuracy p, the exact prover's parameter (:mod:`.prover`)
-label       ``labels/``: ``verl-prm label`` (Monte-Carlo values of step prefixes; the prover is the policy,
-            raw success counts kept so that the Best-of-K prover's values follow)
+label       ``labels/``: Monte-Carlo values of step prefixes by ``verl_prm.labeling`` (what ``verl-prm label``
+            runs; the prover is the policy, raw success counts kept so that the Best-of-K prover's values follow)
 pav         ``pav/``: the learned PAV. With ``Scale.critic_init`` (the CPU and GPU scales): the policy is first
             taught to check each written result on the SFT solutions (``pav/backbone/``, :mod:`.critic_init`),
-            then ``verl-prm train --freeze-backbone`` fits a value head on it to the Monte-Carlo labels; without
-            it, ``verl-prm train`` fine-tunes a value head on the whole policy (the PAV paper's choice)
+            then ``verl_prm.training`` (what ``verl-prm train --freeze-backbone`` runs) fits a value head on it to
+            the Monte-Carlo labels; without it, the whole policy is fine-tuned with a value head (the PAV paper's
+            choice)
 rl          ``rl/<arm>_seed<seed>/``: every arm (GRPO, PAV-GRPO with the exact prover, PAV-GRPO with the learned
             PAV) with every seed through ``python -m verl.trainer.main_ppo`` (:mod:`.verl_rl`), the same prompts,
             seeds and budget; on CPU with the plugin's CPU platform, on GPU with vLLM
@@ -25,9 +26,15 @@ evaluate    ``results/``: ``results.md``, ``results.json`` and the plots
 The command of a verl run is built by ``verl_rl.main_ppo_command`` for the scale's device, so the CPU run and
 the GPU run (``examples/arithmetic/run_gpu.sh``: ``--scale gpu``) differ only in scale and device settings.
 
+At a GPU scale the stages that hold the GPU (``sft``, ``label``, ``pav``, ``evaluate``) each run in a process of
+their own (:func:`stage_process_command`: this module with ``--scale-file``, the scale written to
+``WORK_DIR/scale.json``, and ``--in-process``), so that a stage's exit frees all the GPU memory it held (the
+label stage's vLLM engine takes ``Scale.label_gpu_memory_utilization`` of it) before the next stage, and verl's
+own vLLM in the rl stage, starts; the recipe's process itself never touches the GPU.
+
 A stage is skipped when its ``DONE.json`` marker exists and records the same settings; a marker with other
-settings is an error (use another work directory). ``verl-prm label``, ``verl-prm train`` and the RL loop also
-resume inside a stage that was interrupted.
+settings is an error (use another work directory). The labeling, the PAV training and the RL loop also resume
+inside a stage that was interrupted.
 
 Reproducibility. The numbers are a function of the settings, the package versions and the machine's float
 kernels: the recipe runs torch on a fixed number of threads (``Scale.threads``, 1 by default, part of every
@@ -44,6 +51,7 @@ import argparse
 import json
 import platform
 import random
+import shlex
 import sys
 import time
 import zlib
@@ -55,14 +63,18 @@ import numpy as np
 
 from verl_prm.apps.arithmetic.critic_init import CriticInitConfig, critic_init_from_sft
 from verl_prm.apps.arithmetic.model import ModelConfig, SFTConfig
-from verl_prm.apps.arithmetic.rl import RLConfig
 from verl_prm.apps.arithmetic.task import STEP_REGEX, TaskConfig
+from verl_prm.apps.arithmetic.verl_rl import ARMS, SCORE_FILE, RLConfig
 
-__all__ = ["Scale", "SCALES", "STAGES", "environment", "run", "main", "seed_everything"]
+__all__ = ["Scale", "SCALES", "STAGES", "environment", "run", "main", "scale_from_json", "seed_everything",
+           "split_problems", "stage_process_command", "stages_in_own_process"]
 
 DATA_SOURCE_NAME = "arithmetic_mod"
 STAGES = ("data", "sft", "prover", "label", "pav", "rl", "evaluate")
-SCORE_FILE = Path(__file__).with_name("score.py")
+# The stages that hold a GPU (the rl stage's main_ppo runs are processes of their own already): at a GPU scale
+# each runs in a process of its own, whose exit frees all it held (a vLLM engine has no shutdown) for the next.
+GPU_STAGES = ("sft", "label", "pav", "evaluate")
+LABEL_SHARD_SIZE = 64  # prompts per label shard (verl-prm label's default)
 
 
 @dataclass(frozen=True)
@@ -85,6 +97,9 @@ class Scale:
     n_mc: int = 2
     label_backend: str = "hf"
     label_batch_size: int = 1024
+    # vllm back end: the share of the GPU's memory its engine may take (the label stage's process has the GPU to
+    # itself and frees it at its end; the KV cache of the GPU scale's batches needs far less than half an H100)
+    label_gpu_memory_utilization: float = 0.85
     # the learned PAV's backbone: None = the SFT policy, fine-tuned whole by verl-prm train (the PAV paper's
     # choice; on the CPU scale its value ranks prefixes at chance, docs/arithmetic.md); a CriticInitConfig = the
     # policy first taught to check each written result (critic_init with check_weight > 0), then only the value
@@ -119,8 +134,6 @@ class Scale:
             raise ValueError(f"rl_num_ops must be >= 1 or None, got {self.rl_num_ops}")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise ValueError(f"threads (--threads) must be an integer >= 1, got {self.threads!r}")
-        from verl_prm.apps.arithmetic.verl_rl import ARMS
-
         unknown = [arm for arm in self.rl_arms if arm not in ARMS]
         if unknown or not self.rl_arms:
             raise ValueError(f"rl_arms must name arms of {tuple(ARMS)}, got {self.rl_arms}")
@@ -136,6 +149,8 @@ class Scale:
             value = getattr(self, name)
             if not np.isfinite(value):
                 raise ValueError(f"{name} must be finite, got {value!r}")
+        if not 0 < self.label_gpu_memory_utilization <= 1:  # also NaN
+            raise ValueError(f"label_gpu_memory_utilization must be in (0, 1], got {self.label_gpu_memory_utilization!r}")
 
     @property
     def max_new_tokens(self) -> int:
@@ -214,7 +229,7 @@ SCALES: dict[str, Scale] = {
         model=ModelConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                           num_key_value_heads=8, max_position_embeddings=512),
         sft=SFTConfig(steps=6000, batch_size=256, lr=1e-3, warmup_steps=200, curriculum_steps=2000),
-        n_cov=4, n_mc=16, label_backend="vllm", label_batch_size=1024,
+        n_cov=4, n_mc=16, label_backend="vllm", label_batch_size=1024, label_gpu_memory_utilization=0.5,
         critic_init=CriticInitConfig(steps=6000, batch_size=64, check_weight=1.0),
         pav_steps=2000, pav_batch_size=64, pav_lr=1e-3, pav_warmup=100,
         rl=RLConfig(steps=200, prompts_per_step=128, group_size=8, lr=1e-5, eval_every=10, eval_samples=4),
@@ -340,7 +355,7 @@ class Stage:
 # ------------------------------------------------------------------------------------------------- stages
 
 
-def _problems(scale: Scale):
+def split_problems(scale: Scale):
     """(sft, rl, label, test) problems; test prompts appear in no other split."""
     from verl_prm.apps.arithmetic.task import generate_problems
 
@@ -357,7 +372,7 @@ def stage_data(stage: Stage, scale: Scale) -> dict:
 
     from verl_prm.apps.arithmetic.task import sft_example, verl_row
 
-    sft, rl, label, test = _problems(scale)
+    sft, rl, label, test = split_problems(scale)
     stage.path.mkdir(parents=True, exist_ok=True)
     files = {}
     for name, problems in (("rl_train", rl), ("test", test)):
@@ -403,37 +418,78 @@ def stage_sft(stage: Stage, scale: Scale, data_dir: Path, progress: bool) -> dic
 
 
 def stage_label(stage: Stage, scale: Scale, data_dir: Path, policy: Path, progress: bool) -> dict:
+    """Monte-Carlo step labels of the label problems (``verl_prm.labeling``, as ``verl-prm label`` makes them):
+    the prover is the policy, raw success counts kept; a step ends after each result (``task.STEP_REGEX``)."""
     import pandas as pd
 
-    from verl_prm.apps.cli import main as cli
+    from verl_prm.labeling.format import read_labels
     from verl_prm.apps.arithmetic.task import verl_row
 
-    _, _, label, _ = _problems(scale)
+    _, _, label, _ = split_problems(scale)
     prompts = stage.path.parent / "data" / f"label_{scale.label_problems}.parquet"
     if not prompts.exists():
         pd.DataFrame([verl_row(p, "label", i) for i, p in enumerate(label)]).to_parquet(prompts)
-    argv = ["label", "--input", str(prompts), "--policy", str(policy), "--output-dir",
-            str(stage.path), "--backend", scale.label_backend, "--n-cov", str(scale.n_cov), "--n-mc", str(scale.n_mc),
-            "--strategy", "every", "--step-regex", STEP_REGEX, "--max-new-tokens", str(scale.max_new_tokens),
-            "--temperature", "1.0", "--batch-size", str(scale.label_batch_size), "--reward-fn",
-            f"{SCORE_FILE}:compute_score", "--seed", "0"]
-    if scale.label_backend == "hf":
-        argv += ["--device", scale.device, "--dtype", "float32"]
-    if not progress:
-        argv.append("--no-progress")
-    if cli(argv) != 0:
-        raise RuntimeError(f"verl-prm {' '.join(argv)} failed")
-    from verl_prm.labeling.format import read_labels
-
+    summary = label_prompts(prompts, policy, stage.path, scale, progress)
     frame = read_labels(stage.path)
     q = [v for values in frame["q"] for v in values]
-    return {"command": "verl-prm " + " ".join(argv), "rollouts": len(frame), "labelled_steps": len(q),
+    return {"settings": summary["settings"], "rollouts": len(frame), "labelled_steps": len(q),
             "seed_accuracy": float(frame["outcome"].mean()),
             "labelled_share": float(np.mean([v == v for v in q])) if q else 0.0}
 
 
+def label_prompts(prompts: Path, policy: Path, output: Path, scale: Scale, progress: bool) -> dict:
+    """``verl_prm.labeling.runner.run_labeling`` of ``prompts`` into ``output`` with the scale's settings (its
+    back end, ``n_cov`` seed rollouts, ``n_mc`` continuations at every step); resumes from the shards there.
+    Returns the runner's summary and the settings (what the store records)."""
+    import functools
+
+    from transformers import AutoTokenizer
+
+    from verl_prm.labeling.cli import build_generator
+    from verl_prm.labeling.inputs import read_prompts, render_prompt
+    from verl_prm.labeling.monte_carlo import LabelSettings, MonteCarloLabeler
+    from verl_prm.labeling.runner import run_labeling
+    from verl_prm.labeling.scoring import OutcomeScorer, load_reward_function
+    from verl_prm.labeling.store import ShardStore
+
+    settings = LabelSettings(n_cov=scale.n_cov, n_mc=scale.n_mc, strategy="every", step_regex=STEP_REGEX, seed=0,
+                             source=str(policy))
+    items = read_prompts(str(prompts))
+    scorer = OutcomeScorer(load_reward_function(f"{SCORE_FILE}:compute_score"))
+    record = {"input": str(prompts), "policy": str(policy), "backend": scale.label_backend,
+              "max_new_tokens": scale.max_new_tokens, "temperature": 1.0, **asdict(settings)}
+    store = ShardStore(output)
+    store.check_config(record)
+    engine_settings = dict(max_new_tokens=scale.max_new_tokens, temperature=1.0, top_p=1.0,
+                           batch_size=scale.label_batch_size)
+    if scale.label_backend == "hf":
+        engine_settings.update(device=scale.device, dtype="float32")
+    else:
+        engine_settings.update(gpu_memory_utilization=scale.label_gpu_memory_utilization)
+    engine = build_generator(scale.label_backend, str(policy), **engine_settings)
+    labeler = MonteCarloLabeler(engine, engine, scorer, settings)
+    tokenizer = AutoTokenizer.from_pretrained(str(policy), trust_remote_code=False)
+    summary = run_labeling(items, functools.partial(render_prompt, tokenizer=tokenizer), labeler, store,
+                           shard_size=LABEL_SHARD_SIZE, progress=progress)
+    return {**summary, "settings": record}
+
+
+def train_pav(labels: Path, init: Path, output: Path, *, steps: int, batch_size: int, lr: float, warmup_steps: int,
+              max_length: int, log_every: int, cpu: bool, freeze_backbone: bool = False, progress: bool = True) -> dict:
+    """``verl_prm.training.trainer.train`` (what ``verl-prm train`` runs) of a value-head PAV on ``labels``: 20% of
+    the prompts held out, the Monte-Carlo values themselves (Best-of-1), seed 0; resumes from ``output``. Returns
+    the training settings (``TrainConfig`` as a dict)."""
+    from verl_prm.training.trainer import TrainConfig, train
+
+    config = TrainConfig(labels=[str(labels)], output_dir=str(output), init=str(init), eval_fraction=0.2,
+                         max_length=max_length, batch_size=batch_size, max_steps=steps, lr=lr,
+                         warmup_steps=warmup_steps, best_of_k=1, freeze_backbone=freeze_backbone, seed=0, cpu=cpu,
+                         log_every=log_every, progress=progress)
+    train(config)
+    return {k: v for k, v in asdict(config).items() if k != "progress"}
+
+
 def stage_pav(stage: Stage, scale: Scale, labels: Path, policy: Path, data_dir: Path, progress: bool, log) -> dict:
-    from verl_prm.apps.cli import main as cli
     from verl_prm.training.trainer import latest_checkpoint
 
     init, outputs = policy, {}
@@ -442,21 +498,12 @@ def stage_pav(stage: Stage, scale: Scale, labels: Path, policy: Path, data_dir: 
         outputs["critic_init"] = critic_init_from_sft(init, policy, data_dir, scale.task.modulus, scale.critic_init,
                                                       device=scale.device, progress=progress,
                                                       log=lambda line: log(f"[arithmetic] pav: {line}"))
-    argv = ["train", "--labels", str(labels), "--init", str(init), "--output-dir", str(stage.path),
-            "--max-steps", str(scale.pav_steps), "--batch-size", str(scale.pav_batch_size), "--lr", str(scale.pav_lr),
-            "--warmup-steps", str(scale.pav_warmup), "--eval-fraction", "0.2", "--best-of-k", "1",
-            "--max-length", str(scale.model.max_position_embeddings), "--log-every", "10", "--seed", "0"]
-    if scale.device == "cpu":
-        argv.append("--cpu")
-    if scale.critic_init is not None:
-        argv.append("--freeze-backbone")
-    if not progress:
-        argv.append("--no-progress")
-    if cli(argv) != 0:
-        raise RuntimeError(f"verl-prm {' '.join(argv)} failed")
+    outputs["training"] = train_pav(
+        labels, init, stage.path, steps=scale.pav_steps, batch_size=scale.pav_batch_size, lr=scale.pav_lr,
+        warmup_steps=scale.pav_warmup, max_length=scale.model.max_position_embeddings, log_every=10,
+        cpu=scale.device == "cpu", freeze_backbone=scale.critic_init is not None, progress=progress)
     metrics = json.loads((stage.path / "eval_metrics.json").read_text())
-    return {"command": "verl-prm " + " ".join(argv), "checkpoint": str(latest_checkpoint(stage.path)),
-            "eval_metrics": metrics, **outputs}
+    return {"checkpoint": str(latest_checkpoint(stage.path)), "eval_metrics": metrics, **outputs}
 
 
 def stage_prover(stage: Stage, scale: Scale, policy: Path) -> dict:
@@ -466,9 +513,9 @@ def stage_prover(stage: Stage, scale: Scale, policy: Path) -> dict:
     p is at least 1 / modulus, a uniform guess among the residues: the scripted prover of an untrained policy
     (the test suite's micro scale, or a step accuracy that no prefix reached) still has values in (0, 1]. Both
     the measured accuracy and the p used are recorded."""
-    from verl_prm.apps.arithmetic.sweep import measure_policy
+    from verl_prm.apps.arithmetic.measure import measure_policy
 
-    _, _, label, _ = _problems(scale)
+    _, _, label, _ = split_problems(scale)
     stage.path.mkdir(parents=True, exist_ok=True)
     measured = measure_policy(policy, label, group_size=max(2, scale.rl.group_size),
                               max_new_tokens=scale.max_new_tokens, seed=stage_seed("prover"))
@@ -538,7 +585,7 @@ def stage_evaluate(stage: Stage, scale: Scale, policy: Path, critic: str, pav_me
     from verl_prm.apps.arithmetic.model import render
     from verl_prm.apps.arithmetic.prover import ArithmeticProver
 
-    sft, rl, label, test = _problems(scale)
+    sft, rl, label, test = split_problems(scale)
     stage.path.mkdir(parents=True, exist_ok=True)
 
     def texts_of(tokenizer, problems=test):
@@ -611,9 +658,10 @@ def stages_of(scale: Scale, root: Path) -> dict[str, Stage]:
 
 
 def run(scale: Scale, work_dir: str | Path, stages: Sequence[str] = STAGES, *, progress: bool = True,
-        log=print) -> dict:
+        log=print, in_process: bool = False) -> dict:
     """Run the requested stages (skipping complete ones) on ``scale.threads`` torch threads (the caller's
-    thread count is restored afterwards); returns every stage's record."""
+    thread count is restored afterwards); returns every stage's record. At a GPU scale the GPU stages run in
+    processes of their own (:func:`stages_in_own_process`) unless ``in_process``."""
     import torch
 
     unknown = [s for s in stages if s not in STAGES]
@@ -622,12 +670,13 @@ def run(scale: Scale, work_dir: str | Path, stages: Sequence[str] = STAGES, *, p
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(scale.threads)
     try:
-        return _run(scale, Path(work_dir), stages, progress, log)
+        own_process = () if in_process else stages_in_own_process(scale)
+        return _run(scale, Path(work_dir), stages, progress, log, own_process)
     finally:
         torch.set_num_threads(previous_threads)
 
 
-def _run(scale: Scale, root: Path, stages: Sequence[str], progress: bool, log) -> dict:
+def _run(scale: Scale, root: Path, stages: Sequence[str], progress: bool, log, own_process: Sequence[str]) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     env = environment()
     named = stages_of(scale, root)
@@ -636,7 +685,14 @@ def _run(scale: Scale, root: Path, stages: Sequence[str], progress: bool, log) -
     def do(name: str, fn) -> dict:
         from verl_prm.locking import DirectoryLock
 
-        # one writer per stage directory; re-entrant, so the label/train CLIs run inside on it in this process
+        if name in own_process and name in stages and not named[name].done():
+            # the stage's process takes the stage's lock and writes its marker
+            log(f"[arithmetic] {name}: running in its own process -> {named[name].path}")
+            run_stage_process(scale, root, name, progress)
+            records[name] = json.loads(named[name].marker.read_text())
+            log(f"[arithmetic] {name}: done in {records[name]['seconds']} s")
+            return records[name]["outputs"]
+        # one writer per stage directory
         with DirectoryLock(named[name].path, f"arithmetic recipe stage {name}"):
             return do_locked(name, named[name], fn)
 
@@ -681,9 +737,68 @@ def _run(scale: Scale, root: Path, stages: Sequence[str], progress: bool, log) -
 
 
 
+def stages_in_own_process(scale: Scale) -> tuple[str, ...]:
+    """The stages that run in a process of their own: the GPU stages at a GPU scale, none on CPU."""
+    return () if scale.device == "cpu" else GPU_STAGES
+
+
+def scale_from_json(data: dict) -> Scale:
+    """The ``Scale`` whose ``_jsonable`` form is ``data`` (what ``WORK_DIR/scale.json`` holds)."""
+    return _dataclass_from_json(Scale, data)
+
+
+def _dataclass_from_json(cls, data: dict):
+    """``cls`` (a dataclass of settings) from its JSON form: nested settings rebuilt, lists back to tuples; every
+    field must be there, and nothing else."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no settings {unknown}: the scale file was written by another version")
+    missing = [name for name in names if name not in data]
+    if missing:
+        raise ValueError(f"the scale file lacks {cls.__name__} settings {missing}: write it with this version")
+    values = {}
+    for name in names:
+        hint, value = hints[name], data[name]
+        if typing.get_origin(hint) is typing.Union:  # Optional[X]
+            hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+        if value is not None and dataclasses.is_dataclass(hint):
+            value = _dataclass_from_json(hint, value)
+        elif typing.get_origin(hint) is tuple:
+            value = tuple(value)
+        values[name] = value
+    return cls(**values)
+
+
+def stage_process_command(scale_file: Path, work_dir: Path, stage: str, progress: bool,
+                          python: str = sys.executable) -> list[str]:
+    """The command that runs one stage in a process of its own: this module with the scale of ``scale_file``
+    and every stage in that process."""
+    return [python, "-m", "verl_prm.apps.arithmetic.pipeline", "--scale-file", str(scale_file),
+            "--work-dir", str(work_dir), "--stages", stage, "--in-process", *([] if progress else ["--no-progress"])]
+
+
+def run_stage_process(scale: Scale, root: Path, stage: str, progress: bool) -> None:
+    """Run ``stage`` in a process of its own (:func:`stage_process_command`; its output goes to this process's)."""
+    import subprocess
+
+    scale_file = root / "scale.json"
+    tmp = scale_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(_jsonable(scale), indent=2))
+    tmp.replace(scale_file)
+    command = stage_process_command(scale_file, root, stage, progress)
+    code = subprocess.run(command).returncode
+    if code != 0:
+        raise RuntimeError(f"the {stage} stage's process exited with {code} (its output is above): {shlex.join(command)}")
+
+
 def scale_from_args(args: argparse.Namespace) -> Scale:
-    """The scale named by ``--scale`` with the command line's overrides."""
-    scale = SCALES[args.scale]
+    """The scale named by ``--scale`` (or read from ``--scale-file``) with the command line's overrides."""
+    scale = scale_from_json(json.loads(Path(args.scale_file).read_text())) if args.scale_file else SCALES[args.scale]
     if args.rl_steps is not None:
         scale = replace(scale, rl=replace(scale.rl, steps=args.rl_steps))
     overrides = {"label_problems": args.label_problems, "n_mc": args.n_mc, "pav_steps": args.pav_steps,
@@ -697,6 +812,9 @@ def recipe_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verl-prm recipe arithmetic",
                                      description=__doc__.split("\n\n")[0] + " (also: python -m verl_prm.apps.arithmetic)")
     parser.add_argument("--scale", choices=sorted(SCALES), default="cpu")
+    parser.add_argument("--scale-file", default=None,
+                        help="the settings of a scale as JSON, as the recipe writes them to WORK_DIR/scale.json for "
+                        "its stage processes (instead of --scale)")
     parser.add_argument("--work-dir", required=True, help="outputs of every stage; rerun to resume")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     parser.add_argument("--rl-steps", type=int, default=None, help="override the RL iterations of the scale")
@@ -709,6 +827,9 @@ def recipe_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for every stage (default 1; the measured numbers are for 1: float "
                              "reductions may differ with another count)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run every stage in this process (by default a GPU scale runs sft, label, pav and "
+                        "evaluate each in a process of its own, whose exit frees the GPU for the next)")
     parser.add_argument("--no-progress", action="store_true")
     return parser
 
@@ -716,7 +837,8 @@ def recipe_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = recipe_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     scale = scale_from_args(args)
-    run(scale, args.work_dir, [s.strip() for s in args.stages.split(",") if s.strip()], progress=not args.no_progress)
+    run(scale, args.work_dir, [s.strip() for s in args.stages.split(",") if s.strip()], progress=not args.no_progress,
+        in_process=args.in_process)
     return 0
 
 

@@ -32,7 +32,42 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["ARMS", "Arm", "RunPaths", "main_ppo_command", "merge_final_policy", "read_run", "run_main_ppo"]
+import numpy as np
+
+__all__ = ["ARMS", "Arm", "RLConfig", "RunPaths", "SCORE_FILE", "main_ppo_command", "merge_final_policy", "read_run",
+           "run_arms", "start_run"]
+
+# the task's verl score function, in a file that verl (and the label stage) load by path
+SCORE_FILE = Path(__file__).with_name("score.py")
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """The settings of every RL run (verl's ``main_ppo``; :func:`main_ppo_command` maps them): PAV's
+    ``alpha`` and Best-of-K, ``steps`` x ``prompts_per_step`` prompts x ``group_size`` samples, the policy's
+    learning rate (one on-policy update per batch), sampling temperature, the held-out evaluation every
+    ``eval_every`` steps with ``eval_samples`` samples per test prompt, verl's ``loss_agg_mode``."""
+
+    alpha: float = 3.0
+    best_of_k: int = 4
+    steps: int = 60
+    prompts_per_step: int = 16
+    group_size: int = 8
+    lr: float = 1e-4
+    temperature: float = 1.0
+    eval_every: int = 5
+    eval_samples: int = 2
+    loss_agg_mode: str = "token-mean"
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "lr", "temperature"):
+            value = getattr(self, name)
+            if not np.isfinite(value) or value < 0:
+                raise ValueError(f"RLConfig.{name} must be finite and >= 0, got {value!r}")
+        for name in ("best_of_k", "steps", "prompts_per_step", "group_size", "eval_every",
+                     "eval_samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RLConfig.{name} must be >= 1, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)
@@ -69,7 +104,6 @@ def _validation_key(samples: int) -> str:
 def main_ppo_command(scale, arm_name: str, seed: int, paths: RunPaths, run_dir: Path, device: str = "cpu",
                      python: str = sys.executable) -> list[str]:
     """``python -m verl.trainer.main_ppo`` with every override of one run (see the module docstring)."""
-    from verl_prm.apps.arithmetic.pipeline import SCORE_FILE
     from verl_prm.apps.arithmetic.prover import EXACT_PROVER
     from verl_prm.apps.arithmetic.task import STEP_REGEX
 
@@ -162,44 +196,26 @@ def main_ppo_command(scale, arm_name: str, seed: int, paths: RunPaths, run_dir: 
     return [python, "-m", "verl.trainer.main_ppo", *run, *device_block]
 
 
-def run_main_ppo(command: Sequence[str], run_dir: Path, *, threads: int = 1) -> subprocess.Popen:
-    """Start ``command`` with verl's file logger at ``run_dir/metrics.jsonl`` and its output in
-    ``run_dir/main_ppo.log``; returns the process (the caller waits)."""
+def start_run(command: Sequence[str], run_dir: Path, *, threads: int = 1):
+    """Start ``command`` in ``run_dir`` (``cpu_loop.start_main_ppo``: a session of its own, whose ``stop`` ends
+    the Ray processes too) with verl's file logger at ``run_dir/metrics.jsonl``, its output appended to
+    ``run_dir/main_ppo.log`` and the command in ``run_dir/command.sh``; returns the run's handle."""
+    from verl_prm.apps.cpu_loop import start_main_ppo
+
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "command.sh").write_text(
         f"VERL_FILE_LOGGER_PATH={shlex.quote(str(run_dir / 'metrics.jsonl'))} " + shlex.join(command) + "\n")
-    env = dict(os.environ, VERL_FILE_LOGGER_PATH=str(run_dir / "metrics.jsonl"), OMP_NUM_THREADS=str(threads),
-               MKL_NUM_THREADS=str(threads), TRL_EXPERIMENTAL_SILENCE="1", RAY_DEDUP_LOGS="1")
-    log = open(run_dir / "main_ppo.log", "ab")
-    # its own process group: stopping the recipe stops the run and the Ray processes it started
-    return subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(run_dir),
-                            start_new_session=True)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TRL_EXPERIMENTAL_SILENCE="1",
+               RAY_DEDUP_LOGS="1")
+    return start_main_ppo(command, run_dir / "metrics.jsonl", run_dir / "main_ppo.log", env=env, cwd=run_dir,
+                          append_log=True)
 
 
-def stop_main_ppo(process: subprocess.Popen, grace: float = 10.0) -> None:
-    """Terminate a run's process group (SIGTERM, then SIGKILL after ``grace`` seconds)."""
-    import signal
-
-    if process.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def wait_main_ppo(process: subprocess.Popen, run_dir: Path) -> None:
-    """Wait for a run; a failure raises with the end of its log."""
-    code = process.wait()
-    if code != 0:
+def check_exit(returncode: int, run_dir: Path) -> None:
+    """A failed run raises with the end of its log."""
+    if returncode != 0:
         tail = (run_dir / "main_ppo.log").read_bytes()[-4000:].decode(errors="replace")
-        raise RuntimeError(f"main_ppo for {run_dir} exited with {code}; command: {run_dir / 'command.sh'}; "
+        raise RuntimeError(f"main_ppo for {run_dir} exited with {returncode}; command: {run_dir / 'command.sh'}; "
                            f"log {run_dir / 'main_ppo.log'} ends with:\n{tail}")
 
 
@@ -262,8 +278,8 @@ def run_arms(scale, runs: Sequence[tuple[str, int, Path]], paths: RunPaths, *, p
     """Run ``runs`` ((arm, seed, run_dir), in order) with up to ``parallel`` main_ppo processes at once; each
     finished run is merged (``final/``) and handed to ``on_done(arm, seed, run_dir, seconds)``."""
     pending = list(runs)
-    active: list[tuple[str, int, Path, subprocess.Popen, float]] = []
-    failures = []
+    active: list[tuple[str, int, Path, object, float]] = []
+    failures: list[str] = []
     import signal
     import threading
 
@@ -274,8 +290,8 @@ def run_arms(scale, runs: Sequence[tuple[str, int, Path]], paths: RunPaths, *, p
     try:
         _schedule(scale, pending, active, failures, paths, parallel, log, on_done)
     finally:  # an interrupt (or a failure in on_done) leaves no run behind
-        for _, _, _, process, _ in active:
-            stop_main_ppo(process)
+        for _, _, _, run, _ in active:
+            run.stop()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     if failures:
@@ -288,15 +304,17 @@ def _schedule(scale, pending, active, failures, paths, parallel, log, on_done) -
             arm, seed, run_dir = pending.pop(0)
             command = main_ppo_command(scale, arm, seed, paths, run_dir, device="cpu" if scale.device == "cpu" else "cuda")
             log(f"[arithmetic] rl {arm} seed {seed}: main_ppo -> {run_dir} (log: {run_dir / 'main_ppo.log'})")
-            active.append((arm, seed, run_dir, run_main_ppo(command, run_dir, threads=scale.threads), time.time()))
+            active.append((arm, seed, run_dir, start_run(command, run_dir, threads=scale.threads), time.time()))
         time.sleep(2.0)
         for item in list(active):
-            arm, seed, run_dir, process, started = item
-            if process.poll() is None:
+            arm, seed, run_dir, run, started = item
+            returncode = run.poll()
+            if returncode is None:
                 continue
             active.remove(item)
+            run.stop()  # whatever main_ppo left in its session (Ray's processes)
             try:
-                wait_main_ppo(process, run_dir)
+                check_exit(returncode, run_dir)
                 merge_final_policy(run_dir, scale.rl.steps)
                 if on_done is not None:
                     on_done(arm, seed, run_dir, time.time() - started)

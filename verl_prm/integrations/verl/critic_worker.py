@@ -18,11 +18,18 @@ environment (``RayWorkerGroup._create_worker``); ``Worker.__init__`` reads them.
 GPU through ``CUDA_VISIBLE_DEVICES`` (``num_gpus = 1 / max_colocate_count``), so the critic runs on ``cuda``
 (device 0 of what the actor sees); on a CPU pool (``use_gpu=False``) there is no GPU resource and the critic runs
 on CPU. The critic needs no process group: replicas are independent (pure data parallelism), so no
-``torch.distributed`` initialisation happens here.
+``torch.distributed`` initialisation happens here (``verl_prm.integrations.verl.sharded_critic`` holds the
+FSDP-sharded worker, ``verl_prm.placement.shard=fsdp``).
+
+``offload="cpu"`` (``verl_prm.placement.offload``) keeps the weights in host memory between scorings: moved to
+the accelerator at the start of ``compute_step_values`` and back after it; each worker reports the seconds in its
+output's ``meta_info["metrics"][OFFLOAD_SECONDS_KEY]``.
 """
 
 from __future__ import annotations
 
+import re
+import time
 from typing import Any
 
 import torch
@@ -31,7 +38,10 @@ from verl.protocol import pad_dataproto_to_divisor, unpad_dataproto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 
-__all__ = ["ProverCriticWorker", "compute_step_values", "INPUT_KEYS", "OUTPUT_KEYS"]
+from verl_prm.integrations.verl.critic_placement import balanced_row_order, inverse_order
+
+__all__ = ["ProverCriticWorker", "compute_step_values", "move_critic", "INPUT_KEYS", "OUTPUT_KEYS", "ROW_INDEX_KEY",
+           "OFFLOAD_MODES", "OFFLOAD_SECONDS_KEY"]
 
 # Input batch keys (verl layout + the step split of the responses):
 #   prompts [B, P] left-padded, responses [B, T], attention_mask [B, P + T],
@@ -43,6 +53,13 @@ __all__ = ["ProverCriticWorker", "compute_step_values", "INPUT_KEYS", "OUTPUT_KE
 #   the policy prompts decoded with special tokens kept as text).
 INPUT_KEYS = ("prompts", "responses", "attention_mask", "step_ends", "num_steps")
 OUTPUT_KEYS = ("prompt_values", "step_values", "num_steps")
+# Each row's index in the padded batch, set by compute_step_values (rows are reordered for token balance).
+ROW_INDEX_KEY = "verl_prm_row_index"
+# verl_prm.placement.offload (verl_prm.config.hook.PLACEMENT_OFFLOADS, held equal by a test): "cpu" moves the
+# critic's weights to the host after scoring and back before the next scoring.
+OFFLOAD_MODES = ("none", "cpu")
+# meta_info["metrics"] key of each worker's output: seconds spent moving the weights (both ways) in this call.
+OFFLOAD_SECONDS_KEY = "pav_critic_offload_s"
 
 
 class ProverCriticWorker(Worker):
@@ -61,11 +78,14 @@ class ProverCriticWorker(Worker):
     """
 
     def __init__(self, model_path: str | None, critic_kwargs: dict[str, Any] | None = None,
-                 policy_tokenizer_path: str | None = None):
+                 policy_tokenizer_path: str | None = None, offload: str = "none"):
         super().__init__()
+        if offload not in OFFLOAD_MODES:
+            raise ValueError(f"ProverCriticWorker: offload must be one of {OFFLOAD_MODES}, got {offload!r}")
         self.model_path = model_path
         self.critic_kwargs = dict(critic_kwargs or {})
         self.policy_tokenizer_path = policy_tokenizer_path
+        self.offload = offload
         self.critic = None
         self.policy_tokenizer = None
 
@@ -73,9 +93,10 @@ class ProverCriticWorker(Worker):
     def init_model(self) -> dict[str, Any]:
         """Load the critic replica on this worker's device; returns a short description (rank, device)."""
         from verl_prm.critic.exact import EXACT_FORMAT, ExactCritic
-        from verl_prm.critic.scorer import ProverCritic
 
         kwargs = dict(self.critic_kwargs)
+        if kwargs.get("format") == EXACT_FORMAT and self.offload != "none":
+            raise ValueError("ProverCriticWorker: format 'exact' has no weights to offload; use offload='none'")
         if kwargs.get("format") == EXACT_FORMAT:
             if self.policy_tokenizer_path is None:
                 raise ValueError(
@@ -86,13 +107,25 @@ class ProverCriticWorker(Worker):
             self.critic = ExactCritic.from_options(**kwargs)
         else:
             kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
-            self.critic = ProverCritic.from_pretrained(self.model_path, **kwargs)
+            self.critic = self._load_critic(kwargs)
+            if self.offload == "cpu":
+                move_critic(self.critic.adapter, torch.device("cpu"))  # held on the host until the first scoring
         if self.policy_tokenizer_path is not None:
             from transformers import AutoTokenizer
 
             self.policy_tokenizer = AutoTokenizer.from_pretrained(self.policy_tokenizer_path, trust_remote_code=False)
         return {"rank": self.rank, "world_size": self.world_size, "device": str(self.critic.device),
-                "packing": self.critic.packing}
+                "packing": self.critic.packing, "offload": self.offload}
+
+    def _load_critic(self, kwargs: dict[str, Any]):
+        """The checkpoint critic of this worker (a full replica; ``ShardedProverCriticWorker``: its shard)."""
+        from verl_prm.critic.scorer import ProverCritic
+
+        return ProverCritic.from_pretrained(self.model_path, **kwargs)
+
+    def _score(self, prompts, responses, attention_mask, split, prompt_texts):
+        return self.critic.score_policy_batch(prompts, responses, attention_mask, split, self.policy_tokenizer,
+                                              prompt_texts=prompt_texts, sample_offset=0)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_step_values(self, data: DataProto) -> DataProto:
@@ -135,25 +168,64 @@ class ProverCriticWorker(Worker):
             split.step_char_ends = batch["step_char_ends"].cpu()
             if "critic_prompts" in data.non_tensor_batch:
                 prompt_texts = [str(t) for t in data.non_tensor_batch["critic_prompts"]]
-        # DP_COMPUTE_PROTO hands out equal chunks in rank order, so this shard starts at rank * len(data).
+        # DP_COMPUTE_PROTO hands out equal chunks in rank order; compute_step_values reorders the rows by tokens
+        # and sends each row's index in the padded batch as ROW_INDEX_KEY.
         first = self.rank * len(data)
+        rows = batch[ROW_INDEX_KEY].tolist() if ROW_INDEX_KEY in batch.keys() else list(range(first, first + len(data)))
+        offloads = self.offload == "cpu" and hasattr(self.critic, "adapter")
+        offload_seconds = move_critic(self.critic.adapter, self.critic.device) if offloads else 0.0
         try:
-            scores = self.critic.score_policy_batch(
-                prompts, responses, attention_mask, split, self.policy_tokenizer,
-                prompt_texts=prompt_texts, sample_offset=first,
-            )
+            scores = self._score(prompts, responses, attention_mask, split, prompt_texts)
         except (ValueError, FloatingPointError) as error:
             # say which rows of the whole batch this shard holds (messages of verl_prm.steps use shard indices)
             raise type(error)(
-                f"prover critic worker rank {self.rank} (samples {first}..{first + len(data) - 1} of the batch, "
-                f"padded to a multiple of {self.world_size}): {error}"
+                f"prover critic worker rank {self.rank} (samples {sorted(rows)} of the batch, padded to a multiple "
+                f"of {self.world_size}): {batch_sample_numbers(str(error), rows)}"
             ) from error
-        return DataProto.from_dict(tensors=scores.as_dict())
+        finally:
+            if offloads:
+                offload_seconds += move_critic(self.critic.adapter, torch.device("cpu"))
+        if str(self.critic.device).startswith("cuda"):
+            torch.cuda.empty_cache()  # give the scoring activations back to the colocated actor and rollout
+        return DataProto.from_dict(tensors=scores.as_dict(),
+                                   meta_info={"metrics": {OFFLOAD_SECONDS_KEY: offload_seconds}})
+
+
+def move_critic(adapter, device: torch.device) -> float:
+    """Move the critic's weights (backbone and head) to ``device``; returns the seconds it took. On CUDA the copy
+    is awaited (``synchronize``) so the seconds are the transfer's, and a move to the host gives the freed blocks
+    back to the colocated rollout and actor (``empty_cache``)."""
+    start = time.perf_counter()
+    with torch.no_grad():
+        adapter.backbone.to(device)
+        adapter.head.to(device)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        if device.type == "cpu":
+            torch.cuda.empty_cache()
+    return time.perf_counter() - start
+
+
+_SAMPLE_NUMBER = re.compile(r"\bsample (\d+)\b")
+
+
+def batch_sample_numbers(message: str, rows: list[int]) -> str:
+    """The critic names a shard's rows "sample i" (0-based in the shard); the shard's row i is row ``rows[i]``
+    of the whole (padded, reordered) batch, so the message is rewritten to name that row."""
+    return _SAMPLE_NUMBER.sub(lambda m: f"sample {rows[int(m.group(1))]}" if int(m.group(1)) < len(rows)
+                              else m.group(0), message)
 
 
 def compute_step_values(worker_group, data: DataProto) -> DataProto:
     """Score ``data`` on a ``ProverCriticWorker`` group: pad to a multiple of the world size (repeating the first
-    samples, ``pad_dataproto_to_divisor``), dispatch, and drop the padded rows again."""
+    samples, ``pad_dataproto_to_divisor``), reorder the rows so each worker's equal-count shard holds about the
+    same number of tokens (``balanced_row_order`` on the attention mask), dispatch, restore the order and drop
+    the padded rows again."""
     padded, pad_size = pad_dataproto_to_divisor(data, worker_group.world_size)
-    output = worker_group.compute_step_values(padded)
-    return unpad_dataproto(output, pad_size)
+    lengths = padded.batch["attention_mask"].sum(-1).tolist()
+    order = balanced_row_order(lengths, worker_group.world_size)
+    shards = padded.select_idxs(torch.tensor(order))
+    shards.batch[ROW_INDEX_KEY] = torch.tensor(order)
+    output = worker_group.compute_step_values(shards)
+    restored = output.select_idxs(torch.tensor(inverse_order(order)))
+    return unpad_dataproto(restored, pad_size)

@@ -24,6 +24,7 @@ therefore a read-only "sync" on this class: verl's constructor assigns the confi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -43,7 +44,7 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.debug import marked_timer
 from verl.workers.utils.padding import response_to_nested
 
-from verl_prm.config.hook import EXACT_CRITIC_FORMAT, HOOK_TRAINER_NAME, HookConfig
+from verl_prm.config.hook import EXACT_CRITIC_FORMAT, HOOK_TRAINER_NAME, ROLLOUT_CRITIC_FORMAT, HookConfig
 from verl_prm.estimators import ESTIMATORS
 from verl_prm.integrations.verl.advantage import compute_advantage_with_steps
 from verl_prm.integrations.verl.critic_worker import ProverCriticWorker, compute_step_values
@@ -68,6 +69,8 @@ CRITIC_POOL_NAME = "pav_critic_pool"
 # verl 0.9.1 _compute_advantage's TransferQueue fields, plus what the critic needs.
 _VERL_ADV_FIELDS = ["uid", "response_mask", "rm_scores", "rollout_log_probs", "old_log_probs", "ref_log_prob", "values"]
 _HOOK_FIELDS = ["prompts", "responses"]
+# ... and what the sampling critic (format "rollout") scores continuations with.
+_MC_FIELDS = ["data_source", "reward_model", "extra_info"]
 
 
 def truncated_responses(responses: torch.Tensor, response_lengths: torch.Tensor, eos_token_ids) -> torch.Tensor:
@@ -182,7 +185,12 @@ class PavSyncTrainer(PPOTrainerSync):
     def __init__(self, config):
         # Startup validation before verl builds anything (no model is loaded before init()).
         self.hook_config, self.pav_config = validate_run_config(config)
+        if self._samples_values():
+            from verl_prm.integrations.verl.rollout_critic import check_rollout_critic_run
+
+            check_rollout_critic_run(config)
         self.prover_wg = None
+        self.rollout_critic = None
         super().__init__(config)
 
     # verl checks `trainer_mode == "sync"`; this trainer is sync in every such check.
@@ -198,7 +206,7 @@ class PavSyncTrainer(PPOTrainerSync):
     def _init_resource_pool_mgr(self):
         super()._init_resource_pool_mgr()
         placement = self.hook_config.placement
-        if self._runs_critic() and placement.pool == "own":
+        if self._runs_critic() and not self._samples_values() and placement.pool == "own":
             self.resource_pool_manager.resource_pool_spec[CRITIC_POOL_NAME] = (
                 [placement.n_gpus_per_node] * placement.nnodes
             )
@@ -206,11 +214,29 @@ class PavSyncTrainer(PPOTrainerSync):
     def _setup(self):
         super()._setup()
         if self._runs_critic():
-            self.prover_wg = self._init_prover_critic()
+            if self._samples_values():
+                self.rollout_critic = self._init_rollout_critic()
+            else:
+                self.prover_wg = self._init_prover_critic()
 
     def _runs_critic(self) -> bool:
         estimator = self.config.algorithm.adv_estimator
         return estimator in ESTIMATORS or self.hook_config.score_outcome_estimators
+
+    def _samples_values(self) -> bool:
+        """format "rollout": the values are sampled from the rollout replicas (no critic worker group)."""
+        return self.hook_config.critic.format == ROLLOUT_CRITIC_FORMAT
+
+    def _init_rollout_critic(self):
+        """The sampling critic over verl's LLM server client (the agent loop's) and the run's reward function."""
+        from verl_prm.integrations.verl.rollout_critic import RolloutCritic, run_reward_function, sampling_params
+        from verl_prm.labeling.scoring import OutcomeScorer
+
+        rollout = self.config.actor_rollout_ref.rollout
+        critic = self.hook_config.critic
+        return RolloutCritic(critic, self.get_llm_client(), self.tokenizer,
+                             OutcomeScorer(run_reward_function(self.config), critic.mc_success_threshold),
+                             sampling_params(rollout), int(rollout.response_length))
 
     def _critic_resource_pool(self):
         name = CRITIC_POOL_NAME if self.hook_config.placement.pool == "own" else "global_pool"
@@ -253,11 +279,12 @@ class PavSyncTrainer(PPOTrainerSync):
         return group
 
     # ------------------------------------------------------------------ advantage phase
-    def _score_steps(self, data, batch_keys) -> tuple[dict[str, torch.Tensor], float]:
-        """Split the responses into steps and score them with the critic group.
+    def _score_steps(self, data, batch_keys, real_rows: torch.Tensor | None = None) -> tuple[dict[str, Any], float]:
+        """Split the responses into steps and score them with the critic group (format "rollout": sample them).
 
         ``data.batch`` holds ``prompts`` (jagged), ``responses`` (jagged) and ``response_mask`` [B, T].
-        Returns the step tensors of the contract plus ``truncated``, and the critic's wall time.
+        Returns the step tensors of the contract plus ``truncated`` (and, when sampling, ``mc``: the
+        ``SampledValues``), and the critic's wall time.
         """
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         prompts, prompt_mask = _left_padded(data["prompts"], pad_id)
@@ -269,6 +296,19 @@ class PavSyncTrainer(PPOTrainerSync):
         if response_mask.is_nested:
             response_mask = response_mask.to_padded_tensor(padding=0)
         split = self.hook_config.steps.split(responses, response_mask, self.tokenizer)
+        if self._samples_values():
+            start = time.perf_counter()
+            values = self._sample_step_values(data, split, real_rows)
+            tensors = {
+                "step_ids": split.step_ids,
+                "step_values": values.step_values.float(),
+                "prompt_values": values.prompt_values.float(),
+                "num_steps": split.num_steps,
+                "truncated": truncated_responses(responses, response_lengths, self._eos_token_ids()),
+                "merged_steps": split.merged_steps,
+                "mc": values,
+            }
+            return tensors, time.perf_counter() - start
         critic_input = DataProto.from_dict(
             tensors={
                 "prompts": prompts,
@@ -303,6 +343,36 @@ class PavSyncTrainer(PPOTrainerSync):
         }
         return tensors, seconds
 
+    def _sample_step_values(self, data, split, real_rows: torch.Tensor | None):
+        """Monte-Carlo values of the batch's steps from the rollout replicas (``rollout_critic``), between a wake-up
+        with the actor's weights (not yet updated in this step: those that generated the batch) and a sleep."""
+        critic = self.hook_config.critic
+        prompts = [row.tolist() for row in data["prompts"].unbind()]
+        responses = [row.tolist() for row in data["responses"].unbind()]
+        scores = data["rm_scores"]
+        outcomes = (scores.to_padded_tensor(padding=0.0) if scores.is_nested else scores).float().sum(dim=-1)
+        successes = [bool(value > critic.mc_success_threshold) for value in outcomes.tolist()]
+        uids = data["uid"]
+        groups = [str(uid) for uid in (uids.tolist() if hasattr(uids, "tolist") else list(uids))]
+        reward_models = _row_list(data["reward_model"])
+        timing_raw = getattr(self, "timing_raw", None)
+        timing = (marked_timer("pav_mc", timing_raw, color="purple") if timing_raw is not None
+                  else contextlib.nullcontext())
+        with timing:
+            # the replicas sleep after generation (on_sample_end); wake them with the batch's weights, whose
+            # version is the previous step's
+            self.checkpoint_manager.update_weights(max(self.global_steps - 1, 0))
+            try:
+                return self.rollout_critic.step_values(
+                    prompts, responses, split.step_ends, split.num_steps, successes, groups,
+                    _row_list(data["data_source"]), [row.get("ground_truth") for row in reward_models],
+                    _row_list(data["extra_info"]),
+                    sample_rows=real_rows.tolist() if real_rows is not None else None,
+                    request_tag=str(self.global_steps),
+                )
+            finally:
+                self.checkpoint_manager.sleep_replicas()
+
     def _eos_token_ids(self) -> list[int]:
         """EOS ids a finished response ends with: the tokenizer's and the generation config's (Qwen2.5
         instruct models stop at either <|im_end|> or <|endoftext|>)."""
@@ -330,15 +400,20 @@ class PavSyncTrainer(PPOTrainerSync):
         if step_estimator:
             _check_single_output_sessions(batch.keys)
 
-        fields = _VERL_ADV_FIELDS + _HOOK_FIELDS
+        hook_fields = _HOOK_FIELDS + (_MC_FIELDS if self._samples_values() else [])
+        fields = _VERL_ADV_FIELDS + hook_fields
         raw = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+        real_rows = torch.tensor([not tag.get("is_padding", False) for tag in batch.tags], dtype=torch.bool)
         timing_raw = getattr(self, "timing_raw", None)
         if timing_raw is not None:
             with marked_timer("pav_critic", timing_raw, color="purple"):
-                step_tensors, critic_seconds = self._score_steps(raw, batch.keys)
+                step_tensors, critic_seconds = self._score_steps(raw, batch.keys, real_rows)
         else:
-            step_tensors, critic_seconds = self._score_steps(raw, batch.keys)
-        real_rows = torch.tensor([not tag.get("is_padding", False) for tag in batch.tags], dtype=torch.bool)
+            step_tensors, critic_seconds = self._score_steps(raw, batch.keys, real_rows)
+        if "mc" in step_tensors:
+            from verl_prm.integrations.verl.rollout_critic import mc_metrics
+
+            metrics.update(mc_metrics(step_tensors.pop("mc"), real_rows if real_rows.any() else None))
         metrics.update(
             pav_metrics(
                 step_tensors["step_values"], step_tensors["prompt_values"], step_tensors["num_steps"],
@@ -354,7 +429,7 @@ class PavSyncTrainer(PPOTrainerSync):
 
         # ---- verl 0.9.1 PPOTrainer._compute_advantage, with the step tensors in the DataProto ----
         response_mask = raw["response_mask"]
-        for key in _HOOK_FIELDS:
+        for key in hook_fields:
             del raw[key]
         data = DataProto(batch=raw.to_padded_tensor())
         data.batch["token_level_scores"] = data.batch["rm_scores"]
@@ -397,6 +472,11 @@ class PavSyncTrainer(PPOTrainerSync):
         )
         return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=output)
 
+
+
+def _row_list(value) -> list:
+    """One Python value per row of a non-tensor TransferQueue field (NonTensorStack or tensordict's list)."""
+    return value.tolist() if hasattr(value, "tolist") else list(value)
 
 
 def _fit_width(tensor: torch.Tensor, width: int, fill: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ error here ends the run before verl's ``main`` starts Ray or loads a model. It c
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from hydra.experimental.callback import Callback
@@ -32,21 +33,33 @@ def _get(node: Any, dotted: str, default: Any = None) -> Any:
     return default if node is None else node
 
 
+def joins_a_cluster(ray_kwargs: Any) -> bool:
+    """Whether the run joins an existing Ray cluster (``ray_kwargs.ray_init.address`` or ``RAY_ADDRESS``, other
+    than ``local``): then the workers' nodes, not this driver, hold the GPUs."""
+    address = _get(ray_kwargs, "ray_init.address") or os.environ.get("RAY_ADDRESS")
+    return bool(address) and str(address).strip().lower() != "local"
+
+
 def check_cpu_run(trainer: Any, actor_rollout_ref: Any, ray_kwargs: Any, accelerator: bool | None = None) -> None:
     """Raise ``ConfigError`` naming the key and the value to use for each GPU-only setting of a CPU run.
 
     ``accelerator``: whether the host has one (default: ``verl_prm.integrations.verl.platform.cpu.accelerator_present()``).
+    A GPU run (``trainer.device`` not ``cpu``) from a host without one passes when it joins a Ray cluster
+    (:func:`joins_a_cluster`): verl's resource pool then checks the workers' GPUs, as on a GPU-less head node.
     """
     device = str(_get(trainer, "device", "cuda"))
     if device != "cpu":
+        if joins_a_cluster(ray_kwargs):
+            return
         if accelerator is None:
             from verl_prm.integrations.verl.platform.cpu import accelerator_present
 
             accelerator = accelerator_present()
         if not accelerator:
             raise ConfigError(
-                f"trainer.device={device} but this host has no accelerator (verl-prm's CPU platform is selected): "
-                "set trainer.device=cpu"
+                f"trainer.device={device} but this host has no accelerator and the run starts its own Ray cluster "
+                "here (verl-prm's CPU platform is selected): set trainer.device=cpu, or join the cluster whose "
+                "nodes have the GPUs (+ray_kwargs.ray_init.address=HEAD:PORT or RAY_ADDRESS)"
             )
         return
     problems: list[str] = []

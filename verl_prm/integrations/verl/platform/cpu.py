@@ -33,7 +33,7 @@ from verl.plugin.platform.platform_base import PlatformBase
 from verl_prm.integrations.verl.import_hooks import run_deferred_registration
 
 __all__ = [
-    "CPU_DEVICE_ID", "CPU_DEVICE_MODULE", "CPUPlatform", "PLATFORM_NAME", "accelerator_present",
+    "CPU_DEVICE_ID", "CPU_DEVICE_MODULE", "CPUPlatform", "PLATFORM_NAME", "TOOL_DIRECTORIES", "accelerator_present", "find_tool",
     "register_cpu_platform",
 ]
 
@@ -101,16 +101,33 @@ def _device_module() -> types.ModuleType:
 CPU_DEVICE_MODULE = _device_module()
 
 
+# Where verl 0.9.1 looks for a vendor tool that is not on the PATH (PlatformBase.check_smi_command).
+TOOL_DIRECTORIES = ("/usr/bin", "/usr/local/bin", "/usr/local/cuda/bin")
+
+
+def find_tool(name: str) -> Optional[str]:
+    """The vendor tool's path as verl finds it: on the PATH, else an executable file in ``TOOL_DIRECTORIES``."""
+    found = shutil.which(name)
+    if found is not None:
+        return found
+    for directory in TOOL_DIRECTORIES:
+        path = os.path.join(directory, name)
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    return None
+
+
 def accelerator_present() -> bool:
     """True when this host has an accelerator verl supports: a CUDA/ROCm device visible to torch, torch_npu, or
-    one of the vendor tools (``nvidia-smi``, ``rocm-smi``, ``npu-smi``) on the PATH (a CPU-only Ray actor on a
-    GPU host sees no device, but the tools are there)."""
+    one of the vendor tools (``nvidia-smi``, ``rocm-smi``, ``npu-smi``) found as verl finds them (:func:`find_tool`:
+    the PATH, then /usr/bin, /usr/local/bin, /usr/local/cuda/bin). A CPU-only Ray actor on a GPU host sees no
+    device, but the tools are there."""
     if torch.cuda.is_available():
         return True
     npu = getattr(torch, "npu", None)
     if npu is not None and getattr(npu, "is_available", lambda: False)():
         return True
-    return any(shutil.which(tool) is not None for tool in ACCELERATOR_TOOLS)
+    return any(find_tool(tool) is not None for tool in ACCELERATOR_TOOLS)
 
 
 class CPUPlatform(PlatformBase):

@@ -1,7 +1,7 @@
-"""The RL settings of the arithmetic recipe and the batch pieces its evaluation shares with verl's loop.
+"""The recipe's rollout batches as verl's trainer hook sees them: outcome rewards, step tensors, a ``DataProto``.
 
 The RL runs themselves are verl's (``python -m verl.trainer.main_ppo``, :mod:`.verl_rl`); this module holds
-``RLConfig`` (the settings every arm shares), the outcome reward of sampled responses, and ``step_tensors``:
+the outcome reward of sampled responses (:func:`outcome_rewards`), and ``step_tensors``:
 the advantage path of the trainer hook on one process (``verl_prm.steps.split_steps`` with ``task.STEP_REGEX``,
 ``ProverCritic.score_policy_batch``), which the evaluation uses to measure the critic and
 ``tests/apps/test_arithmetic.py`` uses to check ``compute_advantage_with_steps`` on a recipe batch (``build_data``).
@@ -9,7 +9,6 @@ the advantage path of the trainer hook on one process (``verl_prm.steps.split_st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -18,36 +17,7 @@ import torch
 from verl_prm.apps.arithmetic.rollout import Rollouts
 from verl_prm.apps.arithmetic.task import DATA_SOURCE, STEP_REGEX, Problem, compute_score
 
-__all__ = ["RLConfig", "build_data", "outcome_rewards", "step_tensors"]
-
-
-@dataclass(frozen=True)
-class RLConfig:
-    """The settings of every RL run (verl's ``main_ppo``; :func:`.verl_rl.main_ppo_command` maps them): PAV's
-    ``alpha`` and Best-of-K, ``steps`` x ``prompts_per_step`` prompts x ``group_size`` samples, the policy's
-    learning rate (one on-policy update per batch), sampling temperature, the held-out evaluation every
-    ``eval_every`` steps with ``eval_samples`` samples per test prompt, verl's ``loss_agg_mode``."""
-
-    alpha: float = 3.0
-    best_of_k: int = 4
-    steps: int = 60
-    prompts_per_step: int = 16
-    group_size: int = 8
-    lr: float = 1e-4
-    temperature: float = 1.0
-    eval_every: int = 5
-    eval_samples: int = 2
-    loss_agg_mode: str = "token-mean"
-
-    def __post_init__(self) -> None:
-        for name in ("alpha", "lr", "temperature"):
-            value = getattr(self, name)
-            if not np.isfinite(value) or value < 0:
-                raise ValueError(f"RLConfig.{name} must be finite and >= 0, got {value!r}")
-        for name in ("best_of_k", "steps", "prompts_per_step", "group_size", "eval_every",
-                     "eval_samples"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"RLConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+__all__ = ["build_data", "outcome_rewards", "step_tensors"]
 
 
 def outcome_rewards(rollouts: Rollouts, problems: Sequence[Problem]) -> torch.Tensor:

@@ -1,0 +1,281 @@
+"""The sampling critic (verl_prm.critic.format=rollout) in the trainer hook: a fake LLM server client over the
+scripted policy of verl_prm.labeling.scripted (token ids in, token ids out, as verl's LLMServerClient), the hook's
+advantage phase on TransferQueue, and the startup errors."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from verl_support import PLUGIN_OVERRIDES, compose_verl
+
+from verl_prm.config.hook import ConfigError, read_hook_config
+from verl_prm.labeling.generators import derive_seed
+from verl_prm.labeling.scripted import ScriptedStepGenerator, ScriptedStepTask, exact_prefix_value, scripted_step_score
+
+H, P_CORRECT, N_MC, RESPONSE_LENGTH = 4, 0.7, 24, 96
+TASK = ScriptedStepTask(num_steps=H)
+# verl loads a custom reward function from a file: this one re-exports the scripted task's outcome
+REWARD_FILE = Path(__file__).resolve().parent / "scripted_reward.py"
+ROLLOUT_OVERRIDES = [
+    "verl_prm.critic.format=rollout", f"verl_prm.critic.mc_n={N_MC}",
+    f"reward.custom_reward_function.path={REWARD_FILE}", "reward.custom_reward_function.name=scripted_step_score",
+    f"actor_rollout_ref.rollout.response_length={RESPONSE_LENGTH}", "actor_rollout_ref.rollout.prompt_length=32",
+    "trainer.device=cpu", "actor_rollout_ref.rollout.n=3", "data.train_batch_size=2",
+]
+
+
+class ScriptedClient:
+    """verl's ``LLMServerClient.generate`` over the scripted policy: decodes the prompt ids, writes the remaining
+    steps (seeded by the prompt ids and how often they were asked for), returns their ids + EOS, cut at
+    ``max_tokens``. Records the calls in ``events``."""
+
+    def __init__(self, tokenizer, events):
+        self.tokenizer = tokenizer
+        self.generator = ScriptedStepGenerator(P_CORRECT)
+        self.asked: dict[tuple, int] = {}
+        self.events = events
+
+    def continuation(self, prompt_ids: list[int], index: int) -> list[int]:
+        text = self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
+        [[sample]] = self.generator.generate([text], 1, [derive_seed("client", *prompt_ids, index)])
+        return self.tokenizer(sample.text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
+        from verl.workers.rollout.replica import TokenOutput
+
+        self.events.append(("generate", dict(sampling_params)))
+        key = tuple(prompt_ids)
+        index = self.asked.get(key, 0)
+        self.asked[key] = index + 1
+        token_ids = self.continuation(list(prompt_ids), index)[: sampling_params["max_tokens"]]
+        self.events.append(("tokens", len(token_ids)))
+        return TokenOutput(token_ids=token_ids)
+
+
+class CheckpointRecorder:
+    def __init__(self, events):
+        self.events = events
+
+    def update_weights(self, global_steps=None):
+        self.events.append(("update_weights", global_steps))
+
+    def sleep_replicas(self):
+        self.events.append(("sleep", None))
+
+
+def _rows(tokenizer):
+    """Two prompts x three responses of H steps; step 0's digit differs per response (distinct prefixes)."""
+    rows = []
+    steps_of = [["x", "x", "x", "x"], ["x", "y", "x", "x"], ["y", "x", "x", "x"],
+                ["x", "x", "y", "x"], ["x", "x", "x", "x"], ["x", "x", "x", "y"]]
+    for i, letters in enumerate(steps_of):
+        text = "\n\n".join(f"{letter}={(i + h) % 10}" for h, letter in enumerate(letters))
+        prompt = tokenizer(TASK.prompt(i // 3), add_special_tokens=False)["input_ids"]
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append((i // 3, text, prompt, ids))
+    return rows
+
+
+def _put(tq, rows):
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    uids = {group: str(uuid.uuid4()) for group in {group for group, *_ in rows}}
+    keys, fields, tags = [], [], []
+    for i, (group, text, prompt, ids) in enumerate(rows):
+        rm_scores = torch.zeros(len(ids))
+        rm_scores[-1] = scripted_step_score("scripted", text, H)
+        keys.append(f"{uids[group]}_{i % 3}_0")
+        fields.append({
+            "prompts": torch.tensor(prompt), "responses": torch.tensor(ids),
+            "response_mask": torch.ones(len(ids), dtype=torch.long), "rm_scores": rm_scores, "uid": uids[group],
+            "data_source": "scripted", "reward_model": {"ground_truth": H}, "extra_info": {"index": i},
+        })
+        tags.append({"status": "success", "prompt_len": len(prompt), "response_len": len(ids),
+                     "seq_len": len(prompt) + len(ids)})
+    tq.kv_batch_put(keys=keys, partition_id="train", fields=list_of_dict_to_tensordict(fields), tags=tags)
+    return keys, tags
+
+
+@pytest.fixture(scope="module")
+def transfer_queue(ray_local):
+    import transfer_queue as tq
+    from omegaconf import OmegaConf
+
+    tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
+    yield tq
+    tq.close()
+
+
+def _trainer(policy_dir, tokenizer, events, extra=()):
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    config = compose_verl(PLUGIN_OVERRIDES + ROLLOUT_OVERRIDES + [f"actor_rollout_ref.model.path={policy_dir}"]
+                          + list(extra))
+    trainer = get_trainer_cls(config.trainer.v1.trainer_mode)(config)
+    trainer.tokenizer = tokenizer
+    trainer.get_llm_client = lambda: ScriptedClient(tokenizer, events)
+    trainer.checkpoint_manager = CheckpointRecorder(events)
+    trainer.rollout_critic = trainer._init_rollout_critic()
+    trainer.global_steps = 3
+    return trainer
+
+
+@pytest.mark.ray
+def test_hook_samples_values_equal_to_a_direct_monte_carlo_loop(transfer_queue, policy_dir, bpe_small):
+    from transfer_queue import KVBatchMeta
+
+    from verl_prm.steps import split_steps
+
+    tokenizer, events = bpe_small, []
+    trainer = _trainer(policy_dir, tokenizer, events)
+    rows = _rows(tokenizer)
+    keys, tags = _put(transfer_queue, rows)
+    raw = transfer_queue.kv_batch_get(keys=keys, partition_id="train", select_fields=[
+        "uid", "response_mask", "rm_scores", "prompts", "responses", "data_source", "reward_model", "extra_info"])
+    tensors, _ = trainer._score_steps(raw, keys, torch.ones(len(rows), dtype=torch.bool))
+
+    # the reference: n continuations of prompt + response[:end_h + 1] for every step but the last, from a fresh
+    # client over the same policy, scored by the task; the last step is the outcome, v0 the group's success rate
+    reference_client = ScriptedClient(tokenizer, [])
+    width = max(len(ids) for *_, ids in rows)
+    responses = torch.full((len(rows), width), tokenizer.pad_token_id)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, (*_, ids) in enumerate(rows):
+        responses[b, : len(ids)], mask[b, : len(ids)] = torch.tensor(ids), 1
+    split = split_steps(responses, mask, tokenizer, "\n\n")
+    assert split.num_steps.tolist() == [H] * len(rows)
+    outcomes = [scripted_step_score("scripted", text, H) for _, text, _, _ in rows]
+    for b, (group, text, prompt, ids) in enumerate(rows):
+        expected = []
+        for h in range(H - 1):
+            prefix = ids[: int(split.step_ends[b, h]) + 1]
+            wins = 0
+            for j in range(N_MC):
+                continuation = reference_client.continuation(prompt + prefix, j)
+                wins += scripted_step_score("scripted", tokenizer.decode(prefix + continuation, skip_special_tokens=True), H)
+            expected.append(wins / N_MC)
+            # and the estimate is within 4.5 standard errors of the closed form
+            exact = exact_prefix_value(tokenizer.decode(prefix, skip_special_tokens=True), H, P_CORRECT)
+            assert abs(wins / N_MC - exact) <= 4.5 * math.sqrt(exact * (1 - exact) / N_MC) + 1e-9
+        expected.append(outcomes[b])
+        assert tensors["step_values"][b, :H].tolist() == pytest.approx(expected, abs=1e-6), b
+        members = [o for (g, *_), o in zip(rows, outcomes) if g == group]
+        assert tensors["prompt_values"][b].item() == pytest.approx(sum(members) / len(members))
+    values = tensors["mc"]
+    assert values.prefixes_evaluated == len(rows) * (H - 1) and values.continuations == len(rows) * (H - 1) * N_MC
+
+    # the replicas are woken with the batch's weights (version global_steps - 1) before sampling, put to sleep after;
+    # every request carries the rollout's sampling settings and a continuation limit of response_length - prefix
+    assert events[0] == ("update_weights", 2) and events[-1] == ("sleep", None)
+    assert values.tokens == sum(count for name, count in events if name == "tokens")
+    generated = [params for name, params in events if name == "generate"]
+    assert len(generated) == values.continuations
+    rollout = trainer.config.actor_rollout_ref.rollout
+    assert all(p["temperature"] == rollout.temperature and p["top_p"] == rollout.top_p and p["top_k"] == rollout.top_k
+               for p in generated)
+    assert max(p["max_tokens"] for p in generated) < RESPONSE_LENGTH
+
+    # the advantage phase: pav/mc_* metrics and timing_s/pav_mc's source; the continuations are not in the batch
+    events.clear()
+    trainer.timing_raw = {}
+    metrics: dict = {}
+    trainer._compute_advantage(KVBatchMeta(partition_id="train", keys=keys, tags=tags), metrics)
+    assert metrics["pav/mc_prefixes_evaluated"] == len(rows) * (H - 1)
+    assert metrics["pav/mc_prefixes_skipped"] == 0
+    assert metrics["pav/mc_continuations"] == len(rows) * (H - 1) * N_MC
+    assert metrics["pav/mc_tokens"] == sum(count for name, count in events if name == "tokens") == values.tokens
+    assert "pav_mc" in trainer.timing_raw and trainer.timing_raw["pav_mc"] > 0
+    written = transfer_queue.kv_batch_get(keys=keys, partition_id="train", select_fields=["advantages", "responses"])
+    assert [len(r) for r in written["responses"].unbind()] == [len(ids) for *_, ids in rows]
+    transfer_queue.kv_clear(keys=keys, partition_id="train")
+
+
+@pytest.mark.ray
+def test_hook_token_budget_is_never_exceeded(transfer_queue, policy_dir, bpe_small):
+    tokenizer, events = bpe_small, []
+    budget = 600
+    trainer = _trainer(policy_dir, tokenizer, events, [f"verl_prm.critic.mc_token_budget={budget}"])
+    rows = _rows(tokenizer)
+    keys, _ = _put(transfer_queue, rows)
+    raw = transfer_queue.kv_batch_get(keys=keys, partition_id="train", select_fields=[
+        "uid", "response_mask", "rm_scores", "prompts", "responses", "data_source", "reward_model", "extra_info"])
+    tensors, _ = trainer._score_steps(raw, keys, torch.ones(len(rows), dtype=torch.bool))
+    values = tensors["mc"]
+    generated = [params for name, params in events if name == "generate"]
+    # the reservations of the admitted prefixes fit the budget, so the tokens do
+    assert sum(p["max_tokens"] for p in generated) <= budget
+    assert values.tokens == sum(count for name, count in events if name == "tokens") <= budget
+    assert values.prefixes_skipped > 0 and values.prefixes_evaluated + values.prefixes_skipped == len(rows) * (H - 1)
+    transfer_queue.kv_clear(keys=keys, partition_id="train")
+
+
+# ---------------------------------------------------------------------------------------------- startup errors
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("mc_n", 0, "verl_prm.critic.mc_n (continuations per step prefix) must be >= 1, got 0"),
+    ("mc_token_budget", 0, "verl_prm.critic.mc_token_budget must be >= 1 or null (no bound), got 0"),
+    ("mc_prefixes", "all", "verl_prm.critic.mc_prefixes must be one of ('every', 'fixed', 'first_pit'), got 'all'"),
+    ("path", "/some/critic", "verl_prm.critic.path='/some/critic' is unused with verl_prm.critic.format=rollout"),
+    ("mc_success_threshold", float("nan"), "verl_prm.critic.mc_success_threshold must be a finite number"),
+])
+def test_rollout_critic_section_errors_name_the_key(key, value, message):
+    with pytest.raises(ConfigError) as error:
+        read_hook_config({"critic": {"format": "rollout", key: value}})
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor_rollout_ref.rollout.max_model_len=100",
+     "actor_rollout_ref.rollout.max_model_len=100 cannot take a step prefix of a full-length response"),
+    ("reward.reward_model.enable=True", "reward.reward_model.enable=True (a reward model) cannot score them"),
+    ("reward.reward_manager.name=dapo", "reward.reward_manager.name='dapo' (source 'register') may reward"),
+    ("+trainer.v1.sync.parameter_sync_step=2", "trainer.v1.sync.parameter_sync_step=2 updates the actor"),
+])
+def test_rollout_critic_run_errors_name_the_key(override, message):
+    from verl_prm.integrations.verl.rollout_critic import check_rollout_critic_run
+
+    config = compose_verl(PLUGIN_OVERRIDES + ROLLOUT_OVERRIDES + [override])
+    with pytest.raises(ConfigError) as error:
+        check_rollout_critic_run(config)
+    assert message in str(error.value)
+    # the same config without the override passes
+    check_rollout_critic_run(compose_verl(PLUGIN_OVERRIDES + ROLLOUT_OVERRIDES))
+
+
+# ---------------------------------------------------------------------------------------------- main_ppo on CPU
+
+MC_BUDGET = 1500
+
+
+@pytest.fixture(scope="module")
+def rollout_loop_run(tmp_path_factory):
+    """verl's main_ppo for 2 steps on the CPU loop (hf rollout) with the sampling critic: 2 continuations per
+    prefix through the LLM server client over the hf replicas, a token budget per step."""
+    from verl_prm.apps.cpu_loop import main_ppo_args, prepare, run_main_ppo
+
+    work = tmp_path_factory.mktemp("rollout_loop")
+    prepare(work)
+    args = main_ppo_args(work, "pav_grpo", steps=2, run_name="pav_grpo_rollout", extra=[
+        "verl_prm.critic.format=rollout", "verl_prm.critic.path=null", "verl_prm.critic.mc_n=2",
+        f"verl_prm.critic.mc_token_budget={MC_BUDGET}"])
+    return run_main_ppo(args, work / "rollout.jsonl", work / "rollout.log", timeout=600)
+
+
+@pytest.mark.slow
+def test_main_ppo_two_steps_with_the_sampling_critic_on_cpu(rollout_loop_run):
+    result = rollout_loop_run
+    assert result.returncode == 0, f"main_ppo exited {result.returncode}; log tail:\n{result.tail()}"
+    records = {record["step"]: record["data"] for record in result.metrics}
+    assert sorted(records) == [1, 2], f"logged steps {sorted(records)}; log tail:\n{result.tail()}"
+    for step, metrics in records.items():
+        assert metrics["pav/mc_prefixes_evaluated"] > 0, f"step {step}: nothing sampled"
+        assert 0 < metrics["pav/mc_tokens"] <= MC_BUDGET, f"step {step}: {metrics['pav/mc_tokens']} tokens"
+        assert metrics["pav/mc_continuations"] == 2 * metrics["pav/mc_prefixes_evaluated"]
+        assert "pav/mc_prefixes_skipped" in metrics and metrics["timing_s/pav_mc"] > 0
+        assert 0.0 <= metrics["pav/v0_mean"] <= 1.0 and math.isfinite(metrics["pav/process_term/mean"])
+        assert metrics["actor/grad_norm"] > 0, f"step {step}: actor grad norm {metrics['actor/grad_norm']}"

@@ -1,0 +1,235 @@
+"""The sampling critic (``verl_prm.critic.format=rollout``) in a verl run: Monte-Carlo step values from the run's
+own rollout replicas, scored by the run's own reward function.
+
+What is sampled and how the values are estimated is the library's (``verl_prm.critic.sampled``); this module only
+translates:
+
+- a prefix of response b after step h is the token ids ``prompt_b + response_b[: step_end_h + 1]`` (the policy's
+  prompt and response tokens, as generated; no re-tokenisation), continued by ``mc_n`` requests to verl's
+  ``LLMServerClient.generate`` (the client verl's agent loop uses: ``PPOTrainer.get_llm_client()``, over the
+  rollout replicas) with the rollout's sampling settings (``temperature``, ``top_p``, ``top_k``, as verl's agent
+  loop sends them) and ``max_tokens`` = ``actor_rollout_ref.rollout.response_length`` minus the prefix's response
+  tokens, so a continued response is never longer than a policy response;
+- a continuation is scored like a response: the response prefix and continuation tokens are decoded with
+  ``skip_special_tokens=True`` and passed with the row's ``data_source``, ``reward_model.ground_truth`` and
+  ``extra_info`` to the run's reward function (``reward.custom_reward_function`` when set, else verl's
+  ``default_compute_score``, as the ``pav`` and ``naive`` reward managers do); it succeeds iff its score is
+  greater than ``verl_prm.critic.mc_success_threshold``, and so does a response by its ``rm_scores``.
+
+The trainer hook wakes the replicas with the actor's weights (``checkpoint_manager.update_weights``; the actor
+has not been updated yet in this step, so these are the weights that generated the batch), samples, and puts
+them back to sleep (``checkpoint_manager.sleep_replicas()``), the same cycle as verl's generation phase.
+Continuations are never written to TransferQueue: they do not enter the policy update.
+
+``check_rollout_critic_run(config)`` is the startup check of a run with this format (each error names the key).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from typing import Any, Optional, Sequence
+
+import torch
+
+from verl_prm.config.hook import ConfigError, CriticSection, select_key
+from verl_prm.critic.sampled import PrefixCounts, PrefixRequest, ResponseSteps, SampledValues, sampled_step_values
+from verl_prm.labeling.scoring import OutcomeScorer
+
+__all__ = ["RolloutCritic", "check_rollout_critic_run", "mc_metrics", "run_reward_function", "sampling_params"]
+
+# reward managers whose reward is the reward function of one response (so a continuation is scored the same way)
+_FUNCTION_REWARD_MANAGERS = ("pav", "naive")
+
+
+def run_reward_function(config: Any):
+    """The run's reward function: ``reward.custom_reward_function`` (with its ``reward_kwargs``) when set, else
+    verl's ``default_compute_score``."""
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+
+    function = get_custom_reward_fn(config)
+    if function is None:
+        from verl.utils.reward_score import default_compute_score
+
+        function = default_compute_score
+    return function
+
+
+def check_rollout_critic_run(config: Any) -> None:
+    """Startup check of a run with ``verl_prm.critic.format=rollout``; raises ``ConfigError`` naming the key.
+
+    A reward that cannot score a continuation (a reward model, a reward manager other than pav/naive, an async
+    reward function), a rollout context (``actor_rollout_ref.rollout.max_model_len``) shorter than a prompt plus a
+    full response, or more than one update per weight sync (``trainer.v1.sync.parameter_sync_step``: the values
+    would be of older weights than the actor's).
+    """
+    if select_key(config, "reward.reward_model.enable", False):
+        raise ConfigError(
+            "verl_prm.critic.format=rollout scores continuations with the run's reward function, but "
+            "reward.reward_model.enable=True (a reward model) cannot score them: set reward.reward_model.enable=False "
+            "or use another verl_prm.critic.format"
+        )
+    manager = select_key(config, "reward.reward_manager.name", "naive")
+    source = select_key(config, "reward.reward_manager.source", "register")
+    if source != "register" or manager not in _FUNCTION_REWARD_MANAGERS:
+        raise ConfigError(
+            f"verl_prm.critic.format=rollout scores continuations with the reward function alone, but "
+            f"reward.reward_manager.name={manager!r} (source {source!r}) may reward a response otherwise: set "
+            f"reward.reward_manager.name to one of {_FUNCTION_REWARD_MANAGERS}"
+        )
+    function = run_reward_function(config)
+    if inspect.iscoroutinefunction(function):
+        raise ConfigError(
+            "verl_prm.critic.format=rollout calls the reward function synchronously, but "
+            "reward.custom_reward_function is an async function: give it a synchronous function"
+        )
+    rollout = "actor_rollout_ref.rollout"
+    prompt_length = int(select_key(config, f"{rollout}.prompt_length", 0) or 0)
+    response_length = int(select_key(config, f"{rollout}.response_length", 0) or 0)
+    if response_length < 1:
+        raise ConfigError(f"{rollout}.response_length must be >= 1 with verl_prm.critic.format=rollout, got {response_length}")
+    max_model_len = select_key(config, f"{rollout}.max_model_len", None)
+    if max_model_len is not None and int(max_model_len) < prompt_length + response_length:
+        raise ConfigError(
+            f"{rollout}.max_model_len={max_model_len} cannot take a step prefix of a full-length response: "
+            f"verl_prm.critic.format=rollout sends prompts of up to {rollout}.prompt_length + response_length = "
+            f"{prompt_length + response_length} tokens (prompt + response prefix + continuation): raise "
+            f"{rollout}.max_model_len to {prompt_length + response_length} or null"
+        )
+    sync_step = select_key(config, "trainer.v1.sync.parameter_sync_step", 1)
+    if int(sync_step) != 1:
+        raise ConfigError(
+            f"verl_prm.critic.format=rollout samples from the replicas with the actor's current weights, but "
+            f"trainer.v1.sync.parameter_sync_step={sync_step} updates the actor between weight syncs, so the values "
+            "would not be of the policy that generated the batch: set trainer.v1.sync.parameter_sync_step=1"
+        )
+
+
+def sampling_params(rollout_config: Any) -> dict[str, Any]:
+    """The sampling settings verl's agent loop sends for training rollouts (``AgentLoopManager``)."""
+    return {
+        "temperature": float(rollout_config.temperature),
+        "top_p": float(rollout_config.top_p),
+        "top_k": int(rollout_config.top_k),
+        "repetition_penalty": 1.0,
+        "logprobs": False,
+    }
+
+
+def mc_metrics(values: SampledValues, real_rows: Optional[torch.Tensor] = None) -> dict[str, float]:
+    """The cost of one step's sampling (``pav/mc_*``): prefixes sampled and refused by the token budget (these
+    hold the value of the step before them), continuations, tokens generated, rounds of generation calls, and
+    the share of the real rows' steps whose value was sampled."""
+    sampled = values.sampled if real_rows is None else values.sampled[real_rows]
+    num_steps = values.num_steps if real_rows is None else values.num_steps[real_rows]
+    steps = int(num_steps.sum())
+    return {
+        "pav/mc_prefixes_evaluated": float(values.prefixes_evaluated),
+        "pav/mc_prefixes_skipped": float(values.prefixes_skipped),
+        "pav/mc_continuations": float(values.continuations),
+        "pav/mc_tokens": float(values.tokens),
+        "pav/mc_rounds": float(values.rounds),
+        "pav/mc_sampled_step_share": float(sampled.sum()) / steps if steps else 0.0,
+    }
+
+
+class RolloutCritic:
+    """Step values of a batch by sampling through ``client`` (an ``LLMServerClient``: ``async generate(request_id,
+    *, prompt_ids, sampling_params) -> TokenOutput``) and scoring with ``scorer`` (module docstring)."""
+
+    def __init__(self, critic: CriticSection, client: Any, tokenizer: Any, scorer: OutcomeScorer,
+                 sampling: dict[str, Any], response_length: int) -> None:
+        self.critic = critic
+        self.client = client
+        self.tokenizer = tokenizer
+        self.scorer = scorer
+        self.sampling = dict(sampling)
+        self.response_length = int(response_length)
+        self.calls = 0
+
+    def step_values(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        step_ends: torch.Tensor,
+        num_steps: torch.Tensor,
+        successes: Sequence[bool],
+        groups: Sequence[Any],
+        data_sources: Sequence[Any],
+        ground_truths: Sequence[Any],
+        extra_infos: Sequence[Optional[dict]],
+        sample_rows: Optional[Sequence[bool]] = None,
+        request_tag: str = "",
+    ) -> SampledValues:
+        """Values [B, S] (S = ``step_ends``' width) of the responses' steps; ``step_ends[b, h]`` is the position of
+        step h's last token in ``responses[b]`` (``verl_prm.steps.StepSplit``); rows with ``sample_rows`` False
+        (padding) are not sampled."""
+        group_index: dict[Any, int] = {}
+        inputs = []
+        for b, response in enumerate(responses):
+            keep = sample_rows is None or bool(sample_rows[b])
+            # padding rows get a group of their own, so they do not count in a real prompt's value
+            group = group_index.setdefault(groups[b] if keep else ("padding", b), len(group_index))
+            ends = step_ends[b, : int(num_steps[b])].tolist()
+            limits = [self.response_length - (end + 1) for end in ends]
+            if keep and any(limit < 1 for limit in limits[:-1]):
+                raise ValueError(
+                    f"response {b} has a step ending at token {max(ends[:-1]) + 1} of "
+                    f"actor_rollout_ref.rollout.response_length={self.response_length} before its last step: the "
+                    "responses are longer than the configured response length"
+                )
+            inputs.append(ResponseSteps(continuation_limits=[max(limit, 0) for limit in limits],
+                                        success=bool(successes[b]), group=group, sample=keep))
+
+        def sample(requests: list[PrefixRequest]) -> list[PrefixCounts]:
+            return self._sample(requests, prompts, responses, step_ends, data_sources, ground_truths, extra_infos,
+                                request_tag)
+
+        critic = self.critic
+        return sampled_step_values(inputs, sample, rule=critic.mc_prefixes, n=critic.mc_n,
+                                   prefixes_per_response=critic.mc_prefixes_per_response,
+                                   token_budget=critic.mc_token_budget, width=int(step_ends.shape[1]))
+
+    def _sample(self, requests, prompts, responses, step_ends, data_sources, ground_truths, extra_infos,
+                request_tag) -> list[PrefixCounts]:
+        from verl.utils.ray_utils import auto_await
+
+        prefixes = [list(map(int, responses[r.row][: int(step_ends[r.row, r.step]) + 1])) for r in requests]
+        self.calls += 1
+        call = self.calls
+
+        @auto_await
+        async def generate_all():
+            jobs = []
+            for position, (request, prefix) in enumerate(zip(requests, prefixes)):
+                prompt_ids = [int(t) for t in prompts[request.row]] + prefix
+                params = {**self.sampling, "max_tokens": request.max_tokens}
+                for j in range(request.n):
+                    jobs.append(self.client.generate(
+                        f"pav-mc-{request_tag}-{call}-{request.row}-{request.step}-{j}",
+                        prompt_ids=prompt_ids, sampling_params=dict(params)))
+            return await asyncio.gather(*jobs)
+
+        outputs = generate_all()
+        texts, sources, truths, infos, owners, tokens = [], [], [], [], [], [0] * len(requests)
+        cursor = 0
+        for position, (request, prefix) in enumerate(zip(requests, prefixes)):
+            for _ in range(request.n):
+                continuation = [int(t) for t in outputs[cursor].token_ids]
+                cursor += 1
+                if len(continuation) > request.max_tokens:
+                    raise RuntimeError(
+                        f"the rollout returned {len(continuation)} tokens for a continuation limited to "
+                        f"max_tokens={request.max_tokens} (response {request.row}, step {request.step})"
+                    )
+                tokens[position] += len(continuation)
+                texts.append(self.tokenizer.decode(prefix + continuation, skip_special_tokens=True))
+                sources.append(data_sources[request.row])
+                truths.append(ground_truths[request.row])
+                infos.append(dict(extra_infos[request.row] or {}))
+                owners.append(position)
+        scores = self.scorer.score_many(sources, texts, truths, infos)
+        wins = [0] * len(requests)
+        for owner, score in zip(owners, scores):
+            wins[owner] += int(self.scorer.success(score))
+        return [PrefixCounts(successes=wins[i], continuations=r.n, tokens=tokens[i]) for i, r in enumerate(requests)]

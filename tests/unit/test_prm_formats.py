@@ -1,16 +1,32 @@
 """Public PRM formats scored exactly as their authors score them, on tiny random models of the same class.
 
-The references are written from the authors' code, cited per test, independent of verl_prm.critic.formats.
+The references are written from the authors' code, cited per test, independent of verl_prm.critic.formats:
+Skywork-o1-Open-PRM, Qwen2.5-Math-PRM, PURE-PRM, math-shepherd-mistral-7b-prm and RLHFlow's Llama3.1 PRMs, each on
+a tiny random model of its class (Qwen2, Mistral, Llama) with a tokenizer trained here whose pieces behave like
+the real one's. On random weights only the equality of the two pipelines means something, so each test also
+requires the values to differ across steps.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import AutoModel, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-import pytest
+from tokenizers import (
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
+from transformers import (
+    AutoModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from verl_prm.checkpoints import CheckpointError
 from verl_prm.critic import ProverCritic
@@ -153,8 +169,8 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
 PROBLEM = "Janet has 3 apples and buys 2 more. How many apples does she have?"
 STEPS = ["She has 3 apples.", "She buys 2 more,\nso 3 + 2 = 5.", "The answer is 5."]
 SHEPHERD_TEXTS = [
-    f"{PROBLEM} Step 1: She has 3 apples. ки\nStep 2: She buys 2 more, so 3 + 2 = 5. ки\nStep 3: She eats 1, "
-    "so 5 - 1 = 4. ки\nStep 4: The answer is: 4 ки"] * 40
+    (f"{PROBLEM} Step 1: She has 3 apples. ки\nStep 2: She buys 2 more, so 3 + 2 = 5. ки\nStep 3: She eats 1, "
+     "so 5 - 1 = 4. ки\nStep 4: The answer is: 4 ки")] * 40
 
 
 def qwen_chat_tokenizer() -> PreTrainedTokenizerFast:

@@ -23,7 +23,12 @@ from verl_prm.critic.sampled import (
     sampled_step_values,
 )
 from verl_prm.labeling.generators import derive_seed
-from verl_prm.labeling.scripted import ScriptedStepGenerator, ScriptedStepTask, exact_prefix_value, scripted_step_score
+from verl_prm.labeling.scripted import (
+    ScriptedStepGenerator,
+    ScriptedStepTask,
+    exact_prefix_value,
+    scripted_step_score,
+)
 
 H, P_CORRECT, DELIMITER = 6, 0.8, "\n\n"
 TASK = ScriptedStepTask(num_steps=H, delimiter=DELIMITER)

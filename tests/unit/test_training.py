@@ -633,6 +633,10 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_older_intact_one(critic
     (output / "checkpoint-0000004" / "tokenizer_config.json").unlink()
     assert checkpoint_problem(output / "checkpoint-0000004") == ("it has no tokenizer files: tokenizer_config.json "
                                                                  "missing")
+    (output / "checkpoint-0000002" / "training_state.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match=re.escape(f"{output} holds only damaged checkpoints (checkpoint-0000002, "
+                                                   "checkpoint-0000004; see the notes above): rerun with --no-resume")):
+        train(_config(root, "unused", **settings))
 
 
 def test_a_tokenizer_path_that_is_a_file_or_has_no_tokenizer_is_refused(critic_setup, tmp_path):

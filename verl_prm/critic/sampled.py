@@ -37,8 +37,8 @@ run's rollout replicas and scores with the run's reward function; the tests use 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -141,7 +141,7 @@ def group_success_rates(successes: Sequence[bool], groups: Sequence[int]) -> lis
     return [totals[group][0] / totals[group][1] for group in groups]
 
 
-def fill_unsampled(values: Sequence[Optional[float]], prompt_value: float, zero_from: Optional[int] = None) -> list[float]:
+def fill_unsampled(values: Sequence[float | None], prompt_value: float, zero_from: int | None = None) -> list[float]:
     """Values of all H steps from the estimated ones (``None`` where not estimated): steps at or after
     ``zero_from`` are 0; any other missing step holds the nearest estimated value before it, v_h = v_{h'} with
     h' = max{h' < h : estimated}, or the prompt value when no step before it is estimated."""
@@ -156,7 +156,7 @@ def fill_unsampled(values: Sequence[Optional[float]], prompt_value: float, zero_
     return filled
 
 
-def _admit(requests: list[PrefixRequest], remaining: Optional[int]) -> tuple[list[PrefixRequest], list[PrefixRequest]]:
+def _admit(requests: list[PrefixRequest], remaining: int | None) -> tuple[list[PrefixRequest], list[PrefixRequest]]:
     """Split ``requests`` (in priority order) at the first one whose reserved tokens no longer fit ``remaining``:
     it and all after it are refused, so a refused prefix never has a lower priority than an admitted one."""
     if remaining is None:
@@ -175,8 +175,8 @@ def sampled_step_values(
     rule: str,
     n: int,
     prefixes_per_response: int = 4,
-    token_budget: Optional[int] = None,
-    width: Optional[int] = None,
+    token_budget: int | None = None,
+    width: int | None = None,
 ) -> SampledValues:
     """Monte-Carlo step values of ``responses`` under a prefix ``rule`` (module docstring).
 
@@ -194,7 +194,7 @@ def sampled_step_values(
     if rule == "fixed" and prefixes_per_response < 1:
         raise ValueError(f"prefixes_per_response must be >= 1, got {prefixes_per_response}")
 
-    estimates: list[list[Optional[float]]] = [[None] * r.num_steps for r in responses]
+    estimates: list[list[float | None]] = [[None] * r.num_steps for r in responses]
     for row, response in enumerate(responses):
         if response.num_steps:
             estimates[row][-1] = 1.0 if response.success else 0.0  # the response's own outcome
@@ -235,7 +235,7 @@ def sampled_step_values(
     def request(row: int, step: int) -> PrefixRequest:
         return PrefixRequest(row=row, step=step, n=n, max_tokens=int(responses[row].continuation_limits[step]))
 
-    zero_from: list[Optional[int]] = [None] * len(responses)
+    zero_from: list[int | None] = [None] * len(responses)
     if rule in ("every", "fixed"):
         wanted = []
         for row, response in enumerate(responses):

@@ -466,8 +466,9 @@ def decode_segments(tokenizer, ids: Sequence[int], prompt_end: int, step_ends: S
     the response decoded as a whole keeps it. A step end that cuts a character (a byte-level token holding part
     of a multi-byte character) makes the decoded prefixes disagree: a ValueError, not a garbled text.
     """
-    decode = lambda part: tokenizer.decode(part, skip_special_tokens=False,  # noqa: E731
-                                           clean_up_tokenization_spaces=False)
+    def decode(part: list[int]) -> str:
+        return tokenizer.decode(part, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
     ids = list(ids)
     first = 1 if ids and _adds_bos(tokenizer) and ids[0] == tokenizer.bos_token_id else 0
     prompt = decode(ids[first : prompt_end + 1])

@@ -61,7 +61,6 @@ def expected_calibration_error(predictions, targets, num_bins: int = 10) -> floa
     if p.size == 0:
         return float("nan")
     bins = np.clip((p * num_bins).astype(np.int64), 0, num_bins - 1)
-    counts = np.bincount(bins, minlength=num_bins)
     gap = np.bincount(bins, weights=p, minlength=num_bins) - np.bincount(bins, weights=q, minlength=num_bins)
     return float(np.abs(gap).sum() / p.size)  # sum_b |sum p - sum q| / n == sum_b n_b/n |mean p - mean q|
 

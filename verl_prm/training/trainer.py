@@ -565,6 +565,10 @@ def _resume_point(config: TrainConfig, output_dir: Path, inputs: dict,
                      and checkpoint_problem(path) is None]
             checkpoint = older[-1] if older else None
     if checkpoint is None:
+        damaged = [path.name for _, path in _checkpoint_dirs(output_dir)]
+        if damaged:  # starting over here would mix a new run with the remains of the old one
+            raise ValueError(f"{output_dir} holds only damaged checkpoints ({', '.join(damaged)}; see the notes above): "
+                             "rerun with --no-resume to set them aside and start over, or use a new --output-dir")
         return None, None
     stored, current = state["config"], asdict(config)
     differing = [k for k in sorted(set(stored) | set(current)) if k not in _RESUME_FREE_KEYS

@@ -8,8 +8,9 @@
 - **Search** with the base policy (``verl_prm.search``): best-of-N re-ranked by the critic's final value (an
   outcome verifier), and the PAV paper's beam search on ``Q + alpha * A`` (Q: the critic; A: progress of its
   Best-of-K prover). Compute is the mean number of generated tokens per problem.
-- **Sample efficiency** of each PAV-GRPO arm against GRPO from the seed-mean evaluation curves of verl's runs:
-  the steps at which the arm reaches GRPO's final held-out accuracy, against the steps GRPO itself needs.
+- **Sample efficiency** of each arm against GRPO from the seed-mean held-out curves of verl's runs
+  (:func:`efficiency_statistics`): the steps (and sampled responses) to reach GRPO's accuracy at two thirds of
+  its budget, against GRPO's own, and the area under each curve; standard errors from a bootstrap over seeds.
 """
 
 from __future__ import annotations
@@ -21,86 +22,113 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from verl_prm.apps.arithmetic.stats import bootstrap, bootstrap_se, first_crossing, interpolate, mean_curve, normalised_auc
 from verl_prm.apps.arithmetic.task import DATA_SOURCE, STEP_REGEX, Problem, compute_score, prefix_is_correct
 
-__all__ = ["steps_to_reach", "mean_curve", "summarise_arms", "critic_step_auroc", "search_sweep", "write_table",
+__all__ = ["efficiency_statistics", "summarise_arms", "critic_step_auroc", "search_sweep", "write_table",
            "plot_all", "learned_prefix_critic", "exact_prefix_critic"]
 
 
-def steps_to_reach(curve: Sequence[tuple[int, int, float]], target: float) -> float | None:
-    """Steps at which a held-out accuracy curve ((step, samples, accuracy) rows, by step) first reaches
-    ``target``, interpolated linearly between the two evaluations around the crossing; None if it never does."""
-    previous = None
-    for step, _, accuracy in curve:
-        if accuracy >= target - 1e-12:
-            if previous is None or previous[1] >= accuracy:
-                return float(step)
-            (s0, a0), (s1, a1) = previous, (step, accuracy)
-            return float(s0 + (target - a0) / (a1 - a0) * (s1 - s0))
-        previous = (step, accuracy)
-    return None
+def efficiency_statistics(reference_curves: Sequence, arm_curves: Sequence, *, budget: int,
+                          level_fraction: float) -> dict:
+    """Sample efficiency and area on the seed-mean curves (:func:`.stats.mean_curve`) of the reference (GRPO)
+    and of an arm, every curve of ``(step, samples, accuracy)`` rows from step 0 to ``budget``:
 
-
-def mean_curve(curves: Sequence[Sequence[tuple[int, int, float]]]) -> tuple[list[tuple[int, int, float]], list[float]]:
-    """The mean curve over seeds and the standard error at each evaluation step (the steps every seed has)."""
-    by_step = [dict((int(c[0]), (int(c[1]), float(c[2]))) for c in curve) for curve in curves]
-    steps = sorted(set.intersection(*(set(d) for d in by_step)))
-    mean, se = [], []
-    for step in steps:
-        values = np.array([d[step][1] for d in by_step])
-        mean.append((step, by_step[0][step][0], float(values.mean())))
-        se.append(float(values.std(ddof=1) / np.sqrt(len(values))) if len(values) > 1 else float("nan"))
-    return mean, se
-
-
-def _speedup(reference_curves, arm_curves) -> tuple[float | None, float | None, float | None, float]:
-    """(target, reference steps, arm steps, ratio) on the seed-mean curves; the target is the reference's mean
-    final held-out accuracy. The ratio is inf when the arm starts at the target, nan when it never gets there."""
-    target = float(np.mean([c[-1][2] for c in reference_curves]))
-    ref_steps = steps_to_reach(mean_curve(reference_curves)[0], target)
-    arm_steps = steps_to_reach(mean_curve(arm_curves)[0], target)
-    if ref_steps is None or arm_steps is None:
-        ratio = float("nan")
+    - ``level`` L: the reference's seed-mean accuracy at step ``level_fraction * budget`` (interpolated);
+    - ``steps_to_level`` / ``samples_to_level``: where the arm's seed-mean curve first reaches L
+      (:func:`.stats.first_crossing` against steps / sampled responses; None if never), and the same for the
+      reference (``reference_steps_to_level``, at most ``level_fraction * budget`` by construction);
+    - ``efficiency``: reference steps to L over the arm's (inf if only the arm starts at L, nan if the arm never
+      reaches it or both start there);
+    - ``auc``: the arm's normalised area under its seed-mean curve (:func:`.stats.normalised_auc`, its mean
+      accuracy over the budget), ``auc_gain`` = ``auc`` minus the reference's.
+    """
+    ref_mean, _ = mean_curve(reference_curves)
+    arm_mean, _ = mean_curve(arm_curves)
+    ref_steps, ref_acc = [r[0] for r in ref_mean], [r[2] for r in ref_mean]
+    arm_steps, arm_acc = [r[0] for r in arm_mean], [r[2] for r in arm_mean]
+    level = interpolate(ref_steps, ref_acc, level_fraction * budget)
+    ref_to_level = first_crossing(ref_steps, ref_acc, level)
+    to_level = first_crossing(arm_steps, arm_acc, level)
+    samples_to_level = first_crossing([r[1] for r in arm_mean], arm_acc, level)
+    if to_level is None or ref_to_level is None or (to_level == 0 and ref_to_level == 0):
+        efficiency = float("nan")
     else:
-        ratio = float("inf") if arm_steps == 0 else ref_steps / arm_steps
-    return target, ref_steps, arm_steps, ratio
+        efficiency = float("inf") if to_level == 0 else ref_to_level / to_level
+    auc = normalised_auc(arm_steps, arm_acc, budget)
+    return {"level": level, "reference_steps_to_level": ref_to_level, "steps_to_level": to_level,
+            "samples_to_level": samples_to_level, "efficiency": efficiency, "auc": auc,
+            "auc_gain": auc - normalised_auc(ref_steps, ref_acc, budget)}
 
 
-def summarise_arms(runs: dict, reference: str = "grpo", bootstrap: int = 2000) -> dict:
-    """Per arm over its seeds: the mean curve and its standard error, the final accuracy of the trained policies
-    (mean and standard error), and the sample-efficiency ratio against ``reference``: the steps the reference
-    needs to reach its own final held-out accuracy over the steps the arm needs (seed-mean curves, interpolated).
-    Its standard error is the standard deviation over a bootstrap of the seeds (each arm resampled), over the
-    resamples where both reach the target; ``never_share`` is the share of resamples where the arm does not."""
-    rng = np.random.default_rng(0)
+def _mean_curve_auc(curves: Sequence, budget: int) -> float:
+    mean, _ = mean_curve(curves)
+    return normalised_auc([r[0] for r in mean], [r[2] for r in mean], budget)
+
+
+# the statistics whose bootstrap standard errors the summary reports, in efficiency_statistics' names
+BOOTSTRAPPED = ("level", "steps_to_level", "samples_to_level", "efficiency", "auc", "auc_gain")
+
+
+def summarise_arms(runs: dict, *, budget: int, reference: str = "grpo", level_fraction: float = 2 / 3,
+                   resamples: int = 2000, seed: int = 0) -> dict:
+    """Per arm over its seeds: the seed-mean held-out curve and its standard error per point, the final accuracy
+    of the trained policies (mean, standard error over seeds), the share of groups without an outcome signal,
+    and :func:`efficiency_statistics` against ``reference`` (without the reference arm: the area only).
+
+    Each statistic's standard error (``<name>_se``) is the bootstrap's (:func:`.stats.bootstrap`, ``resamples``
+    resamples from ``seed``): the seeds of the arm and of the reference resampled independently, the seed-mean
+    curves and the statistic recomputed; ``<name>_undefined_share`` is the share of resamples where it is
+    undefined (the level never reached). With fewer than 2 seeds in an arm involved the errors are nan."""
+    if not (np.isfinite(level_fraction) and 0 < level_fraction <= 1):
+        raise ValueError(f"level_fraction must be in (0, 1], got {level_fraction!r}")
     out = {}
-    reference_curves = [runs[reference][seed]["curve"] for seed in sorted(runs[reference])] if reference in runs else None
+    ordered = {arm: [seeds[s]["curve"] for s in sorted(seeds)] for arm, seeds in runs.items()}
     for arm, seeds in runs.items():
-        curves = [seeds[seed]["curve"] for seed in sorted(seeds)]
+        curves = ordered[arm]
+        for s, curve in zip(sorted(seeds), curves):
+            if not curve or curve[0][0] != 0 or curve[-1][0] != budget:
+                raise ValueError(f"the held-out curve of {arm} seed {s} spans steps "
+                                 f"{[row[0] for row in curve]}; the statistics need steps 0 to {budget} "
+                                 "(an incomplete run, or one with another budget)")
         mean, se = mean_curve(curves)
-        finals = np.array([seeds[seed]["final"]["accuracy"] for seed in sorted(seeds)])
-        zero = [np.mean([t["zero_signal_groups"] for t in seeds[seed]["training"]]) for seed in sorted(seeds)
-                if seeds[seed]["training"]]
+        finals = np.array([seeds[s]["final"]["accuracy"] for s in sorted(seeds)])
+        zero = [np.mean([t["zero_signal_groups"] for t in seeds[s]["training"]]) for s in sorted(seeds)
+                if seeds[s]["training"]]
         summary = {"seeds": sorted(seeds), "curve": mean, "curve_se": se,
                    "final_accuracy": float(finals.mean()),
                    "final_accuracy_se": float(finals.std(ddof=1) / np.sqrt(len(finals))) if len(finals) > 1 else float("nan"),
                    "final_accuracy_by_seed": finals.tolist(),
+                   "auc_by_seed": [normalised_auc([r[0] for r in c], [r[2] for r in c], budget) for c in curves],
                    "zero_signal_groups": float(np.mean(zero)) if zero else float("nan")}
-        if reference_curves is not None:
-            target, ref_steps, arm_steps, ratio = _speedup(reference_curves, curves)
-            ratios, never = [], 0
-            for _ in range(bootstrap):
-                ref_sample = [reference_curves[i] for i in rng.integers(0, len(reference_curves), len(reference_curves))]
-                arm_sample = [curves[i] for i in rng.integers(0, len(curves), len(curves))]
-                r = _speedup(ref_sample, arm_sample)[3]
-                if np.isnan(r):
-                    never += 1
-                elif np.isfinite(r):
-                    ratios.append(r)
-            summary.update({"target_accuracy": target, "reference_steps_to_target": ref_steps,
-                            "steps_to_target": arm_steps, "speedup": ratio,
-                            "speedup_se": float(np.std(ratios, ddof=1)) if len(ratios) > 1 else float("nan"),
-                            "speedup_never_share": never / bootstrap})
+        if reference in runs:
+            # the arm's seeds and the reference's resampled independently (the same resample for the reference)
+            groups = {reference: ordered[reference]} if arm == reference else {reference: ordered[reference], arm: curves}
+            point = efficiency_statistics(ordered[reference], curves, budget=budget, level_fraction=level_fraction)
+            names = BOOTSTRAPPED
+
+            def statistic(sample: dict, arm=arm) -> list[float]:
+                values = efficiency_statistics(sample[reference], sample[arm], budget=budget,
+                                               level_fraction=level_fraction)
+                return [float("nan") if values[name] is None else values[name] for name in BOOTSTRAPPED]
+        else:
+            groups, names = {arm: curves}, ("auc",)
+            point = {"auc": _mean_curve_auc(curves, budget)}
+
+            def statistic(sample: dict, arm=arm) -> list[float]:
+                return [_mean_curve_auc(sample[arm], budget)]
+
+        draws = bootstrap(statistic, groups, resamples=resamples, seed=seed)
+        too_few = min(len(items) for items in groups.values()) < 2
+        summary.update(point)
+        for column, name in enumerate(names):
+            se, undefined = bootstrap_se(draws[:, column])
+            summary[f"{name}_se"] = float("nan") if too_few else se
+            summary[f"{name}_undefined_share"] = undefined
+        if reference in runs:
+            summary.update({"reference": reference, "level_fraction": level_fraction,
+                            "level_step": level_fraction * budget})
+        summary.update({"budget": budget, "bootstrap": {"resamples": resamples, "seed": seed}})
         out[arm] = summary
     return out
 

@@ -28,12 +28,19 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from verl_prm.config.hook import ConfigError, CriticSection, select_key
-from verl_prm.critic.sampled import PrefixCounts, PrefixRequest, ResponseSteps, SampledValues, sampled_step_values
+from verl_prm.critic.sampled import (
+    PrefixCounts,
+    PrefixRequest,
+    ResponseSteps,
+    SampledValues,
+    sampled_step_values,
+)
 from verl_prm.labeling.scoring import OutcomeScorer
 
 __all__ = ["RolloutCritic", "check_rollout_critic_run", "mc_metrics", "run_reward_function", "sampling_params"]
@@ -116,7 +123,7 @@ def sampling_params(rollout_config: Any) -> dict[str, Any]:
     }
 
 
-def mc_metrics(values: SampledValues, real_rows: Optional[torch.Tensor] = None) -> dict[str, float]:
+def mc_metrics(values: SampledValues, real_rows: torch.Tensor | None = None) -> dict[str, float]:
     """The cost of one step's sampling (``pav/mc_*``): prefixes sampled and refused by the token budget (these
     hold the value of the step before them), continuations, tokens generated, rounds of generation calls, and
     the share of the real rows' steps whose value was sampled."""
@@ -157,8 +164,8 @@ class RolloutCritic:
         groups: Sequence[Any],
         data_sources: Sequence[Any],
         ground_truths: Sequence[Any],
-        extra_infos: Sequence[Optional[dict]],
-        sample_rows: Optional[Sequence[bool]] = None,
+        extra_infos: Sequence[dict | None],
+        sample_rows: Sequence[bool] | None = None,
         request_tag: str = "",
     ) -> SampledValues:
         """Values [B, S] (S = ``step_ends``' width) of the responses' steps; ``step_ends[b, h]`` is the position of
@@ -201,7 +208,7 @@ class RolloutCritic:
         @auto_await
         async def generate_all():
             jobs = []
-            for position, (request, prefix) in enumerate(zip(requests, prefixes)):
+            for request, prefix in zip(requests, prefixes):
                 prompt_ids = [int(t) for t in prompts[request.row]] + prefix
                 params = {**self.sampling, "max_tokens": request.max_tokens}
                 for j in range(request.n):

@@ -13,8 +13,8 @@ rank 0 loading and broadcasting (verl's ``fsdp2_load_full_state_dict``) would ne
 process, 145 GB for a 72B critic in bf16.
 
 FSDP's forward is a collective: every rank must run the same number of forwards, or the all-gathers of the rank
-with more micro-batches wait forever. After scoring (also after an error) the ranks agree on the largest
-forward count (an all-reduce) and each runs one-token forwards up to it (``equalize_forwards``).
+with more micro-batches wait forever. The ranks run their forwards in lockstep (``JoinedForwards``): a rank
+whose rows are scored (or that failed) runs one-token forwards until every rank is done.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch import nn
 
 from verl_prm.integrations.verl.critic_worker import ProverCriticWorker
 
-__all__ = ["ShardedProverCriticWorker", "CountedForwards", "equalize_forwards", "load_sharded_value_head",
+__all__ = ["ShardedProverCriticWorker", "JoinedForwards", "load_sharded_value_head",
            "shard_rows", "init_critic_process_group", "SHARDABLE_FORMATS"]
 
 # Formats the sharded loader builds (the native format: AutoModelForTokenClassification, num_labels=1).
@@ -47,31 +47,39 @@ def shard_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
     return start, min(start + per_rank, rows)
 
 
-class CountedForwards(nn.Module):
-    """The sharded backbone, counting its forwards (``equalize_forwards`` matches the count across ranks)."""
+class JoinedForwards(nn.Module):
+    """The sharded backbone, run in lockstep across the ranks.
 
-    def __init__(self, backbone: nn.Module):
+    FSDP's per-layer all-gathers pair up in call order, so a rank must not start a collective the others do not
+    start. Before each real forward a rank all-reduces (MAX) the flag 1; a rank that has no forward left calls
+    ``finish``, which all-reduces 0 and runs a one-token forward while any rank still sends 1, and returns once all
+    send 0. Every round is then one flag all-reduce plus one forward on every rank (real or one-token), whatever
+    the micro-batch counts; the flag costs one 8-byte all-reduce per micro-batch.
+    """
+
+    def __init__(self, backbone: nn.Module, device: torch.device):
         super().__init__()
         self.backbone = backbone
-        self.forwards = 0
+        self.device = device
+
+    def _others_run(self, flag: int) -> bool:
+        value = torch.tensor([flag], dtype=torch.long, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
 
     def forward(self, *args: Any, **kwargs: Any):
-        self.forwards += 1
+        self._others_run(1)
         return self.backbone(*args, **kwargs)
 
-
-@torch.inference_mode()
-def equalize_forwards(counted: CountedForwards, device: torch.device) -> int:
-    """Run one-token forwards until this rank has run as many as the rank with the most (all-reduce MAX of the
-    counts); returns how many were added. Resets the count."""
-    count = torch.tensor([counted.forwards], dtype=torch.long, device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    missing = int(count.item()) - counted.forwards
-    token = torch.zeros(1, 1, dtype=torch.long, device=device)
-    for _ in range(missing):
-        counted.backbone(input_ids=token, position_ids=token, use_cache=False)
-    counted.forwards = 0
-    return missing
+    @torch.inference_mode()
+    def finish(self) -> int:
+        """One-token forwards while another rank still runs real ones; returns how many this rank ran."""
+        token = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        added = 0
+        while self._others_run(0):
+            self.backbone(input_ids=token, position_ids=token, use_cache=False)
+            added += 1
+        return added
 
 
 def init_critic_process_group(device: torch.device) -> None:
@@ -192,7 +200,7 @@ def load_sharded_value_head(path: str, tokenizer, *, device: torch.device, dtype
     setattr(model, head_name, head)  # the meta head of the model is replaced by the loaded fp32 one
     check_vocabulary(path, tokenizer, model)
     backbone.eval()
-    return ValueHeadFormat(model, CountedForwards(backbone), head.to(device))
+    return ValueHeadFormat(model, JoinedForwards(backbone, device), head.to(device))
 
 
 class ShardedProverCriticWorker(ProverCriticWorker):
@@ -236,7 +244,7 @@ class ShardedProverCriticWorker(ProverCriticWorker):
             return super()._score(*args, **kwargs)
         finally:  # also after an error: the other ranks' forwards wait for this rank's all-gathers
             # one-token forwards this rank added in its last scoring (0 on the rank with the most micro-batches)
-            self.padding_forwards = equalize_forwards(self.critic.adapter.backbone, self.critic.device)
+            self.padding_forwards = self.critic.adapter.backbone.finish()
 
     def local_parameter_count(self) -> tuple[int, int]:
         """(elements of the parameters this rank holds, elements of the whole model's parameters)."""

@@ -31,12 +31,14 @@ __all__ = [
     "allow_pickle_default",
     "check_tokenizer_files",
     "check_weights",
+    "file_digest",
     "from_pretrained_kwargs",
     "offline_mode",
     "resolve_checkpoint",
     "safetensors_keys",
     "safetensors_problem",
     "tokenizer_files_problem",
+    "weights_digest",
 ]
 
 ALLOW_PICKLE_ENV = "VERL_PRM_ALLOW_PICKLE"
@@ -44,6 +46,10 @@ _OFFLINE_ENVS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 _TRUE = ("1", "true", "yes", "on")
 # "org/model": the only shape read as a Hugging Face hub repo id; anything else is a local path.
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+# Files up to this size are hashed whole; of a larger one (the weights of a big model) the digest covers its
+# size and its first and last _DIGEST_EDGE bytes (a safetensors header sits at the start).
+_DIGEST_WHOLE_LIMIT = 256 * 2**20
+_DIGEST_EDGE = 8 * 2**20
 
 
 class CheckpointError(ValueError):
@@ -154,6 +160,40 @@ def from_pretrained_kwargs(allow_pickle: Optional[bool] = None) -> dict:
     pickle is allowed (then safetensors are still preferred)."""
     allow_pickle = allow_pickle_default() if allow_pickle is None else allow_pickle
     return {"trust_remote_code": False, "use_safetensors": None if allow_pickle else True}
+
+
+def file_digest(path: str | Path) -> str:
+    """sha256 of the file's bytes; of a file over 256 MiB, of its size and its first and last 8 MiB."""
+    import hashlib
+
+    path = Path(path)
+    digest = hashlib.sha256()
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        if size <= _DIGEST_WHOLE_LIMIT:
+            for block in iter(lambda: handle.read(2**20), b""):
+                digest.update(block)
+        else:
+            digest.update(str(size).encode())
+            digest.update(handle.read(_DIGEST_EDGE))
+            handle.seek(size - _DIGEST_EDGE)
+            digest.update(handle.read(_DIGEST_EDGE))
+    return digest.hexdigest()
+
+
+def weights_digest(directory: str | Path) -> str:
+    """One sha256 over the names and :func:`file_digest` of the ``*.safetensors`` files of a checkpoint
+    directory (what a calibration fitted for these weights records); a CheckpointError if there are none."""
+    import hashlib
+
+    directory = Path(directory)
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory} has no *.safetensors weights to identify")
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(f"{file.name}\0{file_digest(file)}\n".encode())
+    return digest.hexdigest()
 
 
 def safetensors_keys(directory: str | Path) -> Optional[set[str]]:

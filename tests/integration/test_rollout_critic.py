@@ -14,12 +14,7 @@ from verl_support import PLUGIN_OVERRIDES, compose_verl
 
 from verl_prm.config.hook import ConfigError, read_hook_config
 from verl_prm.labeling.generators import derive_seed
-from verl_prm.labeling.scripted import (
-    ScriptedStepGenerator,
-    ScriptedStepTask,
-    exact_prefix_value,
-    scripted_step_score,
-)
+from verl_prm.labeling.scripted import ScriptedStepGenerator, ScriptedStepTask, exact_prefix_value, scripted_step_score
 
 H, P_CORRECT, N_MC, RESPONSE_LENGTH = 4, 0.7, 24, 96
 TASK = ScriptedStepTask(num_steps=H)

@@ -64,6 +64,16 @@ def test_shard_rows_are_torch_chunk_layout(rows, world):
 
 
 # ---------------------------------------------------------------------------------------------- offload
+@pytest.fixture(autouse=True)
+def restored_environment():
+    """verl's Worker writes LOCAL_RANK and other keys into os.environ itself; left behind, they make accelerate
+    (TRL) start torch.distributed in later tests of the session."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def _worker(monkeypatch, cls, **kwargs):
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
@@ -75,7 +85,10 @@ def _worker(monkeypatch, cls, **kwargs):
 def test_offload_moves_weights_around_each_scoring_and_keeps_values(monkeypatch, critic_dir, bpe_small, gsm8k_pairs):
     from verl_prm.critic.scorer import ProverCritic
     from verl_prm.integrations.verl import critic_worker
-    from verl_prm.integrations.verl.critic_worker import OFFLOAD_SECONDS_KEY, ProverCriticWorker
+    from verl_prm.integrations.verl.critic_worker import (
+        OFFLOAD_SECONDS_KEY,
+        ProverCriticWorker,
+    )
 
     kwargs = {"format": "value_head", "max_tokens_per_batch": 256, "dtype": "float32", "device": "cpu"}
     worker = _worker(monkeypatch, ProverCriticWorker, model_path=str(critic_dir), critic_kwargs=kwargs,
@@ -114,7 +127,10 @@ def test_offload_moves_weights_around_each_scoring_and_keeps_values(monkeypatch,
 
 def test_offload_none_never_moves(monkeypatch, critic_dir, bpe_small, gsm8k_pairs):
     from verl_prm.integrations.verl import critic_worker
-    from verl_prm.integrations.verl.critic_worker import OFFLOAD_SECONDS_KEY, ProverCriticWorker
+    from verl_prm.integrations.verl.critic_worker import (
+        OFFLOAD_SECONDS_KEY,
+        ProverCriticWorker,
+    )
 
     worker = _worker(monkeypatch, ProverCriticWorker, model_path=str(critic_dir),
                      critic_kwargs={"format": "value_head", "device": "cpu"})
@@ -163,19 +179,22 @@ def _split(data):
 # Each rank: a ShardedProverCriticWorker; the driver side is the real compute_step_values over a group that
 # dispatches as verl's DP_COMPUTE_PROTO does (equal chunks in rank order) and collects by all_gather.
 RANK_SCRIPT = textwrap.dedent('''
-    import json, resource, sys
+    import json, sys
     import torch, torch.distributed as dist
     torch.set_num_threads(1)
     from verl import DataProto
     from verl_prm.integrations.verl.critic_worker import compute_step_values
     from verl_prm.integrations.verl.sharded_critic import ShardedProverCriticWorker
 
+    def peak_rss_kib():  # VmHWM starts anew at exec (ru_maxrss keeps the peak of the parent that forked)
+        return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM:")).split()[1])
+
     model_path, data_path, out_path, budget = sys.argv[1:5]
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss_before = peak_rss_kib()
     worker = ShardedProverCriticWorker(model_path, {"format": "value_head", "dtype": "float32", "device": "cpu",
                                                     "max_tokens_per_batch": int(budget)})
     info = worker.init_model()
-    rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss_loaded = peak_rss_kib()
     local, total = worker.local_parameter_count()
     result = {"info": info, "local": local, "total": total, "rss_before_kib": rss_before,
               "rss_loaded_kib": rss_loaded, "head": sum(p.numel() for p in worker.critic.adapter.head.parameters())}
@@ -261,7 +280,7 @@ def test_sharded_critic_equals_unsharded_and_holds_half(tmp_path, critic_dir, bp
 
 @pytest.mark.slow
 def test_sharded_load_peak_rss_is_below_a_full_load(tmp_path, bpe_small):
-    """No full host copy per rank: the growth of peak RSS while loading (ru_maxrss after minus before) of each
+    """No full host copy per rank: the growth of peak RSS while loading (VmHWM after minus before) of each
     sharded rank stays well below a full (unsharded) load of the same checkpoint. docs/gpu.md reports the
     numbers this prints (``pytest -s -k peak_rss``)."""
     from transformers import Qwen2Config, Qwen2ForTokenClassification
@@ -277,23 +296,25 @@ def test_sharded_load_peak_rss_is_below_a_full_load(tmp_path, bpe_small):
 
     full_script = tmp_path / "full.py"
     full_script.write_text(textwrap.dedent('''
-        import json, resource, sys
+        import json, sys
         import torch
         torch.set_num_threads(1)
+        def peak_rss_kib():  # VmHWM starts anew at exec (ru_maxrss keeps the peak of the parent that forked)
+            return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM:")).split()[1])
         import verl  # the same imports as a sharded rank before its load
         from verl_prm.critic.scorer import ProverCritic
         from verl_prm.integrations.verl.sharded_critic import ShardedProverCriticWorker
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        before = peak_rss_kib()
         critic = ProverCritic.from_pretrained(sys.argv[1], format="value_head", dtype="float32", device="cpu")
-        loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        loaded = peak_rss_kib()
         # the weights may still be untouched pages of the memory-mapped file: read each once, as a copy to a GPU
         # or a forward would
         with torch.no_grad():
             sum(float(p.sum()) for p in critic.adapter.backbone.parameters())
-        touched = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        touched = peak_rss_kib()
         print(json.dumps({"rss_before_kib": before, "rss_mapped_kib": loaded, "rss_loaded_kib": touched}))
     '''))
-    full = subprocess.run([sys.executable, str(full_script), str(model_dir)], capture_output=True, text=True,
+    full = subprocess.run([sys.executable, str(full_script), str(model_dir)], capture_output=True, text=True, check=False,
                           timeout=240, env=dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1"))
     assert full.returncode == 0, full.stderr[-4000:]
     full_rss = json.loads(full.stdout.splitlines()[-1])
@@ -307,3 +328,42 @@ def test_sharded_load_peak_rss_is_below_a_full_load(tmp_path, bpe_small):
     assert full_growth >= 0.9 * weights_mib  # the full load holds every weight once at least
     for growth in sharded_growth:
         assert growth < 0.75 * weights_mib, (growth, weights_mib)
+
+
+# ---------------------------------------------------------------------------------------------- config
+def test_placement_constants_match_the_workers():
+    from verl_prm.config.hook import PLACEMENT_OFFLOADS, SHARDABLE_CRITIC_FORMATS
+    from verl_prm.integrations.verl.critic_worker import OFFLOAD_MODES
+    from verl_prm.integrations.verl.sharded_critic import SHARDABLE_FORMATS
+
+    assert PLACEMENT_OFFLOADS == OFFLOAD_MODES
+    assert SHARDABLE_CRITIC_FORMATS == SHARDABLE_FORMATS
+
+
+@pytest.mark.parametrize("section,message", [
+    ({"placement": {"offload": "disk"}},
+     "verl_prm.placement.offload must be one of ('none', 'cpu'), got 'disk'"),
+    ({"placement": {"shard": "tp"}}, "verl_prm.placement.shard must be one of ('none', 'fsdp'), got 'tp'"),
+    ({"critic": {"path": "c", "format": "qwen_prm"}, "placement": {"shard": "fsdp"}},
+     ("verl_prm.placement.shard=fsdp supports verl_prm.critic.format ('value_head',), got 'qwen_prm': set "
+      "verl_prm.placement.shard=none")),
+    ({"critic": {"path": "c", "allow_pickle": True}, "placement": {"shard": "fsdp"}},
+     "verl_prm.placement.shard=fsdp reads safetensors only: set verl_prm.critic.allow_pickle=false"),
+    ({"critic": {"format": "rollout"}, "placement": {"offload": "cpu"}},
+     ("verl_prm.placement.offload/shard are unused with verl_prm.critic.format=rollout (no critic weights): set "
+      "verl_prm.placement.offload=none and verl_prm.placement.shard=none")),
+])
+def test_placement_keys_are_checked(section, message):
+    from verl_prm.config.hook import ConfigError, read_hook_config
+
+    with pytest.raises(ConfigError) as error:
+        read_hook_config(section)
+    assert str(error.value) == message
+
+
+def test_placement_defaults_and_valid_choices():
+    from verl_prm.config.hook import read_hook_config
+
+    assert (read_hook_config(None).placement.offload, read_hook_config(None).placement.shard) == ("none", "none")
+    placement = read_hook_config({"critic": {"path": "c"}, "placement": {"offload": "cpu", "shard": "fsdp"}}).placement
+    assert (placement.offload, placement.shard) == ("cpu", "fsdp")

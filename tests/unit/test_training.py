@@ -299,7 +299,8 @@ def test_label_train_score_cli_end_to_end(tmp_path, bpe_small):
     assert len(labels) == 12 and labels["step_ends"].map(len).max() <= 3
     assert train_main(["--labels", str(tmp_path / "labels"), "--output-dir", str(tmp_path / "pav"), "--init",
                  str(tmp_path / "lm"), "--max-steps", "3", "--batch-size", "4", "--warmup-steps", "1",
-                 "--eval-fraction", "0.3", "--lr", "1e-3", "--no-progress"]) == 0
+                 "--eval-fraction", "0.3", "--lr", "1e-3", "--no-progress",
+                 "--calibration", "none"]) == 0  # 12 rollouts hold out too few labels to fit a calibration
     checkpoint = latest_checkpoint(tmp_path / "pav")
     assert checkpoint.name == "checkpoint-0000003" and (checkpoint / "model.safetensors").is_file()
     critic = ProverCritic.from_pretrained(str(checkpoint), format="value_head", device="cpu")
@@ -432,7 +433,7 @@ def test_nan_auroc_says_why_and_held_out_labels_must_not_be_training_labels(crit
     ShardStore(root / "one_class").write_shard(one_class)
     capsys.readouterr()
     summary = train(_config(root, "nan_auroc", max_steps=2, warmup_steps=1, eval_fraction=None,
-                           eval_labels=[str(root / "one_class")]))
+                           eval_labels=[str(root / "one_class")], calibration="none"))  # one class: nothing to fit
     metrics = summary["metrics"]
     steps = sum(len(row["q"]) for row in one_class)
     why = (f"AUROC is NaN: all {steps} held-out step labels are at or above 0.5 (one class); it needs both classes. "
@@ -664,4 +665,4 @@ def test_an_empty_prompt_names_the_shard_and_row(critic_setup, tmp_path):
     with pytest.raises(ValueError, match=re.escape(f"label shard {shard} row 1 (prompt_index={bad[1]['prompt_index']}, "
                                                    f"rollout_index={bad[1]['rollout_index']}): the prompt is empty")):
         train(_config(root, "unused", output_dir=str(tmp_path / "run"), labels=[str(tmp_path / "labels")],
-                      eval_fraction=0.0))
+                      eval_fraction=0.0, calibration="none"))

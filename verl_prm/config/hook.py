@@ -67,6 +67,12 @@ CODE_STEP_RULES = ("line", "block", "indent")
 # "colocated": the critic's workers share verl's global pool (the actor/rollout GPUs);
 # "own": a resource pool of its own (``n_gpus_per_node`` x ``nnodes``).
 PLACEMENT_POOLS = ("colocated", "own")
+# verl_prm.integrations.verl.critic_worker.OFFLOAD_MODES (held equal by a test).
+PLACEMENT_OFFLOADS = ("none", "cpu")
+# "none": a full critic replica per worker; "fsdp": sharded across the workers
+# (verl_prm.integrations.verl.sharded_critic; formats SHARDABLE_FORMATS there, held equal by a test).
+PLACEMENT_SHARDS = ("none", "fsdp")
+SHARDABLE_CRITIC_FORMATS = ("value_head",)
 
 
 class ConfigError(ValueError):
@@ -159,6 +165,13 @@ class PlacementSection:
     n_gpus_per_node: int = 1
     # ... and nodes.
     nnodes: int = 1
+    # Between scorings: "none" keeps the critic's weights on its GPUs; "cpu" moves them to host memory after each
+    # scoring and back before the next (for a critic sharing GPUs with the rollout and the actor; the cost is
+    # logged as timing_s/pav_critic_offload).
+    offload: str = "none"
+    # "none": every critic worker holds a full replica; "fsdp": the critic is sharded across the pool's workers
+    # with FSDP2 (a critic that does not fit one GPU; format value_head, safetensors).
+    shard: str = "none"
 
 
 @dataclass
@@ -279,6 +292,25 @@ def _check_ranges(config: HookConfig) -> None:
         )
     if placement.pool not in PLACEMENT_POOLS:
         raise ConfigError(f"verl_prm.placement.pool must be one of {PLACEMENT_POOLS}, got {placement.pool!r}")
+    if placement.offload not in PLACEMENT_OFFLOADS:
+        raise ConfigError(
+            f"verl_prm.placement.offload must be one of {PLACEMENT_OFFLOADS}, got {placement.offload!r}"
+        )
+    if placement.shard not in PLACEMENT_SHARDS:
+        raise ConfigError(f"verl_prm.placement.shard must be one of {PLACEMENT_SHARDS}, got {placement.shard!r}")
+    weightless = critic.format in (EXACT_CRITIC_FORMAT, ROLLOUT_CRITIC_FORMAT)
+    if weightless and (placement.offload != "none" or placement.shard != "none"):
+        raise ConfigError(
+            f"verl_prm.placement.offload/shard are unused with verl_prm.critic.format={critic.format} (no critic "
+            "weights): set verl_prm.placement.offload=none and verl_prm.placement.shard=none"
+        )
+    if placement.shard == "fsdp" and critic.format not in SHARDABLE_CRITIC_FORMATS:
+        raise ConfigError(
+            f"verl_prm.placement.shard=fsdp supports verl_prm.critic.format {SHARDABLE_CRITIC_FORMATS}, got "
+            f"{critic.format!r}: set verl_prm.placement.shard=none"
+        )
+    if placement.shard == "fsdp" and critic.allow_pickle:
+        raise ConfigError("verl_prm.placement.shard=fsdp reads safetensors only: set verl_prm.critic.allow_pickle=false")
     if placement.pool == "own" and (placement.n_gpus_per_node < 1 or placement.nnodes < 1):
         raise ConfigError(
             "verl_prm.placement.pool=own needs n_gpus_per_node >= 1 and nnodes >= 1, got "

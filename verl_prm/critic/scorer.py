@@ -11,6 +11,7 @@ rows with minimal padding) -> the head applied only at the read positions -> val
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
@@ -30,6 +31,7 @@ from verl_prm.critic.packing import (
     padded_tensors,
     plan_micro_batches,
 )
+from verl_prm.training.calibration import Calibration, checkpoint_calibration
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +77,9 @@ class ProverCritic:
     - :meth:`score_policy_batch` (verl's ``prompts``/``responses``/``attention_mask`` + a ``StepSplit``; uses
       ``align_to_critic`` when the critic's tokenizer differs from the policy's).
 
-    Values are raw unless ``best_of_k > 1``, in which case ``v -> 1 - (1 - v)^K`` is applied to every value.
+    Every value the entry points return passes through :meth:`_assemble`: first the critic's ``calibration``
+    (a monotone map fitted on held-out labels, ``verl_prm.training.calibration``; None = raw values), then, if
+    ``best_of_k > 1``, ``v -> 1 - (1 - v)^K``. :meth:`forward_values` gives the raw values.
     (The PAV estimators apply Best-of-K themselves from ``algorithm.pav.best_of_k``: do not apply it twice.)
     """
 
@@ -92,6 +96,7 @@ class ProverCritic:
         packing: Packing = "auto",
         max_padding_share: float = 0.1,
         progress: bool = False,
+        calibration: Calibration | None = None,
     ):
         if truncation not in ("error", "left_prompt"):
             raise ValueError(f"truncation must be 'error' or 'left_prompt', got {truncation!r}")
@@ -114,6 +119,10 @@ class ProverCritic:
         self.packing: Literal["varlen", "padded"] = packing
         self.max_padding_share = check_number("max_padding_share", max_padding_share, 0.0, 1.0)
         self.progress = progress
+        if calibration is not None and getattr(adapter, "score", None) == "pos_minus_neg":
+            raise ValueError(f"{calibration.describe()} maps values in [0, 1]; score='pos_minus_neg' gives "
+                             "P(pos) - P(neg) in [-1, 1]")
+        self.calibration = calibration
         pad = tokenizer.pad_token_id if tokenizer is not None else None
         if pad is None and tokenizer is not None:
             pad = tokenizer.eos_token_id
@@ -137,6 +146,7 @@ class ProverCritic:
         tokenizer: Any = None,
         progress: bool = False,
         allow_pickle: bool | None = None,
+        calibration: str | os.PathLike = "auto",
         **format_options: Any,
     ) -> "ProverCritic":
         """Load a critic checkpoint (Hugging Face format, safetensors, ``trust_remote_code=False``).
@@ -165,6 +175,10 @@ class ProverCritic:
             allow_pickle: also load pickle-only weights (``pytorch_model.bin``; unpickling can run code). Default:
                 the ``VERL_PRM_ALLOW_PICKLE`` environment variable, else False (safetensors only). Weights the
                 model needs but the checkpoint lacks (a value head never saved) are always an error.
+            calibration: ``"auto"`` (default): apply ``path/calibration.json`` when the checkpoint directory has
+                one (``verl-prm train`` writes it), else none; ``"none"``: raw values; a path: that calibration
+                file (or a directory holding one). A file fitted for other weights (digest), a non-monotone or
+                non-finite map is an error naming the file (``verl_prm.training.calibration``).
             format_options: per format, e.g. ``separator=`` (qwen_prm), ``tag=``, ``positive_token=``,
                 ``negative_token=`` (math_shepherd), ``head_prefix=`` (value_head_lm, qwen_prm, pure_prm),
                 ``step_delimiter=`` (the text formats), ``score=`` (pure_prm).
@@ -195,6 +209,7 @@ class ProverCritic:
             packing=packing,
             max_padding_share=max_padding_share,
             progress=progress,
+            calibration=checkpoint_calibration(path, calibration),
         )
 
     # ------------------------------------------------------------------ entry points
@@ -433,7 +448,20 @@ class ProverCritic:
                 start += len(rp)
         return results  # type: ignore[return-value]
 
+    def describe(self) -> str:
+        """What produces this critic's values: its format, calibration and Best-of-K."""
+        calibration = self.calibration.describe() if self.calibration is not None else "uncalibrated"
+        best = f", Best-of-{self.best_of_k}" if self.best_of_k > 1 else ""
+        return f"{type(self.adapter).__name__} critic, {calibration}{best}"
+
+    def __repr__(self) -> str:
+        return f"ProverCritic({self.describe()}, device={self.device})"
+
     def _assemble(self, values: Sequence[torch.Tensor], num_step_slots: int | None) -> CriticScores:
+        if self.calibration is not None and values:  # the one place values are calibrated
+            flat = torch.cat(list(values)).numpy()
+            calibrated = torch.from_numpy(self.calibration(flat).astype("float32"))
+            values = list(torch.split(calibrated, [len(v) for v in values]))
         num_steps = torch.tensor([len(v) - 1 for v in values], dtype=torch.long)
         width = int(num_steps.max()) if len(values) else 0
         if num_step_slots is not None:

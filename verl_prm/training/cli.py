@@ -12,6 +12,7 @@ import sys
 from typing import Sequence
 
 from verl_prm.cli_types import finite_float
+from verl_prm.training.calibration import CALIBRATION_METHODS, DEFAULT_CALIBRATION, MIN_CALIBRATION_LABELS
 
 __all__ = ["main"]
 
@@ -28,6 +29,11 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-labels", nargs="+", default=None, help="held-out label shards (default: split)")
     p.add_argument("--eval-fraction", type=finite_float(0.0, 1.0, high_open=True), default=None, help="share of "
                    "prompts held out when no --eval-labels (split by prompt; default 0.1)")
+    p.add_argument("--calibration", choices=CALIBRATION_METHODS, default=DEFAULT_CALIBRATION,
+                   help="map fitted on the held-out labels at the end and stored as checkpoint/calibration.json, "
+                   "applied by ProverCritic (default platt: sigmoid(a logit(v) + b), a > 0; strictly increasing, so "
+                   "the ranking and every step's sign are kept; 2 parameters fit from few labels). isotonic: "
+                   f"pool-adjacent-violators, any monotone shape, more labels. Needs >= {MIN_CALIBRATION_LABELS} held-out labels")
     p.add_argument("--max-length", type=int, default=4096, help="tokens per rollout (longer: labels beyond are "
                    "dropped and reported)")
     p.add_argument("--batch-size", type=int, default=8, help="rollouts per process per micro-batch")
@@ -74,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         eval_batch_size=args.eval_batch_size, save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
         resume=not args.no_resume, seed=args.seed, mixed_precision=args.mixed_precision,
         gradient_checkpointing=args.gradient_checkpointing, cpu=args.cpu, log_every=args.log_every,
-        progress=not args.no_progress,
+        progress=not args.no_progress, calibration=args.calibration,
     )
     summary = train(config)
     print(json.dumps(summary, default=float))

@@ -30,12 +30,15 @@ __all__ = [
 
 @dataclass
 class EncodedRollout:
-    """input_ids [T]; positions [S] (token index of each labelled step, ascending); targets [S] in [0, 1]."""
+    """input_ids [T]; positions [S] (token index of each labelled step, ascending); targets [S] in [0, 1];
+    counts [S]: the Monte-Carlo continuations behind each target (``n_mc``/``prompt_n_mc``; 0 = not sampled:
+    exact, inferred or converted), which weigh the held-out labels of a calibration fit."""
 
     input_ids: list[int]
     positions: list[int]
     targets: list[float]
     prompt: str = ""
+    counts: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -95,7 +98,7 @@ def encode_labels(
             encoded = encode_with_step_ends(tokenizer, row.prompt, row.response, spans)
         except ValueError as error:  # it names "sample 0", the one-row batch: name the label row instead
             raise ValueError(f"{_row_name(row)}: {str(error).removeprefix('sample 0: ')}") from None
-        positions, targets = [], []
+        positions, targets, counts = [], [], []
         prompt_value = float(row.prompt_value)
         if use_prompt_value and not math.isnan(prompt_value):
             if best_of_k > 1:
@@ -103,24 +106,26 @@ def encode_labels(
                                                            np.asarray(prompt_value), best_of_k))
             positions.append(int(encoded.prompt_end))
             targets.append(prompt_value)
-        for end, value in zip(encoded.step_ends, q):
+            counts.append(int(row.prompt_n_mc))
+        for end, value, count in zip(encoded.step_ends, q, row.n_mc):
             stats.steps += 1
             if math.isnan(value):
                 stats.unlabelled_steps += 1
                 continue
             positions.append(int(end))
             targets.append(float(value))
+            counts.append(int(count))
         input_ids = [int(t) for t in encoded.input_ids]
         if max_length is not None and len(input_ids) > max_length:
             stats.truncated_rollouts += 1
-            kept = [(p, t) for p, t in zip(positions, targets) if p < max_length]
+            kept = [(p, t, c) for p, t, c in zip(positions, targets, counts) if p < max_length]
             stats.steps_beyond_max_length += len(positions) - len(kept)
-            positions, targets = [p for p, _ in kept], [t for _, t in kept]
+            positions, targets, counts = [p for p, _, _ in kept], [t for _, t, _ in kept], [c for _, _, c in kept]
             input_ids = input_ids[:max_length]
         if not positions:
             stats.rollouts_without_labels += 1
             continue
-        examples.append(EncodedRollout(input_ids, positions, targets, row.prompt))
+        examples.append(EncodedRollout(input_ids, positions, targets, row.prompt, counts))
     if stats.truncated_rollouts:
         stats.notes.append(
             f"{stats.truncated_rollouts} rollouts exceed max_length={max_length}: their first {max_length} tokens "

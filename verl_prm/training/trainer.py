@@ -8,10 +8,12 @@ Output directory::
 
     checkpoint-0000200/   model.safetensors + config.json + tokenizer files (loads with
                           ProverCritic.from_pretrained(path, format="value_head")) + training_state.pt
-                          (optimizer, scheduler, step, config)
+                          (optimizer, scheduler, step, config); the final one also calibration.json (the
+                          map fitted on the held-out labels, --calibration; ProverCritic applies it)
     metrics.jsonl         one line per logged training step and per evaluation
     .verl-prm.lock        held by the one process training here (verl_prm.locking; released when it exits)
-    eval_metrics.json     the final held-out evaluation
+    eval_metrics.json     the final held-out evaluation (raw values, and calibrated: eval/calibrated_*)
+    reliability.png       mean held-out label against mean value per bin, raw and calibrated
 
 A checkpoint is written to a temporary directory and renamed when complete. A rerun with the same arguments
 resumes from the newest intact checkpoint (a damaged newer one is skipped with a warning): the weights, Adam
@@ -26,7 +28,6 @@ the weights, so no checkpoint ever holds NaN weights.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -35,7 +36,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -52,7 +53,18 @@ from verl_prm.training.data import (
     split_by_prompt,
 )
 from verl_prm.training.losses import gather_step_logits, soft_label_bce, warmup_cosine_factor
-from verl_prm.training.metrics import value_metrics
+from verl_prm.training.calibration import (
+    CALIBRATION_FILE,
+    CALIBRATION_METHODS,
+    DEFAULT_CALIBRATION,
+    MIN_CALIBRATION_LABELS,
+    CalibrationError,
+    cross_fitted_values,
+    fit_calibration,
+    label_weights,
+    write_calibration,
+)
+from verl_prm.training.metrics import expected_calibration_error, mse, plot_reliability, value_metrics
 
 __all__ = ["TrainConfig", "NonFiniteLossError", "train", "evaluate_examples", "latest_checkpoint", "build_model",
            "checkpoint_problem", "input_digests"]
@@ -61,12 +73,8 @@ _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 # Settings a resumed run may change: they do not change what is trained (logging, saving, progress, memory).
 # Every other setting must be the one the checkpoint was written with.
 _RESUME_FREE_KEYS = ("output_dir", "resume", "progress", "log_every", "eval_every", "eval_batch_size", "save_every",
-                     "keep_checkpoints", "gradient_checkpointing")
+                     "keep_checkpoints", "gradient_checkpointing", "calibration")
 DEFAULT_EVAL_FRACTION = 0.1
-# Files up to this size are hashed whole; of a larger one (the weights of a big --init) the digest covers its
-# size and its first and last _DIGEST_EDGE bytes (a safetensors header sits at the start).
-_DIGEST_WHOLE_LIMIT = 256 * 2**20
-_DIGEST_EDGE = 8 * 2**20
 
 
 class NonFiniteLossError(ValueError):
@@ -108,6 +116,9 @@ class TrainConfig:
     cpu: bool = False
     log_every: int = 10
     progress: bool = True
+    # post-hoc map fitted on the held-out labels at the end, stored as checkpoint/calibration.json
+    # (verl_prm.training.calibration: "platt", "isotonic" or "none")
+    calibration: str = DEFAULT_CALIBRATION
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -141,6 +152,13 @@ class TrainConfig:
         check_number("grad_clip (--grad-clip)", self.grad_clip, 0.0)
         if self.eval_fraction is not None:
             check_number("eval_fraction (--eval-fraction)", self.eval_fraction, 0.0, 1.0, high_open=True)
+        if self.calibration not in CALIBRATION_METHODS:
+            raise ValueError(f"calibration (--calibration) must be one of {', '.join(CALIBRATION_METHODS)}, got "
+                             f"{self.calibration!r}")
+        if self.calibration != "none" and not self.eval_labels and self.held_out_fraction == 0.0:
+            raise ValueError(f"calibration (--calibration {self.calibration}) is fitted on held-out labels, but "
+                             "--eval-fraction 0 holds none out: pass --eval-labels or a positive --eval-fraction, "
+                             "or --calibration none")
 
     @property
     def held_out_fraction(self) -> float:
@@ -205,29 +223,15 @@ def latest_checkpoint(output_dir: str | Path, note: Callable[[str], None] | None
     return None
 
 
-def _file_digest(path: Path) -> str:
-    """sha256 of the file's bytes; of a file over _DIGEST_WHOLE_LIMIT, of its size and both ends."""
-    digest = hashlib.sha256()
-    size = path.stat().st_size
-    with open(path, "rb") as handle:
-        if size <= _DIGEST_WHOLE_LIMIT:
-            for block in iter(lambda: handle.read(2**20), b""):
-                digest.update(block)
-        else:
-            digest.update(str(size).encode())
-            digest.update(handle.read(_DIGEST_EDGE))
-            handle.seek(size - _DIGEST_EDGE)
-            digest.update(handle.read(_DIGEST_EDGE))
-    return digest.hexdigest()
-
-
 def _path_digests(path: str | Path) -> dict[str, str]:
     """{file name relative to ``path``: digest} of a file or of every file under a directory (hidden ones and
     ``__pycache__`` skipped)."""
+    from verl_prm.checkpoints import file_digest
+
     path = Path(path)
     if path.is_file():
-        return {path.name: _file_digest(path)}
-    return {str(file.relative_to(path)): _file_digest(file) for file in sorted(path.rglob("*"))
+        return {path.name: file_digest(path)}
+    return {str(file.relative_to(path)): file_digest(file) for file in sorted(path.rglob("*"))
             if file.is_file() and not any(part.startswith(".") or part == "__pycache__"
                                           for part in file.relative_to(path).parts)}
 
@@ -235,12 +239,13 @@ def _path_digests(path: str | Path) -> dict[str, str]:
 def input_digests(config: TrainConfig) -> dict[str, dict[str, str]]:
     """Digests of what a run reads: {"--labels": {shard: digest}, "--eval-labels": ..., "--init": {file: digest},
     "--init-config": ..., "--tokenizer": ...} (absent inputs omitted). A resume compares them."""
+    from verl_prm.checkpoints import file_digest
     from verl_prm.labeling.format import label_files
 
     digests: dict[str, dict[str, str]] = {}
     for flag, paths in (("--labels", config.labels), ("--eval-labels", config.eval_labels)):
         if paths:
-            digests[flag] = {str(file): _file_digest(file) for file in label_files(paths)}
+            digests[flag] = {str(file): file_digest(file) for file in label_files(paths)}
     for flag, path in (("--init", config.init), ("--init-config", config.init_config), ("--tokenizer", config.tokenizer)):
         if path is not None and Path(path).exists():
             digests[flag] = _path_digests(path)
@@ -460,6 +465,8 @@ class _Run:
     weights: np.ndarray
     inputs: dict
     logged_evals: set[int] = field(default_factory=set)
+    # (predictions, targets) of the latest held-out evaluation (main process): what the calibration is fitted on
+    eval_values: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def log_path(self) -> Path:
@@ -484,6 +491,16 @@ def _train(config: TrainConfig, on_step: Callable[[int, dict], None] | None) -> 
         raise ValueError(f"tokenizer {checkpoint or config.tokenizer or config.init} has neither a pad nor an EOS "
                          "token to pad batches with")
     train_examples, eval_examples = _examples(config, tokenizer, accelerator.print)
+    held_out_labels = sum(len(e.targets) for e in eval_examples)
+    if config.calibration != "none" and held_out_labels < MIN_CALIBRATION_LABELS:
+        raise ValueError(f"--calibration {config.calibration} needs at least {MIN_CALIBRATION_LABELS} held-out labels "
+                         f"to fit; {config.eval_labels or config.labels} leaves {held_out_labels}: hold out more "
+                         "prompts (--eval-fraction, --eval-labels) or pass --calibration none")
+    held_out_values = {t for e in eval_examples for t in e.targets}
+    if config.calibration != "none" and len(held_out_values) == 1:
+        raise ValueError(f"--calibration {config.calibration}: all {held_out_labels} held-out labels are "
+                         f"{held_out_values.pop()}, so there is no value-to-label relation to fit: hold out "
+                         "prompts with mixed outcomes (--eval-labels, --eval-fraction) or pass --calibration none")
     weights = class_balanced_weights(train_examples) if config.balance else np.full(len(train_examples), 1.0 / len(train_examples))
     optimizer, scheduler = _optimizer(config, model)
     # The scheduler is not prepared: accelerate would step it once per process; ours counts optimizer steps.
@@ -525,10 +542,61 @@ def _train(config: TrainConfig, on_step: Callable[[int, dict], None] | None) -> 
     bar.close()
     if start_step >= config.max_steps:
         metrics = _evaluate(run, config.max_steps)
+    calibration_path = None
     if accelerator.is_main_process:
+        if config.calibration != "none":
+            calibration_metrics, calibration_path = _calibrate(run, last_checkpoint)
+            metrics.update(calibration_metrics)
+        elif last_checkpoint is not None and (last_checkpoint / CALIBRATION_FILE).exists():  # a rerun with --calibration none: the model has none
+            (last_checkpoint / CALIBRATION_FILE).unlink()
+            accelerator.print(f"verl-prm train: --calibration none: removed {last_checkpoint / CALIBRATION_FILE} of "
+                              "an earlier fit")
         (output_dir / "eval_metrics.json").write_text(json.dumps(metrics, indent=2))
+    accelerator.wait_for_everyone()
     return {"checkpoint": str(last_checkpoint) if last_checkpoint else None, "metrics": metrics,
+            "calibration": str(calibration_path) if calibration_path else None,
             "train_rollouts": len(train_examples), "eval_rollouts": len(eval_examples), "start_step": start_step}
+
+
+def _calibrate(run: _Run, checkpoint: Path) -> tuple[dict, Path]:
+    """Fit ``config.calibration`` on the final held-out values, write ``checkpoint/calibration.json`` and
+    ``reliability.png``; the held-out metrics of the calibrated values ("eval/calibrated_*": on the labels the
+    map was fitted on, and cross-fitted by prompt, :func:`~verl_prm.training.calibration.cross_fitted_values`)."""
+    from verl_prm.checkpoints import weights_digest
+
+    method = run.config.calibration
+    predictions, targets = run.eval_values
+    weights = label_weights(np.concatenate([e.counts for e in run.eval_examples]))
+    prompts = np.concatenate([[e.prompt] * len(e.targets) for e in run.eval_examples])
+    try:
+        calibration = fit_calibration(method, predictions, targets, weights, weights_digest(checkpoint))
+    except CalibrationError as error:
+        raise CalibrationError(f"verl-prm train: fitting the {method} calibration of {checkpoint} on the held-out "
+                               f"labels failed ({error}); the checkpoint is written: rerun the same command with "
+                               "another --calibration (isotonic, none) to refit without training") from None
+    calibrated = calibration(predictions)
+    metrics: dict = {"eval/calibration": method, "eval/calibration_labels": float(targets.size),
+                     "eval/calibrated_ece": expected_calibration_error(calibrated, targets),
+                     "eval/calibrated_mse": mse(calibrated, targets)}
+    try:
+        cross = cross_fitted_values(method, predictions, targets, weights, prompts)
+        metrics["eval/calibrated_ece_cross_fitted"] = expected_calibration_error(cross, targets)
+        metrics["eval/calibrated_mse_cross_fitted"] = mse(cross, targets)
+    except CalibrationError as error:  # the map itself was fitted; only its out-of-sample estimate is missing
+        metrics["eval/calibration_note"] = f"no cross-fitted estimate: {error}"
+        run.accelerator.print(f"verl-prm train: {metrics['eval/calibration_note']}")
+    measured = {k.removeprefix("eval/"): v for k, v in metrics.items() if k != "eval/calibration"}
+    calibration = replace(calibration, metrics={"ece": expected_calibration_error(predictions, targets), **measured})
+    path = write_calibration(calibration, checkpoint)
+    plot = run.output_dir / "reliability.png"
+    plot_reliability(plot, {"raw": (predictions, targets), method: (calibrated, targets)},
+                     title=f"held-out labels, {checkpoint.name}")
+    cross_text = (f", cross-fitted {metrics['eval/calibrated_ece_cross_fitted']:.4f}"
+                  if "eval/calibrated_ece_cross_fitted" in metrics else "")
+    run.accelerator.print(f"verl-prm train: {calibration.describe()}: held-out ECE "
+                          f"{calibration.metrics['ece']:.4f} -> {metrics['eval/calibrated_ece']:.4f}{cross_text}; "
+                          f"wrote {path} and {plot}")
+    return metrics, path
 
 
 def _set_aside_earlier_run(output_dir: Path, note: Callable[[str], None]) -> None:
@@ -740,6 +808,7 @@ def _evaluate(run: _Run, step: int) -> dict:
         predictions, targets = evaluate_examples(accelerator.unwrap_model(run.model), run.eval_examples,
                                                  batch_size=run.config.eval_batch_size, pad_token_id=run.pad_token_id,
                                                  device=accelerator.device)
+        run.eval_values = (predictions, targets)
         metrics = {f"eval/{k}": v for k, v in value_metrics(predictions, targets).items()}
         why = auroc_note(targets)
         if why is not None:

@@ -22,6 +22,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from verl_prm.apps.arithmetic.machine import machine_line
 from verl_prm.apps.arithmetic.stats import bootstrap, bootstrap_se, first_crossing, interpolate, mean_curve, normalised_auc
 from verl_prm.apps.arithmetic.task import DATA_SOURCE, STEP_REGEX, Problem, compute_score, prefix_is_correct
 
@@ -216,41 +217,78 @@ def _pm(value: float, se: float, digits: int = 3) -> str:
     return f"{value:.{digits}f}" if se is None or np.isnan(se) else f"{value:.{digits}f} ± {se:.{digits}f}"
 
 
+MIN_REPORTED_SEEDS = 3  # a table with fewer seeds in an arm says so
+
+
+def _reached(value, se, undefined: float, digits: int, suffix: str = "", never: str = "never",
+             undefined_as: str = "never") -> str:
+    """A statistic of the level: ``value ± se``, "never" (None: not reached; nan), "inf" (an arm at L from step
+    0), with the share of bootstrap resamples where it is undefined (the level not reached)."""
+    if value is None or np.isnan(value):
+        text = never
+    elif np.isinf(value):
+        text = "inf (at L from step 0)"
+    else:
+        text = f"{_pm(value, se, digits)}{suffix}"
+    return text + (f" ({undefined_as} in {undefined:.0%} of bootstraps)" if undefined else "")
+
+
 def write_table(results: dict, path_md: str | Path, path_json: str | Path) -> str:
     """The results as markdown (returned and written) and JSON."""
     Path(path_json).write_text(json.dumps(results, indent=2))
     arms, prover = results["arms"], results["prover"]
+    reference = next((s for s in arms.values() if "level" in s), None)
+    level = (f"Level L = {reference['level']:.3f}, GRPO's seed-mean held-out accuracy at step {reference['level_step']:g} "
+             f"({reference['level_fraction']:.3g} of its {reference['budget']} steps)" if reference else
+             "No GRPO arm: no level L to compare at")
     lines = [
+        f"Machine: {machine_line(results['environment'])}.",
+        "",
         f"SFT policy (label prompts, {prover['group_size']} samples each): success {prover['success']:.3f}, "
         f"groups with no outcome signal {prover['zero_signal_groups']:.3f} (all wrong: {prover['all_fail_groups']:.3f}), "
         f"per-step accuracy p = {prover['step_accuracy']:.3f} (the exact prover's p).",
         "",
-        "| policy | seeds | final accuracy (T=1, test) | held-out accuracy at the last RL step | steps to GRPO's final "
-        "accuracy | sample efficiency vs GRPO | groups with no outcome signal (mean over steps) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-        f"| SFT base | - | {results['policies']['base']['accuracy']:.3f} | - | - | - | - |",
+        f"| policy | seeds | final accuracy (T=1, test, {results['policies']['base']['samples_per_problem']} "
+        "samples) | "
+        "held-out accuracy at the last RL step | area under the held-out curve / steps | steps to L | "
+        "sampled responses to L | sample efficiency vs GRPO (steps to L) | groups with no outcome signal "
+        "(mean over steps) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| SFT base | - | {results['policies']['base']['accuracy']:.3f} | - | - | - | - | - | - |",
     ]
     for arm, summary in arms.items():
-        steps = summary.get("steps_to_target")
-        ratio = summary.get("speedup", float("nan"))
-        if ratio is None or np.isnan(ratio):
-            speed = f"never reached ({summary.get('speedup_never_share', float('nan')):.0%} of bootstraps)"
+        if "level" in summary:
+            to_level = _reached(summary["steps_to_level"], summary["steps_to_level_se"],
+                                summary["steps_to_level_undefined_share"], 1)
+            samples = _reached(summary["samples_to_level"], summary["samples_to_level_se"],
+                               summary["samples_to_level_undefined_share"], 0)
+            speed = "1x (the reference)" if arm == summary["reference"] else _reached(
+                summary["efficiency"], summary["efficiency_se"], summary["efficiency_undefined_share"], 2, suffix="x",
+                never="never" if summary["steps_to_level"] is None else "n/a", undefined_as="undefined")
         else:
-            speed = f"{_pm(ratio, summary.get('speedup_se'), 2)}x"
-            if summary.get("speedup_never_share"):
-                speed += f" (never in {summary['speedup_never_share']:.0%} of bootstraps)"
+            to_level = samples = speed = "-"
         lines.append(
             f"| {ARM_LABELS.get(arm, arm)} | {len(summary['seeds'])} | "
             f"{_pm(summary['final_accuracy'], summary['final_accuracy_se'])} | "
-            f"{_pm(summary['curve'][-1][2], summary['curve_se'][-1])} | "
-            f"{'never' if steps is None else f'{steps:.1f}'} | {speed} | {summary['zero_signal_groups']:.3f} |")
-    target = next((s["target_accuracy"] for s in arms.values() if "target_accuracy" in s), float("nan"))
-    critic = results["critic"]
+            f"{_pm(summary['curve'][-1][2], summary['curve_se'][-1])} | {_pm(summary['auc'], summary['auc_se'])} | "
+            f"{to_level} | {samples} | {speed} | {summary['zero_signal_groups']:.3f} |")
+    few = {arm: len(s["seeds"]) for arm, s in arms.items() if len(s["seeds"]) < MIN_REPORTED_SEEDS}
+    bootstrap_settings = next(iter(arms.values()))["bootstrap"] if arms else {"resamples": 0, "seed": 0}
     lines += [
         "",
-        f"Target: GRPO's mean held-out accuracy at its last RL step, {target:.3f}. Mean ± standard error over seeds; "
-        "the sample-efficiency ratio is GRPO's steps to the target over the arm's (seed-mean curves, interpolated "
-        "between evaluations), its error from a bootstrap over seeds.",
+        f"{level}. Held-out accuracy: verl's validation, "
+        f"{results['settings']['rl']['eval_samples']} samples per test prompt per evaluation. Steps and responses to "
+        "L on the seed-mean curve, interpolated linearly between evaluations; the area is the trapezoid under the "
+        "seed-mean curve over the budget, divided by it (the mean held-out accuracy during training). Final "
+        "accuracy: mean ± standard error over seeds; every other ± is a bootstrap over seeds "
+        f"({bootstrap_settings['resamples']} resamples, seed {bootstrap_settings['seed']}: each arm's seeds resampled, "
+        "the seed-mean curves and the statistic recomputed), with the share of resamples that never reach L.",
+    ]
+    if few:
+        lines += ["", f"**Fewer than {MIN_REPORTED_SEEDS} seeds** ({', '.join(f'{a}: {n}' for a, n in few.items())}): "
+                  "not a result to report; the bootstrap needs several seeds per arm."]
+    critic = results["critic"]
+    lines += [
         "",
         f"Learned PAV: held-out label AUROC {critic['label_auroc']:.3f}; step AUROC against the true prefix "
         f"correctness {critic['step_auroc']:.3f} on {critic['steps_scored']} steps of base-policy samples "
@@ -270,8 +308,9 @@ def write_table(results: dict, path_md: str | Path, path_json: str | Path) -> st
 
 
 def plot_all(results: dict, output_dir: str | Path) -> list[str]:
-    """PNGs: held-out accuracy against RL steps and against sampled responses (seed mean ± standard error), the
-    share of groups with no outcome signal per step, and search accuracy against generated tokens."""
+    """PNGs: held-out accuracy against RL steps and against sampled responses (seed mean ± standard error, the
+    level L of the sample efficiency), the share of groups with no outcome signal per step, and search accuracy
+    against generated tokens."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -280,7 +319,7 @@ def plot_all(results: dict, output_dir: str | Path) -> list[str]:
     output_dir = Path(output_dir)
     paths = []
     arms = results["arms"]
-    target = next((s["target_accuracy"] for s in arms.values() if "target_accuracy" in s), None)
+    reference = next((s for s in arms.values() if "level" in s), None)
     for column, name, xlabel in ((0, "accuracy_vs_rl_steps.png", "RL steps"),
                                  (1, "accuracy_vs_rl_samples.png", "sampled responses (RL)")):
         figure, axis = plt.subplots(figsize=(6.4, 4.2))
@@ -290,8 +329,9 @@ def plot_all(results: dict, output_dir: str | Path) -> list[str]:
             se = np.nan_to_num(np.array(summary["curve_se"]))
             axis.plot(x, y, marker="o", markersize=3, label=f"{ARM_LABELS.get(arm, arm)} ({len(summary['seeds'])} seeds)")
             axis.fill_between(x, y - se, y + se, alpha=0.2)
-        if target is not None:
-            axis.axhline(target, color="gray", linestyle=":", linewidth=1, label="GRPO's final accuracy")
+        if reference is not None:
+            axis.axhline(reference["level"], color="gray", linestyle=":", linewidth=1,
+                         label=f"L: GRPO's accuracy at step {reference['level_step']:g}")
         axis.set_xlabel(xlabel)
         axis.set_ylabel("held-out accuracy (T=1), mean ± s.e.")
         axis.set_title("arithmetic recipe on verl's main_ppo: GRPO vs PAV-GRPO", fontsize=9)

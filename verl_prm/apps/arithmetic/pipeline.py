@@ -62,6 +62,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from verl_prm.apps.arithmetic.critic_init import CriticInitConfig, critic_init_from_sft
+from verl_prm.apps.arithmetic.machine import cpu_info, gpu_names
 from verl_prm.apps.arithmetic.model import ModelConfig, SFTConfig
 from verl_prm.apps.arithmetic.task import STEP_REGEX, TaskConfig
 from verl_prm.apps.arithmetic.verl_rl import ARMS, SCORE_FILE, RLConfig
@@ -75,6 +76,7 @@ STAGES = ("data", "sft", "prover", "label", "pav", "rl", "evaluate")
 # each runs in a process of its own, whose exit frees all it held (a vLLM engine has no shutdown) for the next.
 GPU_STAGES = ("sft", "label", "pav", "evaluate")
 LABEL_SHARD_SIZE = 64  # prompts per label shard (verl-prm label's default)
+MIN_EVAL_SAMPLES = 4  # samples per test prompt at every evaluation (verl's validation and the final policies)
 
 
 @dataclass(frozen=True)
@@ -116,13 +118,19 @@ class Scale:
     rl_seeds: tuple[int, ...] = (0, 1, 2)
     # main_ppo processes at once (a CPU run spends ~40% of a step waiting on verl's replay-buffer poll)
     rl_parallel: int = 2
-    # evaluation
+    # evaluation: samples per test prompt of the final policies (rl.eval_samples: of verl's validation during RL)
     eval_samples: int = 4
     search_problems: int = 64
     best_of_n: tuple[int, ...] = (1, 2, 4, 8)
     beam_widths: tuple[int, ...] = (1, 2, 4)
     samples_per_beam: int = 2
     search_alpha: float = 0.5
+    # the statistics of the RL curves (evaluate.summarise_arms): sample efficiency at the level L, GRPO's
+    # seed-mean held-out accuracy at level_fraction of the RL budget; standard errors from bootstrap_resamples
+    # resamples of the seeds, drawn from bootstrap_seed
+    level_fraction: float = 2 / 3
+    bootstrap_resamples: int = 2000
+    bootstrap_seed: int = 0
     device: str = "cpu"
     # torch intra-op threads for every stage: how a float reduction is split may depend on it, so it is a
     # setting, not the machine's core count (1: no split, and the fastest on a shared machine, where a second
@@ -149,6 +157,16 @@ class Scale:
             value = getattr(self, name)
             if not np.isfinite(value):
                 raise ValueError(f"{name} must be finite, got {value!r}")
+        # one sample per prompt gives each evaluation point a standard error of ~0.025 at 256 prompts, as large as
+        # the differences the curves are read for
+        for name, value in (("eval_samples", self.eval_samples), ("rl.eval_samples", self.rl.eval_samples)):
+            if value < MIN_EVAL_SAMPLES:
+                raise ValueError(f"{name} must be >= {MIN_EVAL_SAMPLES} samples per test prompt, got {value}")
+        if not 0 < self.level_fraction <= 1:  # also NaN
+            raise ValueError(f"level_fraction must be in (0, 1], got {self.level_fraction!r}")
+        if isinstance(self.bootstrap_resamples, bool) or not isinstance(self.bootstrap_resamples, int) \
+                or self.bootstrap_resamples < 2:
+            raise ValueError(f"bootstrap_resamples must be an integer >= 2, got {self.bootstrap_resamples!r}")
         if not 0 < self.label_gpu_memory_utilization <= 1:  # also NaN
             raise ValueError(f"label_gpu_memory_utilization must be in (0, 1], got {self.label_gpu_memory_utilization!r}")
 
@@ -195,7 +213,7 @@ SCALES: dict[str, Scale] = {
         rl_num_ops=6,
         sft=SFTConfig(steps=2200, batch_size=32, lr=2e-3, warmup_steps=20, curriculum_steps=1200),
         critic_init=CriticInitConfig(check_weight=1.0), pav_lr=1e-3,
-        rl=RLConfig(steps=30, prompts_per_step=16, group_size=8, lr=5e-5, eval_every=5, eval_samples=1),
+        rl=RLConfig(steps=30, prompts_per_step=16, group_size=8, lr=5e-5, eval_every=5, eval_samples=4),
     ),
     # The test suite's micro run: every stage for real, a few optimisation steps each.
     "micro": Scale(
@@ -205,9 +223,9 @@ SCALES: dict[str, Scale] = {
                           num_key_value_heads=2, max_position_embeddings=160),
         sft=SFTConfig(steps=4, batch_size=8, warmup_steps=1),
         n_cov=1, n_mc=2, label_batch_size=16, pav_steps=2, pav_batch_size=4, pav_warmup=1,
-        rl=RLConfig(steps=2, prompts_per_step=2, group_size=2, eval_every=1, eval_samples=1),
+        rl=RLConfig(steps=2, prompts_per_step=2, group_size=2, eval_every=1, eval_samples=4),
         rl_arms=("pav_exact",), rl_seeds=(0,), rl_parallel=1,
-        eval_samples=1, search_problems=2, best_of_n=(1, 2), beam_widths=(1,), samples_per_beam=2,
+        eval_samples=4, search_problems=2, best_of_n=(1, 2), beam_widths=(1,), samples_per_beam=2,
     ),
     # The test suite's pinned run (tests/apps/test_arithmetic.py asserts its numbers): one operation mod 5, a
     # model that starts to learn in 150 SFT steps, so that the labels, the critic and RL see both outcomes.
@@ -218,8 +236,8 @@ SCALES: dict[str, Scale] = {
                           num_key_value_heads=2, max_position_embeddings=64),
         sft=SFTConfig(steps=150, batch_size=16, lr=1e-2, warmup_steps=5),
         n_cov=2, n_mc=2, label_batch_size=16, pav_steps=2, pav_batch_size=4, pav_warmup=1,
-        rl=RLConfig(steps=2, prompts_per_step=4, group_size=4, lr=1e-3, eval_every=1, eval_samples=2),
-        eval_samples=2, search_problems=4, best_of_n=(1, 2), beam_widths=(1,), samples_per_beam=2,
+        rl=RLConfig(steps=2, prompts_per_step=4, group_size=4, lr=1e-3, eval_every=1, eval_samples=4),
+        eval_samples=4, search_problems=4, best_of_n=(1, 2), beam_widths=(1,), samples_per_beam=2,
     ),
     # One H100/H200: a ~25 M parameter model on a harder task (examples/arithmetic/run_gpu.sh).
     "gpu": Scale(
@@ -245,7 +263,9 @@ ENVIRONMENT_PACKAGES = ("torch", "transformers", "tokenizers", "numpy", "verl", 
 
 def environment() -> dict:
     """What the recipe's numbers depend on besides its settings: package versions, torch's thread count and
-    float-kernel back ends, the Python build and the CPU."""
+    float-kernel back ends, the Python build and the machine (CPU model, logical CPUs and those this process
+    may use, the AVX flags, GPUs)."""
+    import os
     from importlib import metadata
 
     import torch
@@ -256,18 +276,17 @@ def environment() -> dict:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
-    cpu = platform.processor() or platform.machine()
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        cpu = cpu_info(Path("/proc/cpuinfo").read_text())
     except OSError:
-        pass
+        cpu = {"cpu": None, "logical_cpus": os.cpu_count(), "cpu_flags": []}
+    if cpu["cpu"] is None:
+        cpu["cpu"] = platform.processor() or platform.machine()
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"python": platform.python_version(), "packages": versions, "torch_threads": torch.get_num_threads(),
             "torch_mkldnn": bool(torch.backends.mkldnn.is_available()),
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine(),
-            "cpu": cpu, "system": platform.system()}
+            **cpu, "cpus_available": available, "gpus": gpu_names(), "system": platform.system()}
 
 
 def environment_differences(recorded: dict | None, current: dict) -> list[str]:
@@ -477,14 +496,15 @@ def label_prompts(prompts: Path, policy: Path, output: Path, scale: Scale, progr
 def train_pav(labels: Path, init: Path, output: Path, *, steps: int, batch_size: int, lr: float, warmup_steps: int,
               max_length: int, log_every: int, cpu: bool, freeze_backbone: bool = False, progress: bool = True) -> dict:
     """``verl_prm.training.trainer.train`` (what ``verl-prm train`` runs) of a value-head PAV on ``labels``: 20% of
-    the prompts held out, the Monte-Carlo values themselves (Best-of-1), seed 0; resumes from ``output``. Returns
-    the training settings (``TrainConfig`` as a dict)."""
+    the prompts held out, the Monte-Carlo values themselves (Best-of-1), seed 0, no post-hoc calibration (the
+    learned arm as measured so far; too few held-out labels at the test scales to fit one); resumes from
+    ``output``. Returns the training settings (``TrainConfig`` as a dict)."""
     from verl_prm.training.trainer import TrainConfig, train
 
     config = TrainConfig(labels=[str(labels)], output_dir=str(output), init=str(init), eval_fraction=0.2,
                          max_length=max_length, batch_size=batch_size, max_steps=steps, lr=lr,
                          warmup_steps=warmup_steps, best_of_k=1, freeze_backbone=freeze_backbone, seed=0, cpu=cpu,
-                         log_every=log_every, progress=progress)
+                         log_every=log_every, progress=progress, calibration="none")
     train(config)
     return {k: v for k, v in asdict(config).items() if k != "progress"}
 
@@ -619,7 +639,9 @@ def stage_evaluate(stage: Stage, scale: Scale, policy: Path, critic: str, pav_me
             best_of_n=scale.best_of_n, beam_widths=scale.beam_widths, samples_per_beam=scale.samples_per_beam,
             alpha=scale.search_alpha, best_of_k=scale.rl.best_of_k, max_new_tokens=scale.max_new_tokens,
             max_steps=scale.rl_task.max_ops + 2, seed=seed)
-    results = {"policies": policies, "runs": runs, "arms": ev.summarise_arms(runs, reference="grpo"),
+    arms = ev.summarise_arms(runs, budget=scale.rl.steps, reference="grpo", level_fraction=scale.level_fraction,
+                             resamples=scale.bootstrap_resamples, seed=scale.bootstrap_seed)
+    results = {"policies": policies, "runs": runs, "arms": arms,
                "prover": prover, "critic": critic_result, "search": search,
                "settings": _jsonable(scale), "environment": environment()}
     table = ev.write_table(results, stage.path / "results.md", stage.path / "results.json")
@@ -652,6 +674,7 @@ def stages_of(scale: Scale, root: Path) -> dict[str, Stage]:
     ev = Stage(root, "results", {"rl": rl.settings, "critic": pav.settings, "arms": scale.rl_arms,
                                  "seeds": scale.rl_seeds,
                                  "eval_samples": scale.eval_samples,
+                                 "statistics": [scale.level_fraction, scale.bootstrap_resamples, scale.bootstrap_seed],
                                  "search": [scale.search_problems, scale.best_of_n, scale.beam_widths,
                                             scale.samples_per_beam, scale.search_alpha]})
     return {"data": d, "sft": s, "prover": prover, "label": lab, "pav": pav, "rl": rl, "evaluate": ev}

@@ -42,14 +42,16 @@ def run_sweep(base, work_dir: Path, moduli: Sequence[int], num_ops: Sequence[int
               group_size: int = 8, progress: bool = True, log=print) -> list[dict]:
     """For every modulus, the recipe's SFT policy (``data`` and ``sft`` stages of ``base`` with that modulus:
     SFT on the task's range of operation counts) measured on ``problems`` new problems with each count of
-    ``num_ops``; writes ``sweep.json``, ``sweep.md`` and ``sweep.png``."""
+    ``num_ops``; writes ``sweep.json``, ``sweep.md`` (headed by the machine it ran on) and ``sweep.png``."""
     import torch
 
     from verl_prm.apps.arithmetic.measure import measure_policy
-    from verl_prm.apps.arithmetic.pipeline import run, stages_of
+    from verl_prm.apps.arithmetic.machine import machine_line
+    from verl_prm.apps.arithmetic.pipeline import environment, run, stages_of
     from verl_prm.apps.arithmetic.task import generate_problems
 
     rows = []
+    machine = machine_line(environment())
     for modulus in moduli:
         scale = modulus_scale(base, modulus)
         directory = work_dir / f"mod{modulus}"
@@ -73,17 +75,25 @@ def run_sweep(base, work_dir: Path, moduli: Sequence[int], num_ops: Sequence[int
                     torch.set_num_threads(threads)
                 row = {"num_ops": n, "modulus": modulus, "step_slip_rate": scale.task.step_slip_rate,
                        "sft_ops": [scale.task.min_ops, scale.task.max_ops], "sft_seconds": sft_seconds,
-                       "problems": problems, "directory": str(directory), **measured}
+                       "problems": problems, "directory": str(directory),
+                       "machine": machine, **measured}
                 measured_path.write_text(json.dumps(row, indent=2))
             log(f"[sweep] {n} ops mod {modulus}: success {row['success']:.3f}, zero-signal groups "
                 f"{row['zero_signal_groups']:.3f}, step accuracy {row['step_accuracy']:.3f}")
             rows.append(row)
     (work_dir / "sweep.json").write_text(json.dumps(rows, indent=2))
-    lines = [f"| operations | modulus | SFT success (T=1) | groups of {group_size} with no outcome signal | "
-             "all-fail groups | step accuracy p | response tokens |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    # a row measured earlier (its sweep_ops*.json kept) may come from another machine: each is named
+    machines = list(dict.fromkeys(r.get("machine", "unknown (not recorded)") for r in rows))
+    several = len(machines) > 1
+    lines = [f"Machine: {machines[0] if machines else machine}." if not several else
+             "Machines: " + " | ".join(f"({i + 1}) {m}" for i, m in enumerate(machines)) + ".", "",
+             f"| operations | modulus | SFT success (T=1) | groups of {group_size} with no outcome signal | "
+             "all-fail groups | step accuracy p | response tokens |" + (" machine |" if several else ""),
+             "|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if several else "")]
     for r in rows:
+        where = f" ({machines.index(r.get('machine', 'unknown (not recorded)')) + 1}) |" if several else ""
         lines.append(f"| {r['num_ops']} | {r['modulus']} | {r['success']:.3f} | {r['zero_signal_groups']:.3f} | "
-                     f"{r['all_fail_groups']:.3f} | {r['step_accuracy']:.3f} | {r['response_tokens']:.1f} |")
+                     f"{r['all_fail_groups']:.3f} | {r['step_accuracy']:.3f} | {r['response_tokens']:.1f} |{where}")
     (work_dir / "sweep.md").write_text("\n".join(lines) + "\n")
     plot_sweep(rows, work_dir / "sweep.png")
     log("\n".join(lines))

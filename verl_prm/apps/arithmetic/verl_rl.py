@@ -56,7 +56,7 @@ class RLConfig:
     lr: float = 1e-4
     temperature: float = 1.0
     eval_every: int = 5
-    eval_samples: int = 2
+    eval_samples: int = 4
     loss_agg_mode: str = "token-mean"
 
     def __post_init__(self) -> None:

@@ -261,7 +261,9 @@ def _versions() -> dict[str, str]:
 # ------------------------------------------------------------------------------------------------ the parts
 def run_cuda_tests(timeout_s: float) -> Section:
     """``python -m pytest tests -k cuda`` in the source checkout, in a subprocess with a time limit."""
-    root = Path(__file__).resolve().parents[2]
+    import verl_prm
+
+    root = Path(verl_prm.__file__).resolve().parents[1]
     tests = root / "tests"
     if not tests.is_dir():
         return Section("CUDA tests", "skipped", notes=[

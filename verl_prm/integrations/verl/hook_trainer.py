@@ -47,7 +47,7 @@ from verl.workers.utils.padding import response_to_nested
 from verl_prm.config.hook import EXACT_CRITIC_FORMAT, HOOK_TRAINER_NAME, ROLLOUT_CRITIC_FORMAT, HookConfig
 from verl_prm.estimators import ESTIMATORS
 from verl_prm.integrations.verl.advantage import compute_advantage_with_steps
-from verl_prm.integrations.verl.critic_worker import ProverCriticWorker, compute_step_values
+from verl_prm.integrations.verl.critic_worker import OFFLOAD_SECONDS_KEY, ProverCriticWorker, compute_step_values
 from verl_prm.integrations.verl.import_hooks import run_deferred_registration
 from verl_prm.integrations.verl.run_config import validate_run_config
 
@@ -262,12 +262,18 @@ class PavSyncTrainer(PPOTrainerSync):
         """Create the critic worker group on its verl resource pool and load the critic replicas."""
         from verl.utils.fs import copy_to_local
 
+        placement = self.hook_config.placement
+        if placement.shard == "fsdp":
+            from verl_prm.integrations.verl.sharded_critic import ShardedProverCriticWorker as worker_class
+        else:
+            worker_class = ProverCriticWorker
         worker_cls = RayClassWithInitArgs(
-            cls=ray.remote(ProverCriticWorker),
+            cls=ray.remote(worker_class),
             model_path=None if self.hook_config.critic.format == EXACT_CRITIC_FORMAT
             else copy_to_local(self.hook_config.critic.path),
             critic_kwargs=critic_worker_kwargs(self.hook_config),
             policy_tokenizer_path=self._policy_tokenizer_path(),
+            offload=placement.offload,
         )
         group = RayWorkerGroup(
             resource_pool=self._critic_resource_pool(),
@@ -327,6 +333,11 @@ class PavSyncTrainer(PPOTrainerSync):
         start = time.perf_counter()
         scores = compute_step_values(self.prover_wg, critic_input)
         seconds = time.perf_counter() - start
+        offload_seconds = scores.meta_info.get("metrics", {}).get(OFFLOAD_SECONDS_KEY)
+        timing_raw = getattr(self, "timing_raw", None)
+        if self.hook_config.placement.offload != "none" and offload_seconds and timing_raw is not None:
+            # the workers move in parallel: the phase waits for the slowest (verl logs timing_s/pav_critic_offload)
+            timing_raw["pav_critic_offload"] = max(offload_seconds)
         if not torch.equal(scores.batch["num_steps"].cpu(), split.num_steps.cpu()):
             bad = (scores.batch["num_steps"].cpu() != split.num_steps.cpu()).nonzero().flatten().tolist()
             raise RuntimeError(

@@ -32,7 +32,9 @@ works without them, each removes one workaround, see patches/README.md).
 
 def find_patch_dir() -> Path:
     """The repository's ``patches/`` directory (next to the ``verl_prm`` package)."""
-    candidate = Path(__file__).resolve().parents[1] / "patches"
+    import verl_prm
+
+    candidate = Path(verl_prm.__file__).resolve().parents[1] / "patches"
     if not candidate.is_dir():
         raise FileNotFoundError(
             f"no patches directory at {candidate}: the patches ship with the source tree (git clone verl-prm); "

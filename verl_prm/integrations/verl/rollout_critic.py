@@ -34,13 +34,7 @@ from typing import Any
 import torch
 
 from verl_prm.config.hook import ConfigError, CriticSection, select_key
-from verl_prm.critic.sampled import (
-    PrefixCounts,
-    PrefixRequest,
-    ResponseSteps,
-    SampledValues,
-    sampled_step_values,
-)
+from verl_prm.critic.sampled import PrefixCounts, PrefixRequest, ResponseSteps, SampledValues, sampled_step_values
 from verl_prm.labeling.scoring import OutcomeScorer
 
 __all__ = ["RolloutCritic", "check_rollout_critic_run", "mc_metrics", "run_reward_function", "sampling_params"]

@@ -29,10 +29,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from verl_prm.training.calibration import checkpoint_calibration
 from verl_prm.integrations.verl.critic_worker import ProverCriticWorker
 
-__all__ = ["ShardedProverCriticWorker", "JoinedForwards", "load_sharded_value_head",
-           "shard_rows", "init_critic_process_group", "SHARDABLE_FORMATS"]
+__all__ = [
+    "SHARDABLE_FORMATS",
+    "JoinedForwards",
+    "ShardedProverCriticWorker",
+    "init_critic_process_group",
+    "load_sharded_value_head",
+    "shard_rows",
+]
 
 # Formats the sharded loader builds (the native format: AutoModelForTokenClassification, num_labels=1).
 SHARDABLE_FORMATS = ("value_head",)
@@ -117,42 +124,34 @@ def _fill_local_shards(module: nn.Module, prefix: str, path: Path, index: dict[s
 
     from verl_prm.checkpoints import CheckpointError
 
-    by_file: dict[Path, list[tuple[str, torch.Tensor]]] = {}
-    missing = []
-    for name, param in module.named_parameters():
-        key = prefix + name
-        if key not in index:
-            missing.append(key)
-        else:
-            by_file.setdefault(index[key], []).append((key, param))
+    params = [(prefix + name, param) for name, param in module.named_parameters()]
+    missing = [key for key, _ in params if key not in index]
     if missing:
         shown = ", ".join(sorted(missing)[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise CheckpointError(f"critic checkpoint {str(path)!r} lacks weights the model needs: {shown}")
     with torch.no_grad():
-        for file, params in by_file.items():
-            with safe_open(str(file), framework="pt") as f:
-                for key, param in params:
-                    stored = f.get_slice(key)
-                    if tuple(stored.get_shape()) != tuple(param.shape):
-                        raise CheckpointError(
-                            f"critic checkpoint {str(path)!r}: {key} has shape {tuple(stored.get_shape())}, the model "
-                            f"built from its config.json needs {tuple(param.shape)}"
-                        )
-                    local = param.to_local() if isinstance(param, DTensor) else param
-                    if isinstance(param, DTensor):
-                        start, stop = shard_rows(param.shape[0], world_size, rank)
-                        rows = stored[start:stop]
-                    else:
-                        rows = stored[:]
-                    if tuple(rows.shape) != tuple(local.shape):
-                        raise RuntimeError(f"sharded critic: {key} local shard {tuple(local.shape)} is not rows "
-                                           f"{shard_rows(param.shape[0], world_size, rank)} of {tuple(param.shape)}")
-                    local.copy_(rows.to(local.dtype))
-    return {key for params in by_file.values() for key, _ in params}
+        for key, param in params:
+            # one mapping per tensor: the file pages read stay resident only while this tensor is copied
+            with safe_open(str(index[key]), framework="pt") as f:
+                stored = f.get_slice(key)
+                if tuple(stored.get_shape()) != tuple(param.shape):
+                    raise CheckpointError(
+                        f"critic checkpoint {str(path)!r}: {key} has shape {tuple(stored.get_shape())}, the model "
+                        f"built from its config.json needs {tuple(param.shape)}"
+                    )
+                local = param.to_local() if isinstance(param, DTensor) else param
+                start, stop = shard_rows(param.shape[0], world_size, rank) if isinstance(param, DTensor) else (
+                    0, param.shape[0])
+                rows = stored[start:stop]
+                if tuple(rows.shape) != tuple(local.shape):
+                    raise RuntimeError(f"sharded critic: {key} local shard {tuple(local.shape)} is not rows "
+                                       f"[{start}, {stop}) of {tuple(param.shape)}")
+                local.copy_(rows.to(local.dtype))
+    return {key for key, _ in params}
 
 
 def load_sharded_value_head(path: str, tokenizer, *, device: torch.device, dtype: torch.dtype,
-                            attn_implementation: str, mesh) -> "Any":
+                            attn_implementation: str, mesh) -> Any:
     """A native-format critic (``value_head``) whose backbone is FSDP2-sharded over ``mesh``, loaded per rank.
 
     The model is built from ``config.json`` on the meta device (no weights), the backbone's decoder layers and
@@ -165,7 +164,11 @@ def load_sharded_value_head(path: str, tokenizer, *, device: torch.device, dtype
     from verl.utils.fsdp_utils import apply_fsdp2, meta_device_init
 
     from verl_prm.checkpoints import CheckpointError
-    from verl_prm.critic.formats import ValueHeadFormat, check_vocabulary, read_head_from_safetensors
+    from verl_prm.critic.formats import (
+        ValueHeadFormat,
+        check_vocabulary,
+        read_head_from_safetensors,
+    )
 
     root = Path(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=False)
@@ -237,7 +240,8 @@ class ShardedProverCriticWorker(ProverCriticWorker):
         attn = kwargs.pop("attn_implementation", None) or default_attn_implementation(device, dtype)
         adapter = load_sharded_value_head(path, tokenizer, device=device, dtype=dtype, attn_implementation=attn,
                                           mesh=mesh)
-        return ProverCritic(adapter, tokenizer, device=device, **kwargs)
+        calibration = checkpoint_calibration(path, kwargs.pop("calibration", "auto"))
+        return ProverCritic(adapter, tokenizer, device=device, calibration=calibration, **kwargs)
 
     def _score(self, *args: Any, **kwargs: Any):
         try:

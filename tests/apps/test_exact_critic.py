@@ -434,7 +434,7 @@ def test_hook_score_steps_with_format_exact(worker_env, arithmetic_tokenizer, tm
     worker.init_model()
     group = SimpleNamespace(world_size=1, compute_step_values=worker.compute_step_values)
     trainer = SimpleNamespace(hook_config=hook, tokenizer=tokenizer, prover_wg=group,
-                              _eos_token_ids=lambda: [tokenizer.eos_token_id])
+                              _eos_token_ids=lambda: [tokenizer.eos_token_id], _samples_values=lambda: False)
 
     samples = arithmetic_samples(seed=2)
     prompt_rows = [tokenizer(render(tokenizer, p.prompt_text), add_special_tokens=False)["input_ids"]

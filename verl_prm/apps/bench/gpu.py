@@ -568,7 +568,7 @@ def bench_training(args, size: str, *, cpu: bool = False, workdir: str | None = 
         command = [sys.executable, "-m", "verl_prm.training.cli", "--labels", str(labels),
                    "--output-dir", str(root / "pav"), "--init-config", str(root / "config.json"),
                    "--tokenizer", str(root / "tokenizer"), "--max-steps", str(args.train_steps),
-                   "--batch-size", "8", "--warmup-steps", "2", "--max-length", "256", "--no-progress",
+                   "--batch-size", "8", "--warmup-steps", "2", "--max-length", "256", "--no-progress", "--calibration", "none",
                    "--log-every", str(max(1, args.train_steps)),
                    *(["--cpu", "--mixed-precision", "no"] if cpu else ["--mixed-precision", "bf16"])]
         t0 = time.perf_counter()

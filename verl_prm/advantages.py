@@ -34,6 +34,8 @@ from typing import Literal
 import numpy as np
 import torch
 
+from verl_prm.choices import AGGREGATIONS
+
 __all__ = [
     "AGGREGATIONS",
     "COMPILE_MODES",
@@ -76,7 +78,6 @@ MIN_NORMALIZE_STD = 1e-3
 # costs about a millisecond, and the one-time compilation (3-11 s on CPU) would not pay off.
 FUSED_MIN_TOKENS = 1 << 20
 COMPILE_MODES = ("auto", "always", "never")
-AGGREGATIONS = ("min", "max", "mean", "sum", "product", "last")
 Aggregation = Literal["min", "max", "mean", "sum", "product", "last"]
 # PURE's baselines of the min-form step rewards (``min_form_advantage``) and PRIME's reward masks
 # (``leave_one_out_process_advantage``).

@@ -25,13 +25,28 @@ import torch
 from verl_prm.advantages import valid_steps, zero_signal_groups
 
 __all__ = ["process_term_correlation", "process_term_scale", "zero_outcome_groups_with_signal",
-           "process_term_diagnostics"]
+           "process_term_diagnostics", "slipped_steps"]
 
 
 def _check_same_shape(what: str, tensor: torch.Tensor, reference: torch.Tensor) -> None:
     if tensor.shape != reference.shape:
         raise ValueError(f"{what} has shape {tuple(tensor.shape)}, expected {tuple(reference.shape)} "
                          "(one entry per response and step slot)")
+
+
+def slipped_steps(step_values: torch.Tensor, prompt_values: torch.Tensor, num_steps: torch.Tensor) -> torch.Tensor:
+    """[B, S] bool: the real step at which an exact prover's value drops to 0 (the step that loses the success):
+
+        slipped[i, h] = h < num_steps[i]  and  v_{h-1} > 0  and  v_h == 0,   v_{-1} = prompt_values[i]
+
+    At most one step per response slips; the steps after it (already at 0) and every step of a response whose
+    prompt value is 0 do not. ``step_values`` [B, S] and ``prompt_values`` [B] are the exact prover's.
+    """
+    if prompt_values.shape != step_values.shape[:1]:
+        raise ValueError(f"prompt_values has shape {tuple(prompt_values.shape)}, expected ({step_values.shape[0]},) "
+                         "(one value per response)")
+    before = torch.cat([prompt_values[:, None].to(step_values.dtype), step_values], dim=1)[:, :-1]  # v_{h-1}
+    return valid_steps(num_steps, step_values.shape[1]) & (before > 0) & (step_values == 0)
 
 
 def process_term_correlation(learned: torch.Tensor, exact: torch.Tensor, num_steps: torch.Tensor) -> float:

@@ -425,15 +425,20 @@ def test_main_ppo_commands_of_every_arm_compose_and_differ_only_in_the_critic(tm
         assert config.trainer.total_training_steps == scale.rl.steps and config.trainer.test_freq == scale.rl.eval_every
         assert (config.data.seed, config.actor_rollout_ref.rollout.seed) == (1, 1)
         assert config.actor_rollout_ref.rollout.name == ("hf" if device == "cpu" else "vllm")
+        exact_prover = {"prover": "verl_prm.apps.arithmetic.prover:ArithmeticProver", "step_accuracy": 0.8125}
         if ARMS[arm].critic == "exact":
             assert hook.critic.format == "exact"
-            assert dict(hook.critic.options) == {"prover": "verl_prm.apps.arithmetic.prover:ArithmeticProver", "step_accuracy": 0.8125}
+            assert dict(hook.critic.options) == exact_prover
+            assert hook.diagnostics.reference is None
         else:
             assert (hook.critic.format, hook.critic.path) == ("value_head", str(critic))
+            # the exact arm's prover is the learned arm's reference, for the diagnostics only
+            assert hook.diagnostics.reference == exact_prover
         commands[arm] = set(command[3:])
     run_names = ("trainer.experiment_name=", "trainer.default_local_dir=")
     for a, b, allowed in (("grpo", "pav_exact", ("algorithm.adv_estimator=",)),
-                          ("pav_exact", "pav_learned", ("verl_prm.critic.", "+verl_prm.critic."))):
+                          ("pav_exact", "pav_learned", ("verl_prm.critic.", "+verl_prm.critic.",
+                                                        "+verl_prm.diagnostics.reference."))):
         differing = sorted(commands[a] ^ commands[b])
         assert differing and all(x.startswith(allowed + run_names) for x in differing), differing
 

@@ -219,6 +219,120 @@ def test_help_imports_no_torch(argv):
     assert result.stderr.splitlines()[-1] == "torch imported: False"
 
 
+# Every command's --help, in one process: the dispatcher's commands one after another, and after each the heavy
+# packages it loaded. Prints one JSON line: {"COMMAND": {"help": TEXT, "loaded": [...]}}.
+_EVERY_HELP = """
+import contextlib, io, json, os, sys
+os.environ["COLUMNS"] = "100"
+from verl_prm.apps.cli import COMMANDS, main
+HEAVY = ("torch", "verl", "ray", "omegaconf")
+report = {}
+for words in COMMANDS:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            main([*words, "--help"])
+        except SystemExit:
+            pass
+    report[" ".join(words)] = {"help": out.getvalue(), "loaded": [m for m in HEAVY if m in sys.modules]}
+print(json.dumps(report))
+"""
+
+# The usage of the commands whose imports moved behind their argument parsing, as each printed it before the
+# move (`verl-prm WORDS --help`, whitespace collapsed): the move changed no option, choice or requirement.
+HELP_USAGE = {
+    ('demo',): (
+        '[-h] [--quick] [--out OUT] [--learned-critic] [--seeds SEEDS] [--iterations ITERATIONS] [--gamma '
+        'GAMMA] [--alpha ALPHA] [--gammas GAMMAS] [--sweep-seeds SWEEP_SEEDS] [--sweep-iterations '
+        'SWEEP_ITERATIONS] [--planted PLANTED] [--no-std-norm] [--loss-agg-mode LOSS_AGG_MODE] '
+        '[--warm-iterations WARM_ITERATIONS] [--workers WORKERS]'
+    ),
+    ('demo', 'search'): (
+        '[-h] --output-dir OUTPUT_DIR [--methods METHODS] [--n N] [--bon-n BON_N] [--samples-per-beam '
+        'SAMPLES_PER_BEAM] [--alpha ALPHA] [--best-of-k BEST_OF_K] [--max-steps MAX_STEPS] [--rank '
+        '{orm,min,max,mean,sum,product,last}] [--rank-scores {values,progress}] [--rank-critic {q,prover}] '
+        '[--threshold THRESHOLD] [--accept-on {value,progress}] [--max-backtracks MAX_BACKTRACKS] [--seed '
+        'SEED] [--limit LIMIT] [--problems PROBLEMS] [--policy-gamma POLICY_GAMMA] [--prover-gamma '
+        'PROVER_GAMMA] [--q-rollouts Q_ROLLOUTS] [--step-tokens STEP_TOKENS]'
+    ),
+    ('bench', 'advantages'): (
+        '[-h] [--batch BATCH] [--length LENGTH] [--steps STEPS] [--group GROUP] [--repeats REPEATS] [--device'
+        ' DEVICE] [--threads THREADS] [--default-allocator]'
+    ),
+    ('bench', 'steps'): (
+        '[-h] [--responses RESPONSES] [--length LENGTH] [--vocab-size VOCAB_SIZE] [--tokenizer TOKENIZER] '
+        '[--repeats REPEATS] [--threads THREADS] [--seed SEED]'
+    ),
+    ('bench', 'critic'): (
+        '[-h] [--sequences SEQUENCES] [--min-tokens MIN_TOKENS] [--max-tokens MAX_TOKENS] [--steps STEPS] '
+        '[--hidden HIDDEN] [--layers LAYERS] [--heads HEADS] [--vocab VOCAB] [--max-tokens-per-batch '
+        'MAX_TOKENS_PER_BATCH] [--padded-batch-size PADDED_BATCH_SIZE] [--device DEVICE] [--dtype DTYPE] '
+        '[--attn-implementation ATTN_IMPLEMENTATION] [--repeats REPEATS] [--threads THREADS] [--seed SEED] '
+        '[--check]'
+    ),
+    ('label',): (
+        '[-h] --input INPUT --output-dir OUTPUT_DIR --policy POLICY [--prover PROVER] [--backend {hf,vllm}] '
+        '[--n-cov N_COV] [--n-mc N_MC] [--strategy {every,first_pit}] [--success-labels {every,outcome}] '
+        '[--delimiter DELIMITER] [--step-regex STEP_REGEX] [--code-rule {line,block,indent}] [--code-depth '
+        'CODE_DEPTH] [--max-steps MAX_STEPS] [--no-prompt-value] [--max-new-tokens MAX_NEW_TOKENS] '
+        '[--temperature TEMPERATURE] [--top-p TOP_P] [--batch-size BATCH_SIZE] [--device DEVICE] [--dtype '
+        'DTYPE] [--num-engines NUM_ENGINES] [--tensor-parallel-size TENSOR_PARALLEL_SIZE] '
+        '[--gpu-memory-utilization GPU_MEMORY_UTILIZATION] [--max-model-len MAX_MODEL_LEN] [--shard-size '
+        'SHARD_SIZE] [--reward-fn REWARD_FN] [--success-threshold SUCCESS_THRESHOLD] [--prompt-field '
+        'PROMPT_FIELD] [--answer-field ANSWER_FIELD] [--data-source-field DATA_SOURCE_FIELD] [--data-source '
+        'DATA_SOURCE] [--answer-regex ANSWER_REGEX] [--limit LIMIT] [--seed SEED] [--no-progress]'
+    ),
+    ('search',): (
+        '[-h] --output-dir OUTPUT_DIR [--methods METHODS] [--n N] [--bon-n BON_N] [--samples-per-beam '
+        'SAMPLES_PER_BEAM] [--alpha ALPHA] [--best-of-k BEST_OF_K] [--max-steps MAX_STEPS] [--rank '
+        '{orm,min,max,mean,sum,product,last}] [--rank-scores {values,progress}] [--rank-critic {q,prover}] '
+        '[--threshold THRESHOLD] [--accept-on {value,progress}] [--max-backtracks MAX_BACKTRACKS] [--seed '
+        'SEED] [--limit LIMIT] [--input INPUT] [--prompt-field PROMPT_FIELD] [--answer-field ANSWER_FIELD] '
+        '[--answer-regex ANSWER_REGEX] [--data-source-field DATA_SOURCE_FIELD] [--data-source DATA_SOURCE] '
+        '[--reward-fn REWARD_FN] [--policy POLICY] [--q-critic Q_CRITIC] [--q-critic-format Q_CRITIC_FORMAT] '
+        '[--prover PROVER] [--prover-format PROVER_FORMAT] [--backend {hf,vllm}] [--device DEVICE] '
+        '[--delimiter DELIMITER] [--step-regex STEP_REGEX] [--max-step-tokens MAX_STEP_TOKENS] '
+        '[--max-response-tokens MAX_RESPONSE_TOKENS] [--temperature TEMPERATURE] [--top-p TOP_P] '
+        '[--batch-size BATCH_SIZE]'
+    ),
+    ('eval', 'processbench'): (
+        '[-h] --input INPUT [--format {auto,processbench,prm800k}] [--critic CRITIC] [--critic-format '
+        'CRITIC_FORMAT] [--scores-field SCORES_FIELD] [--score {values,progress}] [--best-of-k BEST_OF_K] '
+        '[--threshold THRESHOLD] [--thresholds THRESHOLDS] [--tune-fraction TUNE_FRACTION] [--prompt-format '
+        'PROMPT_FORMAT] [--separator SEPARATOR] [--device DEVICE] [--seed SEED] [--output OUTPUT]'
+    ),
+    ('recipe', 'arithmetic'): (
+        '[-h] [--scale {cpu,gpu,micro,tiny}] [--scale-file SCALE_FILE] --work-dir WORK_DIR [--stages STAGES] '
+        '[--rl-steps RL_STEPS] [--rl-arms RL_ARMS] [--rl-seeds RL_SEEDS] [--rl-parallel RL_PARALLEL] '
+        '[--label-problems LABEL_PROBLEMS] [--n-mc N_MC] [--pav-steps PAV_STEPS] [--threads THREADS] '
+        '[--in-process] [--no-progress]'
+    ),
+}
+
+
+def test_every_help_imports_no_torch_and_is_unchanged():
+    """`verl-prm COMMAND --help` of every command loads no torch, verl, ray or omegaconf (seconds of start-up)."""
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _EVERY_HELP], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert list(report) == [" ".join(words) for words in cli.COMMANDS]
+    for command, entry in report.items():
+        assert entry["help"].startswith(f"usage: verl-prm {command} "), command
+        assert entry["loaded"] == [], f"verl-prm {command} --help imported {entry['loaded']}"
+    for words, usage in HELP_USAGE.items():
+        command = " ".join(words)
+        text = report[command]["help"]
+        assert " ".join(text.split("\n\n")[0].split()) == f"usage: verl-prm {command} {usage}"
+    # help texts built from the library's constants, now imported from torch-free modules
+    assert "--planted PLANTED     planted sequence, e.g. '3 8 5 11'" in report["demo"]["help"]
+    assert "--code-rule {line,block,indent}" in report["label"]["help"]
+    assert "--rank {orm,min,max,mean,sum,product,last}" in report["search"]["help"]
+
+
 def test_label_input_errors_are_one_line(tmp_path, capsys):
     """A missing --reward-fn function and --code-depth without --code-rule: one line each, before any model loads."""
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "1+1?", "reward_model": {"ground_truth": "2"}, '

@@ -395,12 +395,65 @@ def test_launcher_runs_the_same_main_ppo_command_as_the_tests(tmp_path):
 
 
 def test_bench_loop_averages_steps_after_the_first():
-    from verl_prm.apps.bench.loop import phase_means, table
+    from verl_prm.apps.bench.loop import metric_means, phase_means, table
 
-    metrics = [{"step": 2, "data": {"timing_s/step": 3.0, "timing_s/adv": 0.3}},
-               {"step": 1, "data": {"timing_s/step": 10.0, "timing_s/adv": 1.0}},
-               {"step": 3, "data": {"timing_s/step": 5.0, "timing_s/adv": 0.1}}]
+    metrics = [{"step": 2, "data": {"timing_s/step": 3.0, "timing_s/adv": 0.3, "pav/mc_tokens": 90.0}},
+               {"step": 1, "data": {"timing_s/step": 10.0, "timing_s/adv": 1.0, "pav/mc_tokens": 10.0}},
+               {"step": 3, "data": {"timing_s/step": 5.0, "timing_s/adv": 0.1, "pav/mc_tokens": 110.0}}]
     assert phase_means(metrics) == {"step": 4.0, "adv": 0.2}
     assert phase_means(metrics[1:2]) == {"step": 10.0, "adv": 1.0}  # one step: nothing to skip
-    text = table({"step": 2.0, "adv": 0.1}, {"step": 4.0, "adv": 0.2})
+    assert metric_means(metrics, ["pav/mc_tokens", "pav/mc_token_ratio"]) == {"pav/mc_tokens": 100.0}
+    text = table({"grpo": {"step": 2.0, "adv": 0.1}, "pav_grpo": {"step": 4.0, "adv": 0.2}})
     assert "adv" in text and "2.00" in text and "5.0%" in text
+
+
+def test_bench_loop_table_and_summary_of_the_sampled_arm():
+    from verl_prm.apps.bench.loop import sampled_summary, table
+
+    means = {"grpo": {"gen": 2.0, "adv": 0.1, "step": 2.5},
+             "pav_grpo": {"gen": 2.0, "pav_critic": 0.05, "adv": 0.1, "step": 2.5},
+             "sampled": {"gen": 2.0, "pav_critic": 1.1, "pav_mc": 1.0, "adv": 1.2, "step": 4.0}}
+    rows = {line.split()[0]: line.split()[1:] for line in table(means).splitlines()[2:]}
+    # seconds of grpo, pav_grpo, sampled; ratios pav_grpo/grpo, sampled/grpo; shares of the pav_grpo, sampled step
+    assert rows["pav_mc"] == ["-", "-", "1.000", "-", "-", "-", "25.0%"]
+    assert rows["adv"] == ["0.100", "0.100", "1.200", "1.00", "12.00", "4.0%", "30.0%"]
+    assert rows["step"][3:] == ["1.00", "1.60", "100.0%", "100.0%"]
+    text = sampled_summary(means["sampled"], {"pav/mc_tokens": 640.0, "pav/mc_token_ratio": 1.6,
+                                              "pav/mc_continuations": 40.0, "pav/mc_prefixes_evaluated": 10.0,
+                                              "pav/mc_prefixes_skipped": 0.0, "response_length/mean": 25.0}, 16)
+    assert "timing_s/pav_mc = 25.0% of a step (1.000 s of 4.000 s; advantage phase incl. sampling 30.0%)" in text
+    assert "per step 640 continuation tokens (40 continuations of 10 prefixes, 0 refused" in text
+    assert "for 400 response tokens: pav/mc_token_ratio 1.60" in text
+
+
+def test_bench_loop_arms_compose_and_the_sampled_arm_passes_the_startup_check(tmp_path):
+    """The three arms' main_ppo configs: the same parity reward (it gives both outcomes), the sampled arm with
+    format=rollout passing the rollout critic's startup check."""
+    from verl_support import compose_verl
+
+    from verl_prm.apps.bench.loop import ARMS, arm_overrides
+    from verl_prm.apps.cpu_loop import main_ppo_args
+    from verl_prm.integrations.verl.rollout_critic import check_rollout_critic_run, run_reward_function
+
+    for arm in ARMS:
+        estimator, extra = arm_overrides(arm, mc_n=3, mc_prefixes="first_pit")
+        config = compose_verl(main_ppo_args(tmp_path, estimator, steps=2, extra=extra))
+        score = run_reward_function(config)
+        assert [score("arithmetic_mod", text, "7") for text in ("12", "123")] == [1.0, 0.0], arm
+        assert config.algorithm.adv_estimator == estimator
+        assert (config.verl_prm.critic.format == "rollout") == (arm == "sampled"), arm
+    assert (config.verl_prm.critic.path, config.verl_prm.critic.mc_n, config.verl_prm.critic.mc_prefixes) == \
+        (None, 3, "first_pit")
+    check_rollout_critic_run(config)
+    with pytest.raises(ValueError, match="unknown bench loop arm 'sft'"):
+        arm_overrides("sft")
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--mc-n"])
+def test_bench_loop_rejects_a_count_below_one_naming_the_flag(flag, capsys):
+    from verl_prm.apps.bench.loop import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([flag, "0"])
+    assert exit_info.value.code == 2
+    assert f"verl-prm bench loop: error: argument {flag}: must be >= 1, got 0" in capsys.readouterr().err

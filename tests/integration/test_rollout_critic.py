@@ -188,6 +188,10 @@ def test_hook_samples_values_equal_to_a_direct_monte_carlo_loop(transfer_queue, 
     assert metrics["pav/mc_prefixes_skipped"] == 0
     assert metrics["pav/mc_continuations"] == len(rows) * (H - 1) * N_MC
     assert metrics["pav/mc_tokens"] == sum(count for name, count in events if name == "tokens") == values.tokens
+    # continuation tokens per token of the batch's responses (every token of a row is a response token here)
+    response_tokens = sum(len(ids) for *_, ids in rows)
+    assert metrics["pav/mc_token_ratio"] == pytest.approx(metrics["pav/mc_tokens"] / response_tokens)
+    assert metrics["pav/mc_token_ratio"] > 1  # N_MC continuations of three prefixes per response
     assert "pav_mc" in trainer.timing_raw and trainer.timing_raw["pav_mc"] > 0
     written = transfer_queue.kv_batch_get(keys=keys, partition_id="train", select_fields=["advantages", "responses"])
     assert [len(r) for r in written["responses"].unbind()] == [len(ids) for *_, ids in rows]
@@ -211,6 +215,26 @@ def test_hook_token_budget_is_never_exceeded(transfer_queue, policy_dir, bpe_sma
     assert values.tokens == sum(count for name, count in events if name == "tokens") <= budget
     assert values.prefixes_skipped > 0 and values.prefixes_evaluated + values.prefixes_skipped == len(rows) * (H - 1)
     transfer_queue.kv_clear(keys=keys, partition_id="train")
+
+
+def test_mc_token_ratio_counts_the_real_rows_response_tokens():
+    """pav/mc_token_ratio = continuation tokens / response tokens of the real rows (the padding row's tokens and
+    its unsampled steps do not count), from a nested or a padded response mask alike."""
+    from verl_prm.critic.sampled import SampledValues
+    from verl_prm.integrations.verl.rollout_critic import mc_metrics
+
+    lengths = [4, 6, 5]
+    values = SampledValues(step_values=torch.zeros(3, 2), prompt_values=torch.zeros(3),
+                           num_steps=torch.tensor([2, 2, 2]), sampled=torch.tensor([[1, 0], [1, 0], [0, 0]]).bool(),
+                           first_pits=[-1, -1, -1], prefixes_evaluated=2, continuations=8, tokens=30, rounds=1)
+    real_rows = torch.tensor([True, True, False])
+    nested = torch.nested.nested_tensor([torch.ones(n, dtype=torch.long) for n in lengths], layout=torch.jagged)
+    padded = (torch.arange(6)[None, :] < torch.tensor(lengths)[:, None]).long()
+    for mask in (nested, padded):
+        metrics = mc_metrics(values, mask, real_rows)
+        assert metrics["pav/mc_token_ratio"] == pytest.approx(30 / (4 + 6))
+        assert metrics["pav/mc_sampled_step_share"] == pytest.approx(2 / 4)
+    assert mc_metrics(values, padded)["pav/mc_token_ratio"] == pytest.approx(30 / 15)  # no padding: all rows
 
 
 # ---------------------------------------------------------------------------------------------- startup errors
@@ -281,6 +305,9 @@ def test_main_ppo_two_steps_with_the_sampling_critic_on_cpu(rollout_loop_run):
         assert metrics["pav/mc_prefixes_evaluated"] > 0, f"step {step}: nothing sampled"
         assert 0 < metrics["pav/mc_tokens"] <= MC_BUDGET, f"step {step}: {metrics['pav/mc_tokens']} tokens"
         assert metrics["pav/mc_continuations"] == 2 * metrics["pav/mc_prefixes_evaluated"]
+        # the token ratio against verl's own count of the batch's response tokens (16 responses, no padding rows)
+        response_tokens = metrics["response_length/mean"] * 16
+        assert metrics["pav/mc_token_ratio"] == pytest.approx(metrics["pav/mc_tokens"] / response_tokens, rel=1e-5)
         assert "pav/mc_prefixes_skipped" in metrics and metrics["timing_s/pav_mc"] > 0
         assert 0.0 < metrics["pav/v0_mean"] < 1.0, f"step {step}: v0 {metrics['pav/v0_mean']}"
         assert metrics["pav/process_term/std"] > 0, f"step {step}: constant process term"

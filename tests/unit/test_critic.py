@@ -10,6 +10,7 @@ the scorer: the plain transformers model run on each prefix separately, markers 
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -516,8 +517,9 @@ def test_head_check_reads_the_safetensors_not_the_load_report(kind, checkpoints,
     from verl_prm.checkpoints import CheckpointError, safetensors_keys
     from verl_prm.critic import formats
 
-    def silent_load(auto_class, path, dtype, attn_implementation, allow_pickle, quiet=False):
-        return auto_class.from_pretrained(path, **formats._common_kwargs(dtype, attn_implementation, allow_pickle))
+    def silent_load(auto_class, path, dtype, attn_implementation, allow_pickle, device, quiet=False):
+        return auto_class.from_pretrained(path, **formats._common_kwargs(dtype, attn_implementation, allow_pickle,
+                                                                         device))
 
     monkeypatch.setattr(formats, "_load_complete", silent_load)
     path = _variant(checkpoints, tmp_path, kind)
@@ -619,3 +621,330 @@ def test_hub_id_offline_fails_at_once_or_loads_from_the_cache(variable, checkpoi
     cached = ProverCritic.from_pretrained("some-org/some-critic", device="cpu").score_texts(prompts, responses)
     local = ProverCritic.from_pretrained(str(checkpoints["value_head"]), device="cpu").score_texts(prompts, responses)
     assert torch.equal(cached.step_values, local.step_values)
+
+
+# ---------------------------------------------------------------- loading onto the device, packed-row boundaries,
+# host preparation ahead of the forward
+
+
+@pytest.mark.parametrize("kind", ["value_head", "qwen_prm_public"])
+def test_loaded_parameters_are_on_the_device_and_equal_the_saved_ones(kind, checkpoints):
+    """Every parameter of the backbone and the head is on the requested device and equals its tensor in
+    model.safetensors (the file ``save_pretrained`` wrote), bit for bit in fp32."""
+    path = checkpoints[kind]
+    saved = load_file(path / "model.safetensors")
+    critic = load_critic(kind, path, device="cpu", dtype="float32")
+    model_prefix = critic.adapter.model.base_model_prefix
+    head_prefix = "score"
+    compared = 0
+    for module, prefix in ((critic.adapter.backbone, model_prefix), (critic.adapter.head, head_prefix)):
+        for name, param in module.named_parameters():
+            key = f"{prefix}.{name}"
+            if kind == "qwen_prm_public" and module is critic.adapter.backbone:
+                key = name if name in saved else f"{model_prefix}.{name}"
+            assert param.device == torch.device("cpu"), key
+            assert torch.equal(param.detach(), saved[key]), key
+            compared += 1
+    assert compared == len([k for k in saved if not k.startswith("lm_head.")])
+
+
+def test_an_accelerator_is_the_load_target(checkpoints, monkeypatch):
+    """On an accelerator transformers gets ``device_map={"": device}`` (tensors go from the mapped file to the
+    device); on CPU no device_map. Checked on the keywords transformers receives (no CUDA here)."""
+    from transformers import AutoModelForTokenClassification as auto_class
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(path, **kwargs):
+        seen.append(kwargs.get("device_map"))
+        if kwargs.get("device_map") is not None:
+            raise Stop
+        return original(path, **kwargs)
+
+    original = auto_class.from_pretrained
+    monkeypatch.setattr(auto_class, "from_pretrained", spy)
+    ProverCritic.from_pretrained(str(checkpoints["value_head"]), device="cpu")
+    with pytest.raises(Stop):
+        ProverCritic.from_pretrained(str(checkpoints["value_head"]), device="cuda:1", dtype="float32",
+                                     attn_implementation="sdpa")
+    assert seen == [None, {"": torch.device("cuda", 1)}]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_load_puts_weights_on_the_gpu_without_a_host_copy(tmp_path):
+    """A 490 MiB fp32 critic loaded onto CUDA in a fresh process: the parameters are on the GPU and equal the
+    saved ones, and the anonymous (non-file) host memory grows by less than a quarter of the weights."""
+    import subprocess
+    import sys
+
+    path = _rss_checkpoint(tmp_path)
+    code = _RSS_SCRIPT + "report(load('cuda:0', 'float32'))\n"
+    result = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    numbers = json.loads(result.stdout.strip().splitlines()[-1])
+    assert numbers["devices"] == ["cuda:0"] and numbers["equal"]
+    assert numbers["anon_growth_mib"] < numbers["weights_mib"] / 4, numbers
+
+
+_RSS_SCRIPT = r'''
+import json, sys
+import torch
+from safetensors.torch import load_file
+
+def status():
+    fields = {}
+    for line in open("/proc/self/status"):
+        key, _, value = line.partition(":")
+        if key in ("VmHWM", "RssAnon", "RssFile"):
+            fields[key] = int(value.split()[0]) / 1024
+    return fields
+
+path = sys.argv[1]
+
+from transformers import AutoModelForTokenClassification, AutoTokenizer  # imports are not the load
+from verl_prm.critic import ProverCritic
+
+def load(device, dtype):
+    if device != "cpu":
+        torch.zeros(1, device=device)  # the CUDA context's host memory is not the load's
+    before = status()
+    critic = ProverCritic.from_pretrained(path, device=device, dtype=dtype, attn_implementation="sdpa")
+    loaded = status()
+    total = sum(float(p.detach().float().sum()) for p in critic.adapter.backbone.parameters())
+    read = status()
+    saved = load_file(path + "/model.safetensors")
+    prefix = critic.adapter.model.base_model_prefix
+    equal = all(torch.equal(p.detach().cpu().to(saved[prefix + "." + n].dtype), saved[prefix + "." + n])
+                for n, p in critic.adapter.backbone.named_parameters()) if dtype == "float32" else None
+    weights = sum(t.numel() * t.element_size() for t in saved.values()) / 2**20
+    return {"weights_mib": round(weights, 1), "hwm_growth_mib": round(loaded["VmHWM"] - before["VmHWM"], 1),
+            "hwm_growth_after_reading_mib": round(read["VmHWM"] - before["VmHWM"], 1),
+            "anon_growth_mib": round(loaded["RssAnon"] - before["RssAnon"], 1),
+            "file_growth_mib": round(loaded["RssFile"] - before["RssFile"], 1), "checksum": total,
+            "devices": sorted({str(p.device) for p in critic.adapter.backbone.parameters()}), "equal": equal}
+
+def report(numbers):
+    print(json.dumps(numbers))
+'''
+
+
+def _rss_checkpoint(directory: Path) -> Path:
+    """A random 12-layer Qwen2 value-head critic, hidden 768, vocabulary 32,000 (490 MiB of fp32 safetensors),
+    and a tokenizer."""
+    from verl_prm.bpe import train_byte_level_bpe
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=32000, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                         num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024,
+                         tie_word_embeddings=False, num_labels=1)
+    Qwen2ForTokenClassification(config).save_pretrained(directory)
+    train_byte_level_bpe(["a small text for the tokenizer"] * 4, vocab_size=300).save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.slow
+def test_cpu_load_peak_rss(tmp_path):
+    """Peak RSS (VmHWM) of a fresh process loading a 490 MiB critic on CPU. fp32 (the file's dtype): the
+    parameters map the file, so the anonymous memory grows by less than a tenth of the weights; bf16: the cast
+    makes one host copy (half the file). Printed for docs/gpu.md (``-s``)."""
+    import subprocess
+    import sys
+
+    path = _rss_checkpoint(tmp_path)
+    rows = {}
+    for dtype in ("float32", "bfloat16"):
+        code = _RSS_SCRIPT + f"report(load('cpu', {dtype!r}))\n"
+        result = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
+                                timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows[dtype] = json.loads(result.stdout.strip().splitlines()[-1])
+        print(dtype, rows[dtype])
+    fp32, bf16 = rows["float32"], rows["bfloat16"]
+    assert fp32["devices"] == ["cpu"] and fp32["equal"]
+    assert fp32["anon_growth_mib"] < fp32["weights_mib"] / 10, fp32
+    assert bf16["anon_growth_mib"] > bf16["weights_mib"] / 2 * 0.9, bf16
+
+
+def test_packed_row_boundaries_equal_what_transformers_derives():
+    """``cu_seq_lens``/``max_length`` built once per micro-batch equal transformers' own derivation from the
+    same position_ids (``prepare_fa_kwargs_from_position_ids``, which its flash-attention path otherwise runs
+    in every layer); the max length is a Python int (no device read)."""
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+    from verl_prm.critic.packing import packed_tensors
+
+    rng = random.Random(3)
+    for count in (1, 2, 7):
+        lengths = [rng.randint(1, 40) for _ in range(count)]
+        seqs = [[rng.randrange(100) for _ in range(n)] for n in lengths]
+        reads = [[n - 1] for n in lengths]
+        tensors = packed_tensors(seqs, reads, boundaries=True)
+        (cu_q, cu_k), (max_q, max_k) = prepare_fa_kwargs_from_position_ids(tensors.position_ids)
+        assert tensors.cu_seq_lens.dtype == cu_q.dtype == torch.int32
+        assert torch.equal(tensors.cu_seq_lens, cu_q) and torch.equal(tensors.cu_seq_lens, cu_k)
+        assert type(tensors.max_length) is int and tensors.max_length == int(max_q) == int(max_k)
+        kwargs = tensors.model_kwargs()
+        assert kwargs["cu_seq_lens_q"] is kwargs["cu_seq_lens_k"] is tensors.cu_seq_lens
+        assert kwargs["max_length_q"] == kwargs["max_length_k"] == max(lengths)
+        plain = packed_tensors(seqs, reads).model_kwargs()  # sdpa/eager: no boundary keywords, as before
+        assert set(plain) == {"input_ids", "position_ids", "use_cache"}
+
+
+def _segment_attention(calls):
+    """A varlen attention registered with transformers for the test: attention within each
+    ``cu_seq_lens_q`` segment (causal SDPA per sequence). It refuses to run without the precomputed keywords,
+    so the values are right only when every layer received correct boundaries."""
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        cu, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+        if cu is None or not isinstance(longest, int) or kwargs.get("cu_seq_lens_k") is not cu:
+            raise AssertionError(f"no precomputed boundaries: {sorted(kwargs)}")
+        calls.append((cu.clone(), longest, kwargs.get("position_ids")))
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        out = torch.empty_like(query)
+        bounds = cu.tolist()
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            out[:, :, a:b] = torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    return attention
+
+
+def test_flash_attention_varlen_gets_the_boundaries_once_per_micro_batch(checkpoints, samples, monkeypatch):
+    """With a flash-attention-style implementation (name with "flash-attn": varlen) every layer receives the
+    micro-batch's precomputed boundaries, equal to transformers' derivation from its position_ids, and the
+    values equal the padded SDPA critic's (fp32)."""
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+    from transformers.modeling_utils import AttentionInterface
+
+    calls = []
+    name = "test-segment-flash-attn"
+    monkeypatch.setitem(AttentionInterface._global_mapping, name, _segment_attention(calls))
+    path = checkpoints["value_head"]
+    # set after loading: transformers' load-time check would look for a flash-attn package or hub kernel by name
+    varlen = ProverCritic.from_pretrained(str(path), device="cpu", attn_implementation="sdpa", packing="varlen",
+                                          max_tokens_per_batch=300)
+    varlen.adapter.config._attn_implementation = name
+    padded = ProverCritic.from_pretrained(str(path), device="cpu", attn_implementation="sdpa", packing="padded",
+                                          max_tokens_per_batch=300)
+    ids, prompt_ends, step_ends = _sequences(varlen.tokenizer, samples * 2, random.Random(4))
+    inputs = varlen.build_inputs(ids, prompt_ends, step_ends)
+    plan = varlen.plan(inputs)
+    assert len(plan) > 2
+    got = varlen.forward_values(inputs, plan)
+    layers = varlen.adapter.config.num_hidden_layers
+    assert len(calls) == layers * len(plan)
+    for k, batch in enumerate(plan):
+        position_ids = varlen.prepare_batch(inputs, batch, "varlen").position_ids
+        (expected_cu, _), (expected_max, _) = prepare_fa_kwargs_from_position_ids(position_ids)
+        for cu, longest, _ in calls[k * layers : (k + 1) * layers]:
+            assert torch.equal(cu, expected_cu) and longest == int(expected_max)
+    reference = padded.forward_values(inputs)
+    for a, b in zip(got, reference):
+        torch.testing.assert_close(a, b, atol=TOL, rtol=0)
+
+
+def test_prefetch_is_bit_equal_to_the_sequential_path_and_runs_ahead(checkpoints, samples):
+    """Micro-batch k + 1's host tensors are prepared in the background thread while micro-batch k's forward
+    runs (forward k waits for it: without the overlap, the wait times out); the values are bit-equal to
+    preparing each micro-batch right before its forward (``prefetch=False``)."""
+    import threading
+
+    for packing in ("varlen", "padded"):
+        critic = load_critic("value_head", checkpoints["value_head"], packing=packing, max_tokens_per_batch=300)
+        ids, prompt_ends, step_ends = _sequences(critic.tokenizer, samples * 3, random.Random(5))
+        inputs = critic.build_inputs(ids, prompt_ends, step_ends)
+        plan = critic.plan(inputs)
+        assert len(plan) > 3
+        events = []
+        prepared = [threading.Event() for _ in plan]
+        overlapped = []
+        prepare, backbone = critic.prepare_batch, critic.adapter.backbone.forward
+
+        def logged_prepare(inputs_, batch, mode):
+            k = plan.index(batch)
+            events.append(("prepare", k, threading.current_thread().name))
+            try:
+                return prepare(inputs_, batch, mode)
+            finally:
+                prepared[k].set()
+
+        def logged_forward(*args, **kwargs):
+            k = sum(e[0] == "forward" for e in events)
+            events.append(("forward", k, threading.current_thread().name))
+            if critic.prefetch and k + 1 < len(plan):  # forward k cannot end before k + 1 is prepared
+                overlapped.append(prepared[k + 1].wait(timeout=10))
+            return backbone(*args, **kwargs)
+
+        critic.prepare_batch = logged_prepare
+        critic.adapter.backbone.forward = logged_forward
+        try:
+            ahead = critic.forward_values(inputs, plan)
+            threads = {thread for kind, _, thread in events if kind == "prepare"}
+            events.clear()
+            critic.prefetch = False
+            sequential = critic.forward_values(inputs, plan)
+            sequential_order = [(kind, k) for kind, k, _ in events]
+        finally:
+            del critic.adapter.backbone.forward
+        assert all(torch.equal(a, b) for a, b in zip(ahead, sequential)), packing
+        # prefetch: micro-batch k + 1 was prepared in the background thread while forward k was running
+        assert overlapped == [True] * (len(plan) - 1), (packing, overlapped)
+        assert threads == {t for t in threads if t.startswith("critic-prepare")} and threads, threads
+        assert sequential_order == [e for k in range(len(plan)) for e in (("prepare", k), ("forward", k))]
+
+
+@pytest.mark.slow
+def test_host_preparation_share_of_a_1024_response_batch(checkpoints, repo_data):
+    """Host-side preparation against the forward for 1,024 GSM8K responses (steps at "\\n") on the tiny test
+    critic, CPU: seconds of text -> critic inputs (``build_inputs``), of the per-micro-batch host tensors
+    (``prepare_batch``) and of the forwards (``prefetch=False``, each timed alone), and the whole
+    ``forward_values`` with and without prefetch, whose values are bit-equal. Printed for docs/gpu.md (``-s``)."""
+    import time
+
+    from verl_prm.steps import encode_with_step_ends, step_char_spans
+
+    rows = [json.loads(line) for line in (repo_data / "gsm8k_test.jsonl").read_text().splitlines()[:1024]]
+    assert len(rows) == 1024
+    critic = load_critic("value_head", checkpoints["value_head"], packing="varlen", max_tokens_per_batch=16384,
+                         truncation="left_prompt")
+    t0 = time.perf_counter()
+    ids, prompt_ends, step_ends = [], [], []
+    for row in rows:
+        encoded = encode_with_step_ends(critic.tokenizer, row["question"], row["answer"],
+                                        step_char_spans(row["answer"], "\n"))
+        ids.append(list(encoded.input_ids))
+        prompt_ends.append(int(encoded.prompt_end))
+        step_ends.append([int(e) for e in encoded.step_ends])
+    t1 = time.perf_counter()
+    inputs = critic.build_inputs(ids, prompt_ends, step_ends)
+    plan = critic.plan(inputs)
+    t2 = time.perf_counter()
+    prepare = forward = 0.0
+    with torch.inference_mode():
+        for batch in plan:
+            a = time.perf_counter()
+            tensors = critic.prepare_batch(inputs, batch, "varlen")
+            b = time.perf_counter()
+            critic.adapter.backbone(**tensors.model_kwargs())
+            forward += time.perf_counter() - b
+            prepare += b - a
+    timings = {}
+    values = {}
+    for prefetch in (False, True, False, True):
+        critic.prefetch = prefetch
+        a = time.perf_counter()
+        values[prefetch] = critic.forward_values(inputs, plan)
+        timings[prefetch] = min(timings.get(prefetch, math.inf), time.perf_counter() - a)
+    tokens = sum(len(x.input_ids) for x in inputs)
+    print(f"\n{len(inputs)} responses, {tokens} tokens, {len(plan)} micro-batches: tokenise {t1 - t0:.3f} s, "
+          f"build_inputs+plan {t2 - t1:.3f} s, prepare_batch {prepare:.3f} s, forwards {forward:.3f} s "
+          f"(preparation share of prepare+forward {prepare / (prepare + forward):.1%}); forward_values "
+          f"sequential {timings[False]:.3f} s, prefetch {timings[True]:.3f} s")
+    assert all(torch.equal(a, b) for a, b in zip(values[True], values[False]))
+    assert len(plan) > 10 and prepare > 0 and forward > 0

@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForTokenClassification
 
+from verl_prm.evaluation.cli import main
 from verl_prm.evaluation.processbench import (
     FirstErrorSample,
     first_error_f1,
     holdout_split,
-    main,
     predicted_first_error,
     read_first_error_samples,
     step_scores_of,

@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
+from search_support import RecordingCritic
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
 
 from verl_prm.search import (
@@ -28,22 +29,6 @@ from verl_prm.search.generation import HFStepSampler, first_step_end, delimiter_
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-class RecordingCritic:
-    """Wraps a prefix critic; records every scored node and the number of calls."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.scored: list[tuple[tuple, int, int]] = []  # (key, problem, tokens)
-        self.calls = 0
-
-    def score_nodes(self, nodes):
-        self.calls += 1
-        values, tokens = self.inner.score_nodes(nodes)
-        for node, t in zip(nodes, tokens):
-            self.scored.append((node.key, node.problem, t))
-        return values, tokens
-
-
 # ------------------------------------------------------------------------------------------------ pure rules
 def test_top_per_group_equals_reference_loop():
     generator = torch.Generator().manual_seed(0)

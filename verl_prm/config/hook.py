@@ -9,6 +9,7 @@ how responses are split into steps, and where the critic's worker group is place
       critic:    {path, format, max_tokens_per_batch, dtype}
       steps:     {delimiter, regex, max_tokens, max_steps, code_rule, code_depth}
       placement: {pool, n_gpus_per_node, nnodes}
+      diagnostics: {reference, signal_threshold}
       score_outcome_estimators: true
 
 ``verl_prm.integrations.verl.run_config.validate_run_config(config)`` checks a composed verl config (DictConfig
@@ -27,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from verl_prm.checks import empty_match_problem
+from verl_prm.choices import CODE_STEP_RULES
 
 __all__ = [
     "CHECKPOINT_CRITIC_FORMATS",
@@ -36,6 +38,7 @@ __all__ = [
     "ROLLOUT_CRITIC_FORMAT",
     "ConfigError",
     "CriticSection",
+    "DiagnosticsSection",
     "HOOK_TRAINER_NAME",
     "HookConfig",
     "PLACEMENT_POOLS",
@@ -62,8 +65,6 @@ ROLLOUT_CRITIC_FORMAT = "rollout"
 MC_PREFIX_RULES = ("every", "fixed", "first_pit")
 CRITIC_FORMATS = CHECKPOINT_CRITIC_FORMATS + (EXACT_CRITIC_FORMAT, ROLLOUT_CRITIC_FORMAT)
 TRUNCATIONS = ("error", "left_prompt")
-# verl_prm.steps.code.CODE_STEP_RULES without "delimiter" (the text rules cover it); a test holds them equal.
-CODE_STEP_RULES = ("line", "block", "indent")
 # "colocated": the critic's workers share verl's global pool (the actor/rollout GPUs);
 # "own": a resource pool of its own (``n_gpus_per_node`` x ``nnodes``).
 PLACEMENT_POOLS = ("colocated", "own")
@@ -175,12 +176,26 @@ class PlacementSection:
 
 
 @dataclass
+class DiagnosticsSection:
+    """``verl_prm.diagnostics``: metrics that compare the critic's process term with an exact reference
+    (``verl_prm.diagnostics``; docs/verl.md, "Metrics"). The reference never enters the advantages."""
+
+    # Options of an exact prover, as verl_prm.critic.options for format "exact": {prover: "module:Class",
+    # <the prover's options>}. The hook scores the batch's steps with it too and logs pav/process_corr,
+    # pav/abs_adv_* and pav/zero_outcome_groups_with_signal; null: no reference, no such metrics.
+    reference: Optional[dict[str, Any]] = None
+    # |A_h| above this counts as a process signal (pav/zero_outcome_groups_with_signal).
+    signal_threshold: float = 0.01
+
+
+@dataclass
 class HookConfig:
     """``verl_prm``: everything the trainer hook needs besides the estimator knobs (``algorithm.pav``)."""
 
     critic: CriticSection = field(default_factory=CriticSection)
     steps: StepsSection = field(default_factory=StepsSection)
     placement: PlacementSection = field(default_factory=PlacementSection)
+    diagnostics: DiagnosticsSection = field(default_factory=DiagnosticsSection)
     # With an outcome-only estimator (e.g. the grpo baseline) the hook still scores the steps and logs the
     # pav/* metrics (advantages stay verl's own); false skips the critic for such runs.
     score_outcome_estimators: bool = True
@@ -211,6 +226,7 @@ def read_hook_config(section: Any) -> HookConfig:
                 "critic": _known_keys(CriticSection),
                 "steps": _known_keys(StepsSection),
                 "placement": _known_keys(PlacementSection),
+                "diagnostics": _known_keys(DiagnosticsSection),
             }
             parent = key.split(".")[0] if "." in key else ""
             raise ConfigError(
@@ -316,6 +332,23 @@ def _check_ranges(config: HookConfig) -> None:
             "verl_prm.placement.pool=own needs n_gpus_per_node >= 1 and nnodes >= 1, got "
             f"{placement.n_gpus_per_node} x {placement.nnodes}"
         )
+    _check_diagnostics_section(config.diagnostics)
+
+
+def _check_diagnostics_section(diagnostics: DiagnosticsSection) -> None:
+    """A reference names its exact prover (built by ``check_reference_prover`` at startup); a finite threshold."""
+    threshold = diagnostics.signal_threshold
+    if not math.isfinite(threshold) or threshold < 0:
+        raise ConfigError(f"verl_prm.diagnostics.signal_threshold must be a finite number >= 0, got {threshold}")
+    if diagnostics.reference is None:
+        return
+    prover = diagnostics.reference.get("prover")
+    if not isinstance(prover, str) or prover.count(":") != 1 or not all(prover.split(":")):
+        raise ConfigError(
+            "verl_prm.diagnostics.reference needs prover, the 'module:Class' of the exact prover whose values the "
+            f"diagnostics compare with (got {prover!r}): add +verl_prm.diagnostics.reference.prover=module:Class "
+            "(e.g. verl_prm.apps.arithmetic.prover:ArithmeticProver), or set verl_prm.diagnostics.reference=null"
+        )
 
 
 def _check_rollout_critic_section(critic: CriticSection, placement: PlacementSection) -> None:
@@ -368,16 +401,26 @@ def _check_exact_critic_section(critic: CriticSection) -> None:
 def check_exact_prover(critic: CriticSection) -> None:
     """Build the exact prover of ``verl_prm.critic.options`` once, so that a prover that cannot be imported or a bad
     prover option fails at startup; errors name the option's key."""
-    from verl_prm.critic.exact import ProverOptionError, build_exact_prover
+    build_exact_critic(critic.options, "verl_prm.critic.options")
 
-    options = dict(critic.options)
-    prover = options.pop("prover")
+
+def check_reference_prover(diagnostics: DiagnosticsSection) -> None:
+    """The same for ``verl_prm.diagnostics.reference`` (nothing to check when it is null)."""
+    if diagnostics.reference is not None:
+        build_exact_critic(diagnostics.reference, "verl_prm.diagnostics.reference")
+
+
+def build_exact_critic(options: Any, key: str):
+    """``ExactCritic`` of the exact prover options at config key ``key`` ({prover: "module:Class", ...}); a prover
+    that cannot be imported or a bad option is a ``ConfigError`` naming the option's key."""
+    from verl_prm.critic.exact import ExactCritic, ProverOptionError
+
     try:
-        build_exact_prover(prover, options)
+        return ExactCritic.from_options(**dict(options))
     except ProverOptionError as error:
-        raise ConfigError(f"verl_prm.critic.options.{error.option}: {error}") from None
+        raise ConfigError(f"{key}.{error.option}: {error}") from None
     except ValueError as error:
-        raise ConfigError(f"verl_prm.critic.options.prover: {error}") from None
+        raise ConfigError(f"{key}.prover: {error}") from None
 
 
 def select_key(config: Any, dotted: str, default: Any = None) -> Any:

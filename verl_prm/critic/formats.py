@@ -271,8 +271,8 @@ class CriticFormat:
         self.marker_id = marker_id
 
     @classmethod
-    def load(cls, path: str, tokenizer, *, dtype: torch.dtype, attn_implementation: str, allow_pickle: bool = False,
-             **options: Any) -> "CriticFormat":
+    def load(cls, path: str, tokenizer, *, dtype: torch.dtype, attn_implementation: str, device: torch.device,
+             allow_pickle: bool = False, **options: Any) -> "CriticFormat":
         """Load the checkpoint directory ``path`` (safetensors only unless ``allow_pickle``)."""
         raise NotImplementedError
 
@@ -320,8 +320,26 @@ def _quiet_unexpected_keys():
         hf_logging.set_verbosity(previous)
 
 
-def _common_kwargs(dtype: torch.dtype, attn_implementation: str, allow_pickle: bool = False) -> dict[str, Any]:
-    return {"dtype": dtype, "attn_implementation": attn_implementation, **from_pretrained_kwargs(allow_pickle)}
+def _common_kwargs(dtype: torch.dtype, attn_implementation: str, allow_pickle: bool = False,
+                   device: torch.device | None = None) -> dict[str, Any]:
+    """``from_pretrained`` keywords. An accelerator ``device`` becomes ``device_map={"": device}``: transformers
+    then reads each tensor from the mapped safetensors and puts it on the device, so a worker never builds the
+    whole model in host memory first (loading on the host, then ``.to(device)``, did). On CPU: no device_map
+    (the model's tensors are transformers' host tensors, as before)."""
+    kwargs = {"dtype": dtype, "attn_implementation": attn_implementation, **from_pretrained_kwargs(allow_pickle)}
+    if device is not None and device.type != "cpu":
+        kwargs["device_map"] = {"": _concrete_device(device)}
+    return kwargs
+
+
+def _concrete_device(device: torch.device) -> torch.device:
+    """The concrete device of ``device``: ``cuda`` without an index is the current CUDA device (where
+    ``.to("cuda")`` puts tensors; transformers' own ``device_map="cuda"`` would pick ``LOCAL_RANK`` instead)."""
+    if device.index is None and device.type != "cpu":
+        module = getattr(torch, device.type, None)
+        if module is not None and hasattr(module, "current_device"):
+            return torch.device(device.type, module.current_device())
+    return device
 
 
 def _missing_weights_error(path, missing) -> CheckpointError:
@@ -333,7 +351,8 @@ def _missing_weights_error(path, missing) -> CheckpointError:
     )
 
 
-def _load_complete(auto_class, path, dtype, attn_implementation, allow_pickle: bool, quiet: bool = False,
+def _load_complete(auto_class, path, dtype, attn_implementation, allow_pickle: bool, device: torch.device,
+                   quiet: bool = False,
                    head_prefixes: tuple[str, ...] = ()):
     """``auto_class.from_pretrained`` that raises ``CheckpointError`` when a weight of the model is not in the
     checkpoint (transformers' ``missing_keys``, which excludes tied weights) or a checkpoint weight is not used
@@ -341,7 +360,7 @@ def _load_complete(auto_class, path, dtype, attn_implementation, allow_pickle: b
     whose config.json says llama, dropped silently and every value changed)."""
     with _quiet_unexpected_keys() if quiet else contextlib.nullcontext():
         model, info = auto_class.from_pretrained(
-            path, output_loading_info=True, **_common_kwargs(dtype, attn_implementation, allow_pickle)
+            path, output_loading_info=True, **_common_kwargs(dtype, attn_implementation, allow_pickle, device)
         )
     missing = set(info.get("missing_keys") or ())
     if missing:
@@ -388,11 +407,11 @@ class ValueHeadFormat(CriticFormat):
     name = "value_head"
 
     @classmethod
-    def load(cls, path, tokenizer, *, dtype, attn_implementation, allow_pickle=False, **options):
+    def load(cls, path, tokenizer, *, dtype, attn_implementation, device, allow_pickle=False, **options):
         from transformers import AutoModelForTokenClassification
 
         _no_options(cls.name, options)
-        model = _load_complete(AutoModelForTokenClassification, path, dtype, attn_implementation, allow_pickle)
+        model = _load_complete(AutoModelForTokenClassification, path, dtype, attn_implementation, allow_pickle, device)
         if model.config.num_labels != 1:
             raise ValueError(
                 f"{path}: format 'value_head' needs num_labels=1, the checkpoint has {model.config.num_labels}; "
@@ -413,7 +432,7 @@ QWEN_SEPARATOR = RequiredToken("qwen_prm separator '<extra_0>'", "<extra_0>", 15
                                "from a source here)")
 
 
-def _load_two_class_head(cls_name, path, dtype, attn_implementation, allow_pickle, head_prefix):
+def _load_two_class_head(cls_name, path, dtype, attn_implementation, allow_pickle, device, head_prefix):
     """A two-class token classifier, or the public Qwen2.5-Math-PRM layout (custom architecture
     Qwen2ForProcessRewardModel: ``AutoModel`` + ``score`` = Linear-ReLU-Linear read from safetensors)."""
     from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification
@@ -421,13 +440,13 @@ def _load_two_class_head(cls_name, path, dtype, attn_implementation, allow_pickl
     config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     architectures = getattr(config, "architectures", None) or []
     if head_prefix is None and any(a.endswith("ForTokenClassification") for a in architectures):
-        model = _load_complete(AutoModelForTokenClassification, path, dtype, attn_implementation, allow_pickle)
+        model = _load_complete(AutoModelForTokenClassification, path, dtype, attn_implementation, allow_pickle, device)
         head = _token_classification_head(model)
         _require_head_weights(path, model, head)
         head, backbone = _fp32_copy(head), _base_model(model)
     else:
         prefix = head_prefix or "score"
-        model = _load_complete(AutoModel, path, dtype, attn_implementation, allow_pickle, quiet=True,
+        model = _load_complete(AutoModel, path, dtype, attn_implementation, allow_pickle, device, quiet=True,
                                head_prefixes=(prefix,))
         _, head = read_head_from_safetensors(path, (prefix,))
         backbone = model
@@ -455,7 +474,7 @@ class QwenPrmFormat(CriticFormat):
         self.step_delimiter = step_delimiter
 
     @classmethod
-    def load(cls, path, tokenizer, *, dtype, attn_implementation, separator: str | int = "<extra_0>",
+    def load(cls, path, tokenizer, *, dtype, attn_implementation, device, separator: str | int = "<extra_0>",
              positive_label: int = 1, head_prefix: str | None = None, step_delimiter: str = "\n\n",
              allow_pickle=False, **options):
         _no_options(cls.name, options)
@@ -463,7 +482,7 @@ class QwenPrmFormat(CriticFormat):
         if separator == "<extra_0>":
             check_required_token(cls.name, tokenizer, marker_id, QWEN_SEPARATOR)
         separator_text = tokenizer.convert_ids_to_tokens(marker_id) if isinstance(separator, int) else separator
-        model, backbone, head = _load_two_class_head(cls.name, path, dtype, attn_implementation, allow_pickle,
+        model, backbone, head = _load_two_class_head(cls.name, path, dtype, attn_implementation, allow_pickle, device,
                                                      head_prefix)
         check_vocabulary(path, tokenizer, model)
         return cls(model, backbone, head, marker_id=marker_id, positive_label=positive_label,
@@ -515,7 +534,7 @@ class PurePrmFormat(CriticFormat):
         self.score = score
 
     @classmethod
-    def load(cls, path, tokenizer, *, dtype, attn_implementation, score: str = "p_positive",
+    def load(cls, path, tokenizer, *, dtype, attn_implementation, device, score: str = "p_positive",
              step_separator: str = "\n\n", head_prefix: str | None = None, allow_pickle=False, **options):
         _no_options(cls.name, options)
         if score not in cls.SCORES:
@@ -528,7 +547,7 @@ class PurePrmFormat(CriticFormat):
             i for i in range(len(tokenizer))
             if tokenizer.decode([i], clean_up_tokenization_spaces=False).endswith(_check_delimiter(step_separator))
         )
-        model, backbone, head = _load_two_class_head(cls.name, path, dtype, attn_implementation, allow_pickle,
+        model, backbone, head = _load_two_class_head(cls.name, path, dtype, attn_implementation, allow_pickle, device,
                                                      head_prefix)
         check_vocabulary(path, tokenizer, model)
         return cls(model, backbone, head, marker_id=newline, separator_ids=separator_ids,
@@ -576,7 +595,7 @@ class MathShepherdFormat(CriticFormat):
         self.step_delimiter = step_delimiter
 
     @classmethod
-    def load(cls, path, tokenizer, *, dtype, attn_implementation, tag: str | int = "ки",
+    def load(cls, path, tokenizer, *, dtype, attn_implementation, device, tag: str | int = "ки",
              positive_token: str | int = "+", negative_token: str | int = "-", step_delimiter: str = "\n",
              allow_pickle=False, **options):
         from transformers import AutoModelForCausalLM
@@ -605,7 +624,7 @@ class MathShepherdFormat(CriticFormat):
                                      RequiredToken(f"math_shepherd {role} token {token!r}", piece, documented,
                                                    MATH_SHEPHERD_SOURCE))
             candidates.append(pair[k])
-        model = _load_complete(AutoModelForCausalLM, path, dtype, attn_implementation, allow_pickle)
+        model = _load_complete(AutoModelForCausalLM, path, dtype, attn_implementation, allow_pickle, device)
         check_vocabulary(path, tokenizer, model)
         model.eval()
         lm_head = model.get_output_embeddings()
@@ -658,7 +677,7 @@ class RlhflowFormat(CriticFormat):
         self.step_delimiter = step_delimiter
 
     @classmethod
-    def load(cls, path, tokenizer, *, dtype, attn_implementation, step_delimiter: str = "\n\n",
+    def load(cls, path, tokenizer, *, dtype, attn_implementation, device, step_delimiter: str = "\n\n",
              allow_pickle=False, **options):
         from transformers import AutoModelForCausalLM
 
@@ -670,7 +689,7 @@ class RlhflowFormat(CriticFormat):
                                  RequiredToken(f"rlhflow {role} token {token!r}", token, documented, RLHFLOW_SOURCE))
             for token, role, documented in (("+", "positive", 10), ("-", "negative", 12))
         ]
-        model = _load_complete(AutoModelForCausalLM, path, dtype, attn_implementation, allow_pickle)
+        model = _load_complete(AutoModelForCausalLM, path, dtype, attn_implementation, allow_pickle, device)
         check_vocabulary(path, tokenizer, model)
         model.eval()
         lm_head = model.get_output_embeddings()
@@ -740,7 +759,7 @@ class ValueHeadLMFormat(CriticFormat):
         self.step_delimiter = step_delimiter
 
     @classmethod
-    def load(cls, path, tokenizer, *, dtype, attn_implementation, head_prefix: str | None = None,
+    def load(cls, path, tokenizer, *, dtype, attn_implementation, device, head_prefix: str | None = None,
              step_delimiter: str = "\n", allow_pickle=False, **options):
         from transformers import AutoModel
 
@@ -750,7 +769,7 @@ class ValueHeadLMFormat(CriticFormat):
         if delimiter == "\n":
             check_required_token(cls.name, tokenizer, marker_id, SKYWORK_NEWLINE)
         prefixes = (head_prefix,) if head_prefix else cls.HEAD_PREFIXES
-        model = _load_complete(AutoModel, path, dtype, attn_implementation, allow_pickle, quiet=True,
+        model = _load_complete(AutoModel, path, dtype, attn_implementation, allow_pickle, device, quiet=True,
                                head_prefixes=("v_head", "value_head", "score") + prefixes)
         check_vocabulary(path, tokenizer, model)
         model.eval()

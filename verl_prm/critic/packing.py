@@ -19,8 +19,10 @@ __all__ = [
     "check_step_positions",
     "fit_context",
     "plan_micro_batches",
+    "BatchTensors",
     "packed_tensors",
     "padded_tensors",
+    "varlen_boundaries",
     "padding_share",
 ]
 
@@ -192,15 +194,73 @@ def plan_micro_batches(
     return batches
 
 
-def packed_tensors(
-    sequences: Sequence[Sequence[int]], read_positions: Sequence[Sequence[int]], device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One packed row for varlen attention.
+@dataclass(frozen=True)
+class BatchTensors:
+    """The tensors of one micro-batch's forward pass (host tensors until :meth:`to`).
 
-    Returns:
-        input_ids [1, N] with N = sum of lengths, position_ids [1, N] restarting at 0 for every sequence (this is
-        how transformers detects packed sequences: flash-attention varlen, or a block-diagonal mask otherwise),
-        and flat_read [R] = offset of each sequence + its read positions, concatenated in the given order.
+    Attributes:
+        input_ids: [1, N] (one packed row) or [b, L] (right-padded rows).
+        position_ids: same shape; restarting at 0 for every sequence of a packed row.
+        flat_read: [R] indices into the flattened outputs, the read positions of the sequences in order.
+        attention_mask: [b, L] of padded rows that hold padding; None otherwise (plain causal attention).
+        cu_seq_lens: [n + 1] int32 boundaries of the n sequences of a packed row, for flash-attention varlen;
+            None when not precomputed.
+        max_length: the longest sequence of a packed row (a Python int: no device read), with ``cu_seq_lens``.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    flat_read: torch.Tensor
+    attention_mask: torch.Tensor | None = None
+    cu_seq_lens: torch.Tensor | None = None
+    max_length: int | None = None
+
+    def _map(self, fn) -> "BatchTensors":
+        def apply(tensor):
+            return None if tensor is None else fn(tensor)
+
+        return BatchTensors(apply(self.input_ids), apply(self.position_ids), apply(self.flat_read),
+                            apply(self.attention_mask), apply(self.cu_seq_lens), self.max_length)
+
+    def pin_memory(self) -> "BatchTensors":
+        """Page-locked host copies, so that ``to(cuda, non_blocking=True)`` is an asynchronous copy."""
+        return self._map(lambda t: t.pin_memory())
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "BatchTensors":
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def model_kwargs(self) -> dict:
+        """Keywords of the backbone's forward. With ``cu_seq_lens``, transformers' flash-attention path takes
+        the boundaries as given (``cu_seq_lens_q/k``, ``max_length_q/k``) instead of deriving them from
+        ``position_ids`` in every layer (a nonzero and a max on the device, read back per layer)."""
+        kwargs = {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
+        if self.attention_mask is not None:
+            kwargs["attention_mask"] = self.attention_mask
+        if self.cu_seq_lens is not None:
+            kwargs.update(cu_seq_lens_q=self.cu_seq_lens, cu_seq_lens_k=self.cu_seq_lens,
+                          max_length_q=self.max_length, max_length_k=self.max_length)
+        return kwargs
+
+
+def varlen_boundaries(lengths: Sequence[int]) -> tuple[torch.Tensor, int]:
+    """Boundaries of sequences packed into one row: ``cu[0] = 0``, ``cu[i + 1] = cu[i] + lengths[i]`` (int32,
+    flash-attention's ``cu_seqlens``), and ``max(lengths)``."""
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"varlen_boundaries: every packed sequence needs at least one token, got lengths {list(lengths)}")
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(list(lengths), dtype=torch.int64).cumsum(0).to(torch.int32)
+    return cu, int(max(lengths))
+
+
+def packed_tensors(
+    sequences: Sequence[Sequence[int]], read_positions: Sequence[Sequence[int]], *, boundaries: bool = False
+) -> BatchTensors:
+    """One packed row for varlen attention (host tensors).
+
+    input_ids [1, N] with N = sum of lengths, position_ids [1, N] restarting at 0 for every sequence (this is how
+    transformers detects packed sequences: flash-attention varlen, or a block-diagonal mask otherwise), and
+    flat_read [R] = offset of each sequence + its read positions, concatenated in the given order. With
+    ``boundaries``: also ``cu_seq_lens`` and ``max_length`` (``varlen_boundaries``) for flash attention.
     """
     lengths = [len(s) for s in sequences]
     offsets = [0]
@@ -209,21 +269,18 @@ def packed_tensors(
     ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
     positions = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths])
     flat_read = torch.tensor([o + p for o, rp in zip(offsets, read_positions) for p in rp], dtype=torch.long)
-    return ids[None].to(device), positions[None].to(device), flat_read.to(device)
+    cu, longest = varlen_boundaries(lengths) if boundaries else (None, None)
+    return BatchTensors(ids[None], positions[None], flat_read, None, cu, longest)
 
 
 def padded_tensors(
-    sequences: Sequence[Sequence[int]],
-    read_positions: Sequence[Sequence[int]],
-    pad_id: int,
-    device: torch.device | str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded batch (causal models: right padding leaves the real tokens' outputs unchanged).
+    sequences: Sequence[Sequence[int]], read_positions: Sequence[Sequence[int]], pad_id: int
+) -> BatchTensors:
+    """Right-padded rows (causal models: right padding leaves the real tokens' outputs unchanged; host tensors).
 
-    Returns:
-        input_ids [b, L], attention_mask [b, L] (None when no row is padded: then attention takes the plain
-        causal path), position_ids [b, L] (0..L-1), and flat_read [R] indices into the flattened [b * L]
-        outputs, in the given order.
+    input_ids [b, L], attention_mask [b, L] (None when no row is padded: then attention takes the plain causal
+    path), position_ids [b, L] (0..L-1), and flat_read [R] indices into the flattened [b * L] outputs, in the
+    given order.
     """
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
@@ -231,10 +288,10 @@ def padded_tensors(
     for row, s in enumerate(sequences):
         ids[row, : len(s)] = torch.tensor(s, dtype=torch.long)
         mask[row, : len(s)] = 1
-    positions = torch.arange(width, dtype=torch.long).expand(len(sequences), width)
+    positions = torch.arange(width, dtype=torch.long).expand(len(sequences), width).contiguous()
     flat_read = torch.tensor([row * width + p for row, rp in enumerate(read_positions) for p in rp], dtype=torch.long)
     full = all(len(s) == width for s in sequences)
-    return ids.to(device), None if full else mask.to(device), positions.to(device), flat_read.to(device)
+    return BatchTensors(ids, positions, flat_read, None if full else mask)
 
 
 def padding_share(batches: Sequence[MicroBatch], mode: Literal["varlen", "padded"]) -> float:

@@ -10,10 +10,13 @@ rows with minimal padding) -> the head applied only at the read positions -> val
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import functools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 
@@ -22,6 +25,7 @@ from verl_prm.checkpoints import allow_pickle_default, resolve_checkpoint
 from verl_prm.checks import check_number
 from verl_prm.critic.formats import FORMATS, CriticFormat, default_attn_implementation, resolve_dtype
 from verl_prm.critic.packing import (
+    BatchTensors,
     CriticInput,
     MicroBatch,
     Truncation,
@@ -97,6 +101,7 @@ class ProverCritic:
         max_padding_share: float = 0.1,
         progress: bool = False,
         calibration: Calibration | None = None,
+        prefetch: bool = True,
     ):
         if truncation not in ("error", "left_prompt"):
             raise ValueError(f"truncation must be 'error' or 'left_prompt', got {truncation!r}")
@@ -119,6 +124,7 @@ class ProverCritic:
         self.packing: Literal["varlen", "padded"] = packing
         self.max_padding_share = check_number("max_padding_share", max_padding_share, 0.0, 1.0)
         self.progress = progress
+        self.prefetch = bool(prefetch)
         if calibration is not None and getattr(adapter, "score", None) == "pos_minus_neg":
             raise ValueError(f"{calibration.describe()} maps values in [0, 1]; score='pos_minus_neg' gives "
                              "P(pos) - P(neg) in [-1, 1]")
@@ -158,7 +164,9 @@ class ProverCritic:
             format: one of ``value_head`` (default), ``qwen_prm``, ``pure_prm``, ``math_shepherd``, ``rlhflow``,
                 ``value_head_lm`` (see ``verl_prm.critic.formats`` and docs/critic.md).
             best_of_k: K >= 1; K > 1 returns Best-of-K values ``1 - (1 - v)^K``.
-            device: default CUDA when available, else CPU.
+            device: default CUDA when available, else CPU. An accelerator is the load target
+                (``device_map={"": device}``): the weights go from the mapped safetensors to the device tensor by
+                tensor, never as a whole model in host memory.
             dtype: default bf16 on CUDA, fp32 elsewhere. The head always runs in fp32.
             max_tokens_per_batch: token budget of one micro-batch (packed tokens, or rows x padded length).
             max_length: the critic's context; default ``config.max_position_embeddings``.
@@ -195,9 +203,9 @@ class ProverCritic:
 
             _require_tokenizer_files(path)
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-        adapter = FORMATS[format].load(path, tokenizer, dtype=torch_dtype, attn_implementation=attn,
+        adapter = FORMATS[format].load(path, tokenizer, dtype=torch_dtype, attn_implementation=attn, device=device,
                                        allow_pickle=allow_pickle, **format_options)
-        adapter.to(device)
+        adapter.to(device)  # the fp32 heads some formats build on the host; the backbone is already there
         return cls(
             adapter,
             tokenizer,
@@ -395,6 +403,19 @@ class ProverCritic:
             [len(x.input_ids) for x in inputs], self.max_tokens_per_batch, mode or self.packing, self.max_padding_share
         )
 
+    def prepare_batch(self, inputs: Sequence[CriticInput], batch: MicroBatch, mode: Literal["varlen", "padded"]
+                      ) -> BatchTensors:
+        """Host tensors of one micro-batch: a packed row (with its ``cu_seq_lens`` when the attention runs it as
+        flash-attention varlen) or right-padded rows; page-locked when the critic runs on CUDA."""
+        seqs = [inputs[i].input_ids for i in batch.indices]
+        reads = [inputs[i].read_positions for i in batch.indices]
+        if mode == "varlen":
+            attn = getattr(self.adapter.config, "_attn_implementation", None) or "eager"
+            tensors = packed_tensors(seqs, reads, boundaries=runs_varlen(attn))
+        else:
+            tensors = padded_tensors(seqs, reads, self.pad_id)
+        return tensors.pin_memory() if self.device.type == "cuda" else tensors
+
     @torch.inference_mode()
     def forward_values(
         self,
@@ -407,46 +428,67 @@ class ProverCritic:
         """Values [H_i + 1] per input (fp32, CPU), in input order: one forward pass per micro-batch.
 
         ``batches`` defaults to :meth:`plan` (length-sorted, token budget); the benchmark passes naive plans.
+        With ``prefetch`` (default), micro-batch k + 1's host tensors are built in a background thread while
+        micro-batch k runs, and copied to the device (non-blocking, from page-locked memory on CUDA) before k's
+        values are read back: the device does not wait for Python-side packing between micro-batches.
         """
         mode = mode or self.packing
-        batches = self.plan(inputs, mode) if batches is None else batches
+        batches = list(self.plan(inputs, mode) if batches is None else batches)
         results: list[torch.Tensor | None] = [None] * len(inputs)
-        iterator = batches
+        if not batches:
+            return results  # type: ignore[return-value]
+        bar = None
         if self.progress:
             from tqdm.auto import tqdm
 
-            iterator = tqdm(batches, desc="critic", unit="batch")
-        for batch in iterator:
-            seqs = [inputs[i].input_ids for i in batch.indices]
-            reads = [inputs[i].read_positions for i in batch.indices]
-            if mode == "varlen":
-                ids, positions, flat_read = packed_tensors(seqs, reads, self.device)
-                hidden = self.adapter.backbone(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
-            else:
-                ids, mask, positions, flat_read = padded_tensors(seqs, reads, self.pad_id, self.device)
-                hidden = self.adapter.backbone(
-                    input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
-                ).last_hidden_state  # mask None: no row padded, plain causal attention
-            gathered = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_read).float()
-            logits = self.adapter.head(gathered)
-            values = self.adapter.logits_to_values(logits)
-            finite = torch.isfinite(gathered).all(-1) & torch.isfinite(logits).all(-1) & torch.isfinite(values)
-            values = values.cpu()
-            finite = finite.cpu()
-            start = 0
-            for i, rp in zip(batch.indices, reads):
-                chunk_finite = finite[start : start + len(rp)]
-                if not bool(chunk_finite.all()):
-                    bad = int((~chunk_finite).nonzero()[0])
-                    where = "the prompt" if bad == 0 else f"step {bad - 1}"
-                    raise FloatingPointError(
-                        f"sample {sample_offset + i}: the critic produced NaN/inf at {where} (token position "
-                        f"{rp[bad]} of {len(inputs[i].input_ids)}); check the checkpoint and the dtype (fp16 "
-                        "overflows; use bf16 or fp32)"
-                    )
-                results[i] = values[start : start + len(rp)]
-                start += len(rp)
+            bar = tqdm(total=len(batches), desc="critic", unit="batch")
+        non_blocking = self.device.type == "cuda"
+        with contextlib.ExitStack() as stack:
+            if self.prefetch:
+                pool = stack.enter_context(ThreadPoolExecutor(max_workers=1, thread_name_prefix="critic-prepare"))
+
+                def ahead(k: int) -> Callable[[], BatchTensors]:
+                    return pool.submit(self.prepare_batch, inputs, batches[k], mode).result
+            else:  # prepared when asked for, right before its forward
+                def ahead(k: int) -> Callable[[], BatchTensors]:
+                    return functools.partial(self.prepare_batch, inputs, batches[k], mode)
+
+            current = ahead(0)().to(self.device, non_blocking=non_blocking)
+            pending = ahead(1) if len(batches) > 1 else None
+            for k, batch in enumerate(batches):
+                hidden = self.adapter.backbone(**current.model_kwargs()).last_hidden_state
+                gathered = hidden.reshape(-1, hidden.shape[-1]).index_select(0, current.flat_read).float()
+                logits = self.adapter.head(gathered)
+                values = self.adapter.logits_to_values(logits)
+                finite = torch.isfinite(gathered).all(-1) & torch.isfinite(logits).all(-1) & torch.isfinite(values)
+                if pending is not None:  # queued behind micro-batch k's kernels, before its values are read
+                    current = pending().to(self.device, non_blocking=non_blocking)
+                    pending = ahead(k + 2) if k + 2 < len(batches) else None
+                self._collect(inputs, batch, values.cpu(), finite.cpu(), results, sample_offset)
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
         return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _collect(inputs: Sequence[CriticInput], batch: MicroBatch, values: torch.Tensor, finite: torch.Tensor,
+                 results: list, sample_offset: int) -> None:
+        """Split a micro-batch's values per input into ``results``; a non-finite value names its sample."""
+        start = 0
+        for i in batch.indices:
+            rp = inputs[i].read_positions
+            chunk_finite = finite[start : start + len(rp)]
+            if not bool(chunk_finite.all()):
+                bad = int((~chunk_finite).nonzero()[0])
+                where = "the prompt" if bad == 0 else f"step {bad - 1}"
+                raise FloatingPointError(
+                    f"sample {sample_offset + i}: the critic produced NaN/inf at {where} (token position "
+                    f"{rp[bad]} of {len(inputs[i].input_ids)}); check the checkpoint and the dtype (fp16 "
+                    "overflows; use bf16 or fp32)"
+                )
+            results[i] = values[start : start + len(rp)]
+            start += len(rp)
 
     def describe(self) -> str:
         """What produces this critic's values: its format, calibration and Best-of-K."""

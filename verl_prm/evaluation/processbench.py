@@ -1,4 +1,5 @@
-"""`verl-prm eval processbench`: first-error evaluation of a process verifier in the ProcessBench format.
+"""First-error evaluation of a process verifier in the ProcessBench format (the command: `verl-prm eval
+processbench`, verl_prm.evaluation.cli).
 
 A sample is a problem, its solution steps, and ``label`` = the index of the first wrong step, or -1 when every
 step is correct (ProcessBench, Zheng et al. 2024). A verifier predicts the first step whose score falls below
@@ -30,11 +31,9 @@ Input rows (``--format``):
 
 from __future__ import annotations
 
-import argparse
 import codecs
 import json
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -42,19 +41,19 @@ from typing import Any, Sequence
 import torch
 
 from verl_prm.advantages import best_of_k, step_progress, valid_steps
-from verl_prm.cli_types import finite_float
 
 __all__ = [
     "FirstErrorSample",
     "first_error_f1",
+    "evaluate",
     "holdout_split",
-    "main",
     "predicted_first_error",
     "read_first_error_samples",
     "read_prm800k",
     "read_processbench",
     "step_scores_of",
     "sweep_thresholds",
+    "threshold_grid",
 ]
 
 
@@ -305,40 +304,9 @@ def _pad_scores(samples: Sequence[FirstErrorSample]) -> tuple[torch.Tensor, torc
     return table, torch.tensor([len(s.steps) for s in samples])
 
 
-def _grid(text: str) -> torch.Tensor:
-    try:
-        start, stop, count = text.split(":")
-        start, stop = finite_float()(start), finite_float()(stop)
-        if int(count) < 1:
-            raise ValueError(count)
-        return torch.linspace(start, stop, int(count), dtype=torch.float64)
-    except (ValueError, argparse.ArgumentTypeError):
-        raise argparse.ArgumentTypeError(
-            f"must be START:STOP:COUNT (finite numbers, COUNT >= 1), got {text!r}"
-        ) from None
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="verl-prm eval processbench", description="First-error F1 of a process "
-                                "verifier on ProcessBench-format rows (or PRM800K rows).")
-    p.add_argument("--input", required=True, help="jsonl/json/parquet rows")
-    p.add_argument("--format", choices=("auto", "processbench", "prm800k"), default="auto")
-    p.add_argument("--critic", default=None, help="critic checkpoint (HF directory)")
-    p.add_argument("--critic-format", default="value_head")
-    p.add_argument("--scores-field", default=None, help="read step scores from this field instead of a critic")
-    p.add_argument("--score", choices=("values", "progress"), default="values",
-                   help="threshold the critic's values or their progress (PAV)")
-    p.add_argument("--best-of-k", type=int, default=1)
-    p.add_argument("--threshold", type=finite_float(), default=None, help="fixed threshold (no tuning)")
-    p.add_argument("--thresholds", type=_grid, default=None,
-                   help="tuning grid START:STOP:COUNT (default 0:1:101 for values, -1:1:201 for progress)")
-    p.add_argument("--tune-fraction", type=finite_float(0.0, 1.0, low_open=True, high_open=True), default=0.5, help="share of samples used to tune the threshold")
-    p.add_argument("--prompt-format", default="{problem}\n\n", help="what the critic reads before the steps")
-    p.add_argument("--separator", default="\\n\\n", help="text between steps (escapes decoded)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default=None, help="write per-sample predictions (jsonl) here")
-    return p
+def threshold_grid(start: float, stop: float, count: int) -> torch.Tensor:
+    """``count`` evenly spaced thresholds from ``start`` to ``stop`` (both included), float64."""
+    return torch.linspace(start, stop, count, dtype=torch.float64)
 
 
 def evaluate(args, samples: Sequence[FirstErrorSample]) -> dict[str, Any]:
@@ -364,7 +332,8 @@ def evaluate(args, samples: Sequence[FirstErrorSample]) -> dict[str, Any]:
         report.update(threshold=threshold, tuned=False, **first_error_f1(predicted_first_error(scores, num_steps, threshold), labels))
         evaluated = torch.arange(len(samples))
     else:
-        grid = args.thresholds if args.thresholds is not None else (_grid("0:1:101") if args.score == "values" else _grid("-1:1:201"))
+        grid = threshold_grid(*(args.thresholds if args.thresholds is not None else
+                                (0.0, 1.0, 101) if args.score == "values" else (-1.0, 1.0, 201)))
         tune, evaluated = holdout_split(len(samples), args.tune_fraction, args.seed, strata=labels >= 0)
         threshold, table = sweep_thresholds(scores[tune], num_steps[tune], labels[tune], grid)
         tuned = next(m for m in table if m["threshold"] == threshold)
@@ -378,23 +347,3 @@ def evaluate(args, samples: Sequence[FirstErrorSample]) -> dict[str, Any]:
         for i in range(len(samples))
     ]
     return report
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    samples = read_first_error_samples(args.input, args.format, args.scores_field)
-    if not samples:
-        raise SystemExit(f"{args.input}: no samples")
-    report = evaluate(args, samples)
-    predictions = report.pop("_predictions")
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.output, "w") as f:
-            for row in predictions:
-                f.write(json.dumps(row) + "\n")
-    print(json.dumps(report, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

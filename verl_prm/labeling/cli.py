@@ -14,8 +14,8 @@ import sys
 from typing import Sequence
 
 from verl_prm.checkpoints import resolve_checkpoint
+from verl_prm.choices import CODE_STEP_RULES
 from verl_prm.cli_types import finite_float
-from verl_prm.config.hook import CODE_STEP_RULES
 
 __all__ = ["main", "build_generator"]
 

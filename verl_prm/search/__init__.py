@@ -27,22 +27,29 @@ Where the parts live: ``nodes`` (`Node`, `StepSample`, `Compute`, `SearchResult`
 `step_accepted`, `top_per_group`, `response_scores`), ``rerank`` (`best_of_n`), ``beam`` (`beam_search`),
 ``greedy`` (`greedy_step_search`); ``generation`` the Hugging Face / vLLM step samplers and the language-model
 critic adapter; ``cli`` the ``verl-prm search`` command.
+
+The names below load their module on first use, so that ``verl-prm search --help`` (verl_prm.search.cli) does
+not import torch.
 """
 
-from verl_prm.search.beam import BeamConfig, beam_search
-from verl_prm.search.cache import CachedCritic
-from verl_prm.search.greedy import GreedyConfig, greedy_step_search
-from verl_prm.search.nodes import (
-    Compute,
-    Node,
-    PrefixCritic,
-    SearchResult,
-    StepSample,
-    StepSampler,
-    node_seed,
-)
-from verl_prm.search.rerank import BestOfNConfig, best_of_n
-from verl_prm.search.scoring import Rank, beam_scores, response_scores, step_accepted, top_per_group
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what static readers (type checkers, the API docs) see
+    from verl_prm.search.beam import BeamConfig, beam_search
+    from verl_prm.search.cache import CachedCritic
+    from verl_prm.search.greedy import GreedyConfig, greedy_step_search
+    from verl_prm.search.nodes import (
+        Compute,
+        Node,
+        PrefixCritic,
+        SearchResult,
+        StepSample,
+        StepSampler,
+        node_seed,
+    )
+    from verl_prm.search.rerank import BestOfNConfig, best_of_n
+    from verl_prm.search.scoring import Rank, beam_scores, response_scores, step_accepted, top_per_group
 
 __all__ = [
     "BeamConfig",
@@ -65,3 +72,17 @@ __all__ = [
     "step_accepted",
     "top_per_group",
 ]
+# the module of each name, imported on first use
+_MODULES = {"BeamConfig": "beam", "beam_search": "beam", "CachedCritic": "cache",
+            "GreedyConfig": "greedy", "greedy_step_search": "greedy",
+            "Compute": "nodes", "Node": "nodes", "PrefixCritic": "nodes", "SearchResult": "nodes",
+            "StepSample": "nodes", "StepSampler": "nodes", "node_seed": "nodes",
+            "BestOfNConfig": "rerank", "best_of_n": "rerank",
+            "Rank": "scoring", "beam_scores": "scoring", "response_scores": "scoring", "step_accepted": "scoring",
+            "top_per_group": "scoring"}
+
+
+def __getattr__(name: str):
+    if name not in _MODULES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"verl_prm.search.{_MODULES[name]}"), name)

@@ -30,21 +30,14 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from verl_prm.advantages import AGGREGATIONS
 from verl_prm.checkpoints import resolve_checkpoint
+from verl_prm.choices import AGGREGATIONS
 from verl_prm.cli_types import finite_float
-from verl_prm.search import (
-    BeamConfig,
-    BestOfNConfig,
-    CachedCritic,
-    GreedyConfig,
-    SearchResult,
-    beam_search,
-    best_of_n,
-    greedy_step_search,
-)
+
+if TYPE_CHECKING:
+    from verl_prm.search import SearchResult
 
 __all__ = ["SearchSetup", "add_sweep_arguments", "main", "run_sweep", "plot_accuracy_vs_compute", "summarize",
            "write_results"]
@@ -198,6 +191,9 @@ def _text_setup(args) -> SearchSetup:
 def run_sweep(args, setup: SearchSetup, log: Callable[[str], None] = print) -> list[dict]:
     """Run every method at every N; return one record per (method, N, problem). Critic caches are fresh per
     (method, N) run, so each run pays for its own critic calls."""
+    from verl_prm.search import (BeamConfig, BestOfNConfig, CachedCritic, GreedyConfig, beam_search, best_of_n,
+                                 greedy_step_search)
+
     beam_widths = args.n
     bon_ns = args.bon_n or [n * args.samples_per_beam for n in beam_widths]
     threshold = args.threshold if args.threshold is not None else (0.0 if args.accept_on == "progress" else 0.5)

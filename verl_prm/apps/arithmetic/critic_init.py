@@ -32,11 +32,10 @@ import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-import numpy as np
-import torch
-import torch.nn.functional as F
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CriticInitConfig", "ResultTargets", "critic_init_from_sft", "result_targets", "train_critic_init"]
 
@@ -112,6 +111,8 @@ def result_targets(tokenizer, prompt_text: str, response: str, modulus: int) -> 
 
 
 def _batch(examples: Sequence[ResultTargets], pad_token_id: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    import torch
+
     length = max(len(e.input_ids) for e in examples)
     steps = max(1, max(len(e.positions) for e in examples))
     out = {"input_ids": torch.full((len(examples), length), pad_token_id, dtype=torch.long),
@@ -134,6 +135,8 @@ def _batch(examples: Sequence[ResultTargets], pad_token_id: int, device: str = "
 
 def _result_logits(backbone, heads, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """[B, S, modulus + 1]: the recomputed result's logits and the prefix check's logit at each result."""
+    import torch
+
     hidden = backbone(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
     index = batch["positions"][..., None].expand(-1, -1, hidden.shape[-1])
     at_results = torch.gather(hidden, 1, index)
@@ -147,6 +150,9 @@ def train_critic_init(policy: str | Path, output_dir: str | Path, prompts: Seque
     the module docstring) and save it as a causal LM with its tokenizer under ``output_dir``. ``prompts`` are
     raw problem texts (rendered with the policy's chat template here). Returns the final held-out accuracy of
     the recomputed result on slipped steps (``eval/slipped_accuracy``) and the curve."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -16,9 +16,10 @@ import math
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -94,6 +95,7 @@ def render(tokenizer, prompt_text: str) -> str:
 
 def build_model(tokenizer, config: ModelConfig, seed: int = 0):
     """A Qwen2ForCausalLM with random weights (seeded)."""
+    import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     qwen = Qwen2Config(
@@ -119,6 +121,8 @@ def encode_sft(tokenizer, prompts: Sequence[str], responses: Sequence[str]) -> l
 
 def sft_batch(examples: Sequence[tuple[list[int], int]], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Right-padded ``input_ids``/``attention_mask`` [B, L] and ``labels`` [B, L] (-100 on prompt and padding)."""
+    import torch
+
     length = max(len(ids) for ids, _ in examples)
     input_ids = torch.full((len(examples), length), pad_token_id, dtype=torch.long)
     labels = torch.full((len(examples), length), -100, dtype=torch.long)
@@ -145,6 +149,7 @@ def train_sft(model, examples: Sequence[tuple[list[int], int]], config: SFTConfi
     examples the first ``config.curriculum_steps`` steps draw from (required when curriculum_steps > 0)."""
     if config.curriculum_steps and not short:
         raise ValueError("train_sft: SFTConfig.curriculum_steps > 0 needs the indices of the short examples (short=)")
+    import torch
     from tqdm.auto import tqdm
 
     rng = random.Random(f"sft-{config.seed}")

@@ -7,7 +7,8 @@ arm             estimator         prover critic (``verl_prm.critic``)
 ==============  ================  ====================================================================
 ``grpo``        ``grpo``          the exact prover, for the ``pav/*`` metrics only (verl's advantages)
 ``pav_exact``   ``pav_grpo``      ``format=exact``: the task's scripted prover with exact values
-``pav_learned`` ``pav_grpo``      ``format=value_head``: the PAV that ``verl-prm train`` learnt
+``pav_learned`` ``pav_grpo``      ``format=value_head``: the PAV that ``verl-prm train`` learnt (the exact
+                                  prover is its ``verl_prm.diagnostics.reference``: metrics only)
 ==============  ================  ====================================================================
 
 :func:`main_ppo_command` builds the command for a device: the run's settings (batch, group size, learning
@@ -110,13 +111,15 @@ def main_ppo_command(scale, arm_name: str, seed: int, paths: RunPaths, run_dir: 
     if arm_name not in ARMS:
         raise ValueError(f"unknown RL arm {arm_name!r}; known: {', '.join(ARMS)}")
     arm, rl = ARMS[arm_name], scale.rl
+    exact_prover = [f"prover={EXACT_PROVER}", f"step_accuracy={paths.step_accuracy:.6f}"]
     if arm.critic == "learned":
         if paths.learned_critic is None:
             raise ValueError(f"arm {arm_name} needs the learned PAV checkpoint (the recipe's pav stage)")
-        critic = [f"verl_prm.critic.path={paths.learned_critic}", "verl_prm.critic.format=value_head"]
+        # the exact arm's prover as the diagnostics' reference: the pav/process_corr, pav/*abs_adv* metrics
+        critic = [f"verl_prm.critic.path={paths.learned_critic}", "verl_prm.critic.format=value_head",
+                  *(f"+verl_prm.diagnostics.reference.{option}" for option in exact_prover)]
     else:
-        critic = ["verl_prm.critic.format=exact", f"+verl_prm.critic.options.prover={EXACT_PROVER}",
-                  f"+verl_prm.critic.options.step_accuracy={paths.step_accuracy:.6f}"]
+        critic = ["verl_prm.critic.format=exact", *(f"+verl_prm.critic.options.{option}" for option in exact_prover)]
     batch = rl.prompts_per_step
     run = [
         "hydra.searchpath=[pkg://verl_prm.config]",

@@ -13,12 +13,12 @@ import resource
 import statistics
 import time
 
-import numpy as np
-import torch
-
 
 def make_batch(batch: int, length: int, steps: int, group: int, device: str, seed: int = 0) -> dict:
     """A realistic batch: responses of random length, ``steps`` steps each, outcome at the last token."""
+    import numpy as np
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(length // 4, length + 1, (batch,), generator=generator)
     positions = torch.arange(length)[None, :]
@@ -62,6 +62,8 @@ def keep_freed_memory() -> bool:
 def interleaved_medians(cases: dict, repeats: int, device: str) -> tuple[dict[str, float], dict[str, float]]:
     """Median seconds and page faults of each case, timed round-robin so that load changes on the machine hit all
     cases alike."""
+    import torch
+
     times: dict[str, list[float]] = {label: [] for label in cases}
     faults: dict[str, list[int]] = {label: [] for label in cases}
     for fn in cases.values():  # warm-up
@@ -89,11 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--group", type=int, default=8, help="responses per prompt")
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--default-allocator", action="store_true",
                         help="keep glibc's dynamic malloc thresholds (page faults then land on arbitrary cases)")
     args = parser.parse_args(argv)
+    import torch  # after parsing: --help and argument errors answer without loading torch
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
     steady = not args.default_allocator and keep_freed_memory()

@@ -20,10 +20,10 @@ import math
 import random
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
-import torch
-
-from verl_prm.critic.packing import CriticInput, MicroBatch, padding_share
+if TYPE_CHECKING:
+    import torch
 
 TARGET_PREFIX_FACTOR = 0.5  # packed >= 0.5 * K times faster than per-prefix
 TARGET_PADDED = 1.3  # packed >= 1.3x faster than padded batching
@@ -63,6 +63,7 @@ def _tiny_tokenizer():
 
 def build_random_critic(directory: str, args) -> None:
     """Save a random Qwen2ForTokenClassification (num_labels=1, the native value_head format) in ``directory``."""
+    import torch
     from transformers import Qwen2Config, Qwen2ForTokenClassification
 
     torch.manual_seed(args.seed)
@@ -101,6 +102,8 @@ def make_batch(args, rng: random.Random) -> tuple[list[list[int]], list[int], li
 def _timed_rounds(methods: dict, repeats: int, device: torch.device) -> tuple[dict, dict, dict]:
     """Time every method once per round, rounds interleaved so that a change in the machine's load hits all
     methods alike; returns the best wall time, the CPU time of that run, and the result per method."""
+    import torch
+
     best = {name: math.inf for name in methods}
     cpu = {name: math.inf for name in methods}
     results = {}
@@ -120,9 +123,12 @@ def _timed_rounds(methods: dict, repeats: int, device: torch.device) -> tuple[di
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    import torch  # after parsing: --help and argument errors answer without loading torch
+
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     from verl_prm.critic import ProverCritic
+    from verl_prm.critic.packing import CriticInput, MicroBatch, padding_share
     from verl_prm.critic.flops import forward_flops, non_embedding_parameters
 
     rng = random.Random(args.seed)

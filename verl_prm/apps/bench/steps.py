@@ -21,11 +21,9 @@ import os
 import random
 import time
 
-# one core: torch intra-op threads below; the Rust tokenizers' batch calls here
+# one core: torch intra-op threads in main; the Rust tokenizers' batch calls here
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAYON_NUM_THREADS", "1")
-
-import torch  # noqa: E402
 
 _WORDS = (
     "the of and to a in is that we so then each total number cost more than half twice left after "
@@ -90,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the target is for one)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    import torch  # after parsing: --help and argument errors answer without loading torch
+
     torch.set_num_threads(args.threads)
 
     from verl_prm.bpe import train_byte_level_bpe

@@ -34,13 +34,11 @@ import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from verl_prm.cli_types import finite_float, finite_floats
-from verl_prm.apps.demo.env import DEFAULT_PLANTED, PlantedTask
 from verl_prm.apps.demo.plots import write_plots
 from verl_prm.apps.demo.report import (
     PAPER_CLAIMS,
@@ -52,8 +50,10 @@ from verl_prm.apps.demo.report import (
     sample_efficiency_line,
     trailing_accuracy,
 )
-from verl_prm.apps.demo.runs import RunSpec, base_policy, execute_run, run_all, train_critic_job
-from verl_prm.apps.demo.settings import QUICK, DemoSettings
+from verl_prm.apps.demo.settings import DEFAULT_PLANTED, QUICK, DemoSettings
+
+if TYPE_CHECKING:
+    from verl_prm.apps.demo.runs import RunSpec
 
 __all__ = ["main", "run_demo", "settings_from_args"]
 
@@ -116,18 +116,21 @@ def settings_from_args(argv: list[str]) -> DemoSettings:
     if settings.sweep_iterations > settings.iterations or settings.sweep_seeds > settings.seeds:
         parser.error("use --sweep-iterations <= --iterations and --sweep-seeds <= --seeds (the sweep reuses the "
                      "comparison's runs for outcome-only and for gamma = --gamma)")
+    from verl_prm.apps.demo.env import PlantedTask  # after parsing: --help answers without loading torch
+
     PlantedTask(planted=settings.planted)  # validates the planted sequence early
     return settings
 
 
 # a method of the comparison: (its name in the report, RunSpec.method, RunSpec.values)
 Method = tuple[str, str, str]
-RunsByName = dict[str, list[tuple[RunSpec, dict]]]
+RunsByName = dict[str, list[tuple["RunSpec", dict]]]
 
 
 def run_demo(settings: DemoSettings) -> dict[str, Any]:
     """Run every experiment; return the report (also what results.json holds)."""
     from verl_prm.apps.demo.policy_gradient import import_verl
+    from verl_prm.apps.demo.runs import execute_run, run_all
 
     started = time.perf_counter()
     if settings.workers == 1:
@@ -160,6 +163,8 @@ def run_demo(settings: DemoSettings) -> dict[str, Any]:
 
 def train_critics(settings: DemoSettings, gammas: list[float]) -> dict[float, tuple[dict, dict]]:
     """``--learned-critic``: a critic per prover gamma (its state dict and its quality)."""
+    from verl_prm.apps.demo.runs import run_all, train_critic_job
+
     jobs = [(train_critic_job, settings, g) for g in gammas]
     return dict(zip(gammas, run_all(settings, jobs, "critics (MC labels + training)", [1] * len(jobs))))
 
@@ -175,6 +180,8 @@ def plan_runs(settings: DemoSettings, methods: list[Method], gammas: list[float]
               critics: dict[float, tuple[dict, dict]]) -> list[tuple[str, RunSpec]]:
     """Every RL run, named by the report entry it serves: the comparison's runs of each method and seed, then the
     sweep's; the comparison's PAV runs (same seeds, a prefix of their iterations) serve gamma = ``--gamma``."""
+    from verl_prm.apps.demo.runs import RunSpec
+
     def spec(method: str, gamma: float, seed: int, iterations: int, kind: str, pass_at=None) -> RunSpec:
         state = critics[gamma][0] if (method == "pav" and kind == "learned") else None
         return RunSpec(method, gamma, seed, iterations, kind, pass_at, state)
@@ -209,7 +216,11 @@ def sweep_report(settings: DemoSettings, gammas: list[float], by_name: RunsByNam
                  critics: dict[float, tuple[dict, dict]]) -> dict[str, Any]:
     """The prover sweep: per gamma, accuracy of the PAV runs and the prover's mean |A^mu| on base-policy
     samples; outcome-only RL on the same seeds for reference."""
+    import torch
+
+    from verl_prm.apps.demo.env import PlantedTask
     from verl_prm.apps.demo.policy_gradient import exact_values
+    from verl_prm.apps.demo.runs import base_policy
 
     task = PlantedTask(planted=settings.planted)
     sweep_seeds = list(range(settings.sweep_seeds))
@@ -271,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = settings_from_args(list(sys.argv[1:] if argv is None else argv))
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
+    import torch
+
     previous_threads = torch.get_num_threads()
     # The MLP is tiny: one thread per run is fastest, and makes every run bitwise reproducible.
     torch.set_num_threads(1)

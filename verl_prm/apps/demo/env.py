@@ -30,16 +30,9 @@ from functools import cached_property
 
 import torch
 
-__all__ = ["PlantedTask", "kmp_transitions"]
+from verl_prm.apps.demo.settings import DEFAULT_PLANTED
 
-# Default planted sequence: 4 tokens, no self-overlap (all KMP fallbacks are 0, so "matched length" is simply the
-# longest matched prefix; overlapping sequences work too, the automaton handles them), no EOS. Why 4: the
-# warm-started policy then succeeds on ~0.05% of its samples, so exploration is the bottleneck (the regime of
-# the paper's experiment), yet outcome-only RL finds a first success within a few hundred iterations in most
-# seeds, so the demo can measure a ratio instead of a bound. With 5 tokens the warm-started policy had 0
-# successes in 4,096 samples and outcome-only RL never moved in 400 iterations (3 seeds; README). The paper
-# shows its y* only in a figure.
-DEFAULT_PLANTED = (3, 8, 5, 11)
+__all__ = ["PlantedTask", "kmp_transitions"]
 
 
 def kmp_transitions(planted: tuple[int, ...], vocab: int) -> torch.Tensor:

@@ -30,14 +30,16 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Sequence
-
-import torch
+from typing import TYPE_CHECKING, Sequence
 
 from verl_prm.cli_types import finite_float
 from verl_prm.search import Node, StepSample
 from verl_prm.search.cli import SearchSetup, add_sweep_arguments, run_sweep, write_results
-from verl_prm.apps.demo.env import PlantedTask
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where the task computes (``demo search --help`` answers without loading it)
 
 __all__ = ["ToySearchTask", "ToyCritic", "main", "search_parser"]
 
@@ -67,6 +69,10 @@ class ToySearchTask:
     ) -> None:
         if step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
+        import torch
+
+        from verl_prm.apps.demo.env import PlantedTask
+
         generator = torch.Generator().manual_seed(seed)
         planted = torch.randint(1, vocab, (num_problems, planted_length), generator=generator)
         self.tasks = [PlantedTask(tuple(int(a) for a in row), length=length, vocab=vocab) for row in planted]
@@ -90,6 +96,8 @@ class ToySearchTask:
     # ------------------------------------------------------------------------------------------ values
     def value_table(self, gamma: float) -> torch.Tensor:
         """[P, length + 1, K] exact V^{mu_gamma}(t, k) per problem (cached)."""
+        import torch
+
         if gamma not in self._value_tables:
             self._value_tables[gamma] = torch.stack([task.value_table(gamma) for task in self.tasks])
         return self._value_tables[gamma]
@@ -128,6 +136,8 @@ class ToySearchTask:
         gamma = self.policy_gamma if gamma is None else float(gamma)
         table = self.value_table(gamma)
         if rollouts > 0:
+            import torch
+
             generator = torch.Generator().manual_seed(seed)
             table = torch.binomial(torch.full_like(table, float(rollouts)), table, generator=generator) / rollouts
             for p, task in enumerate(self.tasks):  # finished states are observed, not estimated
@@ -141,6 +151,8 @@ class ToySearchTask:
         self, problems: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, max_tokens: int, generator
     ) -> list[tuple[list[int], bool]]:
         """Sample up to ``max_tokens`` tokens per row from pi; rows stop at EOS or at the task's length."""
+        import torch
+
         rows = problems.shape[0]
         states, positions = states.clone(), positions.clone()
         active = positions < self.length
@@ -163,6 +175,8 @@ class ToySearchTask:
 
     def sample_steps(self, nodes: Sequence[Node], n: int, seeds: Sequence[int]) -> list[list[StepSample]]:
         """``n`` next steps (``step_tokens`` tokens, fewer at EOS or at the end) for each node."""
+        import torch
+
         if not nodes:
             return []
         generator = torch.Generator().manual_seed(int(seeds[0]))
@@ -181,6 +195,8 @@ class ToySearchTask:
 
     def sample_responses(self, problems: Sequence[int], n: int, seeds: Sequence[int]) -> list[list[Node]]:
         """``n`` full responses per problem, split into steps of ``step_tokens`` tokens."""
+        import torch
+
         if not problems:
             return []
         generator = torch.Generator().manual_seed(int(seeds[0]))

@@ -13,7 +13,8 @@ verl's ``PPOTrainerSync`` it changes two things:
    ``verl_prm.integrations.verl.advantage.compute_advantage_with_steps`` on a DataProto carrying the step tensors; other
    estimators (e.g. the grpo baseline) go through verl's own function unchanged. The KL-in-reward and
    rollout-correction steps and the write-back are verl 0.9.1's, in the same order. ``pav/*`` metrics are
-   added to the step's metrics, which verl's tracker logs.
+   added to the step's metrics, which verl's tracker logs; with ``verl_prm.diagnostics.reference`` the steps
+   are also scored by that exact prover, for the metrics only (``diagnostics_metrics``).
 
 verl compares ``self.trainer_mode == "sync"`` in several places (replay-buffer class, dataloader refill,
 checkpoint save/load of TransferQueue, re-issuing in-flight prompts, prompt persistence). ``trainer_mode`` is
@@ -44,7 +45,13 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.debug import marked_timer
 from verl.workers.utils.padding import response_to_nested
 
-from verl_prm.config.hook import EXACT_CRITIC_FORMAT, HOOK_TRAINER_NAME, ROLLOUT_CRITIC_FORMAT, HookConfig
+from verl_prm.config.hook import (
+    EXACT_CRITIC_FORMAT,
+    HOOK_TRAINER_NAME,
+    ROLLOUT_CRITIC_FORMAT,
+    HookConfig,
+    build_exact_critic,
+)
 from verl_prm.estimators import ESTIMATORS
 from verl_prm.integrations.verl.advantage import compute_advantage_with_steps
 from verl_prm.integrations.verl.critic_worker import OFFLOAD_SECONDS_KEY, ProverCriticWorker, compute_step_values
@@ -58,6 +65,7 @@ __all__ = [
     "CRITIC_POOL_NAME",
     "PavSyncTrainer",
     "critic_worker_kwargs",
+    "diagnostics_metrics",
     "outcome_zero_signal_share",
     "pav_metrics",
     "register_trainer_hook",
@@ -127,20 +135,64 @@ def pav_metrics(
     }
 
 
+def _kept_rows(real_rows: torch.Tensor) -> torch.Tensor:
+    """The rows the batch metrics read: the real ones, or every row when none is real."""
+    return real_rows if real_rows.any() else torch.ones_like(real_rows)
+
+
+def _outcomes_and_groups(rm_scores, uids, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(outcomes [N] (sum of each response's rewards), group ids [N] of the prompts (``uid``), G) of the kept rows."""
+    from verl_prm.advantages import group_ids
+
+    scores = rm_scores.to_padded_tensor(padding=0.0) if rm_scores.is_nested else rm_scores
+    outcomes = scores.float().sum(dim=-1)[keep]
+    labels = [str(uid) for uid in (uids.tolist() if hasattr(uids, "tolist") else list(uids))]
+    kept = [label for label, k in zip(labels, keep.tolist()) if k]
+    if not kept:
+        return outcomes, torch.zeros(0, dtype=torch.long), 0
+    groups, count = group_ids(np.array(kept, dtype=object))
+    return outcomes, groups, count
+
+
 def outcome_zero_signal_share(rm_scores, uids, real_rows: torch.Tensor) -> float:
     """Share of the batch's prompt groups (``uid``) whose outcome rewards are all equal: groups where GRPO's
     advantage is zero everywhere (``verl_prm.advantages.zero_signal_groups``); padding rows are left out."""
-    from verl_prm.advantages import group_ids, zero_signal_groups
+    from verl_prm.advantages import zero_signal_groups
 
-    scores = rm_scores.to_padded_tensor(padding=0.0) if rm_scores.is_nested else rm_scores
-    outcomes = scores.float().sum(dim=-1)
-    labels = [str(uid) for uid in (uids.tolist() if hasattr(uids, "tolist") else list(uids))]
-    keep = real_rows if real_rows.any() else torch.ones(len(labels), dtype=torch.bool)
-    kept = [label for label, k in zip(labels, keep.tolist()) if k]
-    if not kept:
+    outcomes, groups, count = _outcomes_and_groups(rm_scores, uids, _kept_rows(real_rows))
+    if not count:
         return 0.0
-    groups, count = group_ids(np.array(kept, dtype=object))
-    return zero_signal_groups(outcomes[keep], groups, count).float().mean().item()
+    return zero_signal_groups(outcomes, groups, count).float().mean().item()
+
+
+def diagnostics_metrics(step_values: torch.Tensor, prompt_values: torch.Tensor, num_steps: torch.Tensor,
+                        rm_scores, uids, real_rows: torch.Tensor, threshold: float,
+                        reference=None) -> dict[str, float]:
+    """The ``verl_prm.diagnostics`` metrics of a batch, over the real rows (``_kept_rows``).
+
+    The critic's process term is its progress A_h = v_h - v_{h-1} (``step_progress`` of the raw values, before
+    Best-of-K, clip and normalisation). Always ``pav/zero_outcome_groups_with_signal`` (|A_h| > ``threshold``).
+    With ``reference`` (``CriticScores`` of the exact prover ``verl_prm.diagnostics.reference`` on the same
+    steps) also ``pav/process_corr``, ``pav/abs_adv_right``/``_slipped`` and ``pav/exact_abs_adv_right``/
+    ``_slipped``, a step slipping where the reference value drops to 0 (``verl_prm.diagnostics.slipped_steps``).
+    The share of groups without outcome signal is ``pav/outcome_zero_signal_groups`` (logged once, there).
+    """
+    from verl_prm.advantages import step_progress
+    from verl_prm.diagnostics import process_term_diagnostics, slipped_steps, zero_outcome_groups_with_signal
+
+    keep = _kept_rows(real_rows)
+    outcomes, groups, count = _outcomes_and_groups(rm_scores, uids, keep)
+    num_steps = num_steps[keep]
+    learned = step_progress(step_values[keep].float(), prompt_values[keep].float(), num_steps)
+    if reference is None:
+        _, with_signal = zero_outcome_groups_with_signal(learned, num_steps, outcomes, groups, count, threshold)
+        return {"pav/zero_outcome_groups_with_signal": with_signal}
+    exact_values, exact_prompt = reference.step_values[keep].float(), reference.prompt_values[keep].float()
+    exact = step_progress(exact_values, exact_prompt, num_steps)
+    metrics = process_term_diagnostics(learned, num_steps, slipped_steps(exact_values, exact_prompt, num_steps),
+                                       outcomes, groups, count, threshold, exact=exact)
+    del metrics["pav/zero_outcome_groups"]  # == pav/outcome_zero_signal_groups
+    return metrics
 
 
 def critic_worker_kwargs(hook: HookConfig) -> dict[str, Any]:
@@ -191,6 +243,10 @@ class PavSyncTrainer(PPOTrainerSync):
             check_rollout_critic_run(config)
         self.prover_wg = None
         self.rollout_critic = None
+        # verl_prm.diagnostics.reference: the exact prover of the diagnostics, in the driver (it reads text)
+        reference = self.hook_config.diagnostics.reference
+        self.reference_critic = (build_exact_critic(reference, "verl_prm.diagnostics.reference")
+                                 if reference is not None else None)
         super().__init__(config)
 
     # verl checks `trainer_mode == "sync"`; this trainer is sync in every such check.
@@ -290,7 +346,9 @@ class PavSyncTrainer(PPOTrainerSync):
 
         ``data.batch`` holds ``prompts`` (jagged), ``responses`` (jagged) and ``response_mask`` [B, T].
         Returns the step tensors of the contract plus ``truncated`` (and, when sampling, ``mc``: the
-        ``SampledValues``), and the critic's wall time.
+        ``SampledValues``; with ``verl_prm.diagnostics.reference``, ``reference``: the exact prover's
+        ``CriticScores`` of the same steps, for the metrics only), and the critic's wall time (without the
+        reference's).
         """
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         prompts, prompt_mask = _left_padded(data["prompts"], pad_id)
@@ -302,6 +360,15 @@ class PavSyncTrainer(PPOTrainerSync):
         if response_mask.is_nested:
             response_mask = response_mask.to_padded_tensor(padding=0)
         split = self.hook_config.steps.split(responses, response_mask, self.tokenizer)
+        reference = None
+        if self.hook_config.diagnostics.reference is not None:
+            # the exact reference of the diagnostics reads the split's texts, as a format=exact critic worker does
+            attention = torch.cat([prompt_mask, response_attention], dim=1)
+            try:
+                reference = self.reference_critic.score_policy_batch(prompts, responses, attention, split,
+                                                                     self.tokenizer)
+            except ValueError as error:
+                raise ValueError(f"verl_prm.diagnostics.reference: {error}") from error
         if self._samples_values():
             start = time.perf_counter()
             values = self._sample_step_values(data, split, real_rows)
@@ -314,6 +381,8 @@ class PavSyncTrainer(PPOTrainerSync):
                 "merged_steps": split.merged_steps,
                 "mc": values,
             }
+            if reference is not None:
+                tensors["reference"] = reference
             return tensors, time.perf_counter() - start
         critic_input = DataProto.from_dict(
             tensors={
@@ -352,6 +421,8 @@ class PavSyncTrainer(PPOTrainerSync):
             "truncated": truncated_responses(responses, response_lengths, self._eos_token_ids()),
             "merged_steps": split.merged_steps,
         }
+        if reference is not None:
+            tensors["reference"] = reference
         return tensors, seconds
 
     def _sample_step_values(self, data, split, real_rows: torch.Tensor | None):
@@ -424,7 +495,7 @@ class PavSyncTrainer(PPOTrainerSync):
         if "mc" in step_tensors:
             from verl_prm.integrations.verl.rollout_critic import mc_metrics
 
-            metrics.update(mc_metrics(step_tensors.pop("mc"), real_rows if real_rows.any() else None))
+            metrics.update(mc_metrics(step_tensors.pop("mc"), raw["response_mask"], real_rows if real_rows.any() else None))
         metrics.update(
             pav_metrics(
                 step_tensors["step_values"], step_tensors["prompt_values"], step_tensors["num_steps"],
@@ -434,6 +505,11 @@ class PavSyncTrainer(PPOTrainerSync):
         )
         metrics["pav/merged_steps_share"] = (step_tensors.pop("merged_steps")[real_rows] > 0).float().mean().item() if real_rows.any() else 0.0
         metrics["pav/outcome_zero_signal_groups"] = outcome_zero_signal_share(raw["rm_scores"], raw["uid"], real_rows)
+        # the reference's values leave here: only the metrics read them, never the advantages
+        metrics.update(diagnostics_metrics(
+            step_tensors["step_values"], step_tensors["prompt_values"], step_tensors["num_steps"], raw["rm_scores"],
+            raw["uid"], real_rows, self.hook_config.diagnostics.signal_threshold, step_tensors.pop("reference", None),
+        ))
         if not step_estimator:
             # outcome-only estimator (the grpo baseline): verl's advantages, unchanged; metrics only
             return super()._compute_advantage(batch, metrics)

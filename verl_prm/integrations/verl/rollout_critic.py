@@ -117,12 +117,20 @@ def sampling_params(rollout_config: Any) -> dict[str, Any]:
     }
 
 
-def mc_metrics(values: SampledValues, real_rows: torch.Tensor | None = None) -> dict[str, float]:
+def mc_metrics(values: SampledValues, response_mask: torch.Tensor, real_rows: torch.Tensor | None = None) -> dict[str, float]:
     """The cost of one step's sampling (``pav/mc_*``): prefixes sampled and refused by the token budget (these
-    hold the value of the step before them), continuations, tokens generated, rounds of generation calls, and
-    the share of the real rows' steps whose value was sampled."""
+    hold the value of the step before them), continuations, tokens generated, rounds of generation calls, the
+    share of the real rows' steps whose value was sampled, and the token ratio
+
+        pav/mc_token_ratio = continuation tokens / response tokens of the batch,
+
+    the response tokens being ``response_mask``'s ([B, T], padded or nested) ones of the real rows: how many
+    tokens the critic generated per token the rollout generated for the batch."""
     sampled = values.sampled if real_rows is None else values.sampled[real_rows]
     num_steps = values.num_steps if real_rows is None else values.num_steps[real_rows]
+    mask = response_mask.to_padded_tensor(padding=0) if response_mask.is_nested else response_mask
+    row_tokens = mask.long().sum(dim=-1)
+    response_tokens = int((row_tokens if real_rows is None else row_tokens[real_rows]).sum())
     steps = int(num_steps.sum())
     return {
         "pav/mc_prefixes_evaluated": float(values.prefixes_evaluated),
@@ -131,6 +139,7 @@ def mc_metrics(values: SampledValues, real_rows: torch.Tensor | None = None) -> 
         "pav/mc_tokens": float(values.tokens),
         "pav/mc_rounds": float(values.rounds),
         "pav/mc_sampled_step_share": float(sampled.sum()) / steps if steps else 0.0,
+        "pav/mc_token_ratio": values.tokens / response_tokens if response_tokens else 0.0,
     }
 
 

@@ -19,6 +19,7 @@ from verl_prm.config.hook import (
     HookConfig,
     check_critic_path,
     check_exact_prover,
+    check_reference_prover,
     check_finite_floats,
     select_key,
     read_hook_config,
@@ -62,7 +63,8 @@ def validate_run_config(config: Any) -> tuple[HookConfig, PavConfig]:
     that does not exist, is a file, has no weights or only pickle weights (``verl_prm.critic.allow_pickle``), or
     is a hub id that is not cached while offline; with ``verl_prm.critic.format=exact``: a path set, no
     ``options.prover``, a prover that cannot be imported or a bad prover option (the prover is built once);
-    out-of-range step, critic and placement settings.
+    with ``verl_prm.diagnostics.reference``: the same for its exact prover, and a run that scores no steps;
+    out-of-range step, critic, placement and diagnostics settings.
     """
     hook = read_hook_config(select_key(config, "verl_prm"))
     algorithm = select_key(config, "algorithm")
@@ -90,4 +92,11 @@ def validate_run_config(config: Any) -> tuple[HookConfig, PavConfig]:
             pass  # no checkpoint; the rollout and reward settings are checked by the trainer (rollout_critic)
         else:
             check_critic_path(hook.critic.path, hook.critic.allow_pickle)
+        check_reference_prover(hook.diagnostics)
+    elif hook.diagnostics.reference is not None:
+        raise ConfigError(
+            "verl_prm.diagnostics.reference is set, but this run scores no steps (the trainer hook "
+            f"trainer.v1.trainer_mode={HOOK_TRAINER_NAME} with a step estimator or "
+            "verl_prm.score_outcome_estimators=true): set verl_prm.diagnostics.reference=null"
+        )
     return hook, pav

@@ -14,7 +14,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 
 from verl_prm.checks import check_number
-from verl_prm.config.hook import ConfigError
+from verl_prm.config.hook import ConfigError, select_key
 
 __all__ = ["CPUStartupCheck", "check_cpu_run"]
 
@@ -24,19 +24,10 @@ CPU_ROLLOUT = "hf"
 CPU_ATTENTION = ("sdpa", "eager")
 
 
-def _get(node: Any, dotted: str, default: Any = None) -> Any:
-    for part in dotted.split("."):
-        if node is None:
-            return default
-        getter = getattr(node, "get", None)
-        node = getter(part, None) if getter is not None else getattr(node, part, None)
-    return default if node is None else node
-
-
 def joins_a_cluster(ray_kwargs: Any) -> bool:
     """Whether the run joins an existing Ray cluster (``ray_kwargs.ray_init.address`` or ``RAY_ADDRESS``, other
     than ``local``): then the workers' nodes, not this driver, hold the GPUs."""
-    address = _get(ray_kwargs, "ray_init.address") or os.environ.get("RAY_ADDRESS")
+    address = select_key(ray_kwargs, "ray_init.address") or os.environ.get("RAY_ADDRESS")
     return bool(address) and str(address).strip().lower() != "local"
 
 
@@ -47,7 +38,7 @@ def check_cpu_run(trainer: Any, actor_rollout_ref: Any, ray_kwargs: Any, acceler
     A GPU run (``trainer.device`` not ``cpu``) from a host without one passes when it joins a Ray cluster
     (:func:`joins_a_cluster`): verl's resource pool then checks the workers' GPUs, as on a GPU-less head node.
     """
-    device = str(_get(trainer, "device", "cuda"))
+    device = str(select_key(trainer, "device", "cuda"))
     if device != "cpu":
         if joins_a_cluster(ray_kwargs):
             return
@@ -64,20 +55,20 @@ def check_cpu_run(trainer: Any, actor_rollout_ref: Any, ray_kwargs: Any, acceler
         return
     problems: list[str] = []
     for key in ("actor.strategy", "ref.strategy"):
-        strategy = _get(actor_rollout_ref, key)
+        strategy = select_key(actor_rollout_ref, key)
         if strategy is not None and strategy != "fsdp2":
             problems.append(f"actor_rollout_ref.{key}={strategy} needs an accelerator (FSDP1 places the model with "
                             f"a device id): set actor_rollout_ref.{key}=fsdp2")
-    rollout = _get(actor_rollout_ref, "rollout.name")
+    rollout = select_key(actor_rollout_ref, "rollout.name")
     if rollout != CPU_ROLLOUT:
         problems.append(f"actor_rollout_ref.rollout.name={rollout} needs a GPU: set "
                         f"actor_rollout_ref.rollout.name={CPU_ROLLOUT} (transformers generate on CPU)")
-    attention = _get(actor_rollout_ref, "model.override_config.attn_implementation", "flash_attention_2")
+    attention = select_key(actor_rollout_ref, "model.override_config.attn_implementation", "flash_attention_2")
     if attention not in CPU_ATTENTION:
         problems.append(f"actor_rollout_ref.model.override_config.attn_implementation={attention} (verl's default "
                         "when unset) needs CUDA: set +actor_rollout_ref.model.override_config.attn_implementation=sdpa")
-    n_procs = int(_get(trainer, "n_gpus_per_node", 1)) * int(_get(trainer, "nnodes", 1))
-    num_gpus = _get(ray_kwargs, "ray_init.num_gpus")
+    n_procs = int(select_key(trainer, "n_gpus_per_node", 1)) * int(select_key(trainer, "nnodes", 1))
+    num_gpus = select_key(ray_kwargs, "ray_init.num_gpus")
     if num_gpus is not None:
         try:
             num_gpus = check_number("ray_kwargs.ray_init.num_gpus", num_gpus, 0)

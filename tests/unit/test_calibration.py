@@ -188,7 +188,7 @@ def test_a_bad_calibration_file_is_a_one_line_error_naming_it(tmp_path, fields, 
 
 def test_fit_refuses_too_few_labels_constant_values_and_wrong_rankings():
     few = np.linspace(0.1, 0.9, MIN_CALIBRATION_LABELS - 1)
-    with pytest.raises(CalibrationError, match=f"31 held-out labels, fewer than the minimum 32"):
+    with pytest.raises(CalibrationError, match="31 held-out labels, fewer than the minimum 32"):
         fit_calibration("platt", few, few, np.ones_like(few), "")
     values = np.linspace(0.1, 0.9, 40)
     with pytest.raises(CalibrationError, match="all held-out values are equal"):

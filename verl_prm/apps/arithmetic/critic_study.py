@@ -335,7 +335,7 @@ class _Study:
         if variant == "check_frozen":
             if not self.recipe_checks:
                 raise ValueError("check_frozen is the recipe's PAV of a scale with a critic_init (check_weight "
-                                 f"> 0); this scale's PAV fine-tunes the policy (variant mc)")
+                                 "> 0); this scale's PAV fine-tunes the policy (variant mc)")
             return Path(self.stages["pav"].outputs()["checkpoint"]), scale.pav_steps, self.stages["pav"].path
         train_dir = self.out_dir / variant
         if variant == "check_head":

@@ -1,0 +1,187 @@
+"""The recipe's learned critics: exact label rows, the SFT solutions as label rows, and the checking backbone
+(critic_init: the policy signal, result targets)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from verl_prm.apps.arithmetic.score import DATA_SOURCE
+from verl_prm.apps.arithmetic.task import (
+    Problem,
+    TaskConfig,
+    solution_lines,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "arithmetic"
+CONFIGS = [
+    TaskConfig(),
+    TaskConfig(min_ops=1, max_ops=2, modulus=7, max_operand=6),
+    TaskConfig(min_ops=3, max_ops=6, modulus=97, max_operand=96, ops="*-"),
+]
+
+
+def test_exact_label_rows_hold_the_exact_provers_values_and_pass_the_label_checks(tmp_path):
+    import pandas as pd
+
+    from verl_prm.labeling.format import read_labels
+    from verl_prm.labeling.store import ShardStore
+    from verl_prm.apps.arithmetic.critic_study import exact_label_rows
+    from verl_prm.apps.arithmetic.model import build_tokenizer, render
+    from verl_prm.apps.arithmetic.prover import prefix_value
+
+    problem = Problem(3, (("+", 2), ("*", 3)), 7)  # 3+2=5, 5*3=1
+    prompt = render(build_tokenizer(), problem.prompt_text)
+    rows = []
+    for i, response in enumerate(["3+2=5 *3\n5*3=1\nanswer 1", "3+2=6 *3\n6*3=4\nanswer 4"]):
+        ends = [5, 14, len(response)] if i == 0 else [5, 14, len(response)]
+        rows.append({"prompt_index": 0, "rollout_index": i, "data_source": DATA_SOURCE, "prompt": prompt,
+                     "ground_truth": "1", "response": response, "step_starts": [0, 5, 14], "step_ends": ends,
+                     "q": [0.5, 0.5, 0.0], "n_success": [1, 1, 0], "n_mc": [2, 2, 2], "first_pit": -1,
+                     "prompt_value": 0.5, "prompt_n_success": 1, "prompt_n_mc": 2, "outcome": float(i == 0),
+                     "score": float(i == 0), "finished": True, "strategy": "every", "source": "test"})
+    exact = exact_label_rows(pd.DataFrame(rows), step_accuracy=0.8)
+    assert exact[0]["q"] == [0.8, 1.0, 1.0] and exact[0]["prompt_value"] == pytest.approx(0.64)
+    assert exact[1]["q"] == [0.0, 0.0, 0.0] and exact[1]["first_pit"] == 0
+    assert exact[0]["q"][0] == prefix_value(problem, rows[0]["response"][:5], 0.8)
+    ShardStore(tmp_path).write_shard(exact)  # the writer validates the rows
+    assert read_labels(tmp_path)["q"].map(list).tolist() == [[0.8, 1.0, 1.0], [0.0, 0.0, 0.0]]
+
+
+def test_sft_solutions_become_exact_label_rows_with_one_step_per_result(tmp_path):
+    from verl_prm.apps.arithmetic.critic_study import sft_label_rows
+    from verl_prm.apps.arithmetic.model import build_tokenizer
+
+    problem = Problem(3, (("+", 2), ("*", 3)), 7)  # 3+2=5, 5*3=1
+    right, slipped = "\n".join(solution_lines(problem)), "\n".join(solution_lines(problem, 1, 2))
+    (tmp_path / "sft.jsonl").write_text("".join(
+        json.dumps({"prompt": problem.prompt_text, "response": r, "slip_step": s}) + "\n"
+        for r, s in ((right, -1), (slipped, 1))))
+    rows = sft_label_rows(tmp_path, build_tokenizer(), step_accuracy=0.5)
+    assert [r["response"][a:b] for r in rows[:1] for a, b in zip(r["step_starts"], r["step_ends"])] == [
+        "3+2=5", " *3\n5*3=1", "\nanswer 1"]
+    assert rows[0]["q"] == [0.5, 1.0, 1.0] and rows[0]["prompt_value"] == 0.25
+    assert rows[1]["q"] == [0.5, 0.0, 0.0] and rows[1]["first_pit"] == 1 and rows[1]["outcome"] == 0.0
+
+
+def test_running_min_is_the_least_likely_step_so_far():
+    from verl_prm.apps.arithmetic.critic_study import running_min
+
+    assert running_min([-0.1, -2.0, -0.5, -3.0]) == [-0.1, -2.0, -2.0, -3.0]
+    assert running_min([]) == []
+
+
+def test_policy_signal_reads_the_log_probability_of_each_written_result(monkeypatch):
+    """An oracle policy that puts its mass on the reference solution's next character: the running minimum of its
+    log-probabilities of the written results separates right prefixes from wrong ones perfectly, and a probe of
+    a hidden state that carries the first step's truth finds it."""
+    from types import SimpleNamespace
+
+    import verl_prm.apps.arithmetic.rollout as rollout
+    from verl_prm.apps.arithmetic.critic_study import policy_signal
+    from verl_prm.apps.arithmetic.model import build_tokenizer, render
+
+    tokenizer = build_tokenizer()
+    problem = Problem(3, (("+", 2), ("*", 3)), 7)  # 3+2=5, 5*3=1
+    prompt = render(tokenizer, problem.prompt_text)
+    right = "\n".join(solution_lines(problem))
+    texts = [right, "\n".join(solution_lines(problem, 0, 6)), "\n".join(solution_lines(problem, 1, 2))] * 4
+    monkeypatch.setattr(rollout, "sample", lambda *a, **k: SimpleNamespace(texts=texts, prompt_index=[0] * len(texts)))
+    reference = tokenizer(prompt + right, add_special_tokens=False)["input_ids"]
+
+    class Oracle:
+        def __call__(self, input_ids, output_hidden_states=False):
+            ids = input_ids[0].tolist()
+            logits = torch.zeros(len(ids), tokenizer.vocab_size + 2)
+            for t in range(len(ids) - 1):
+                logits[t, reference[t + 1]] = 8.0
+            # hidden state: 1 where the written token is the reference's (the first result's token included)
+            hidden = torch.tensor([[float(i == r)] + [0.0] * 3 for i, r in zip(ids, reference)]).unsqueeze(0)
+            return SimpleNamespace(logits=logits.unsqueeze(0), hidden_states=(hidden,))
+
+    signal = policy_signal(Oracle(), tokenizer, [prompt], [problem], samples=1, max_new_tokens=32, seed=0)
+    assert signal["policy_logprob_steps"] == 2 * len(texts)
+    assert signal["policy_logprob_step_auroc"] == 1.0
+    assert signal["policy_logprob_first_step_auroc"] == 1.0 and signal["probe_first_step_auroc"] == 1.0
+    assert signal["first_steps"] == len(texts)
+
+
+def test_result_targets_mark_each_written_result_with_the_result_of_its_operation():
+    from verl_prm.apps.arithmetic.critic_init import result_targets
+    from verl_prm.apps.arithmetic.model import build_tokenizer, render
+
+    tokenizer = build_tokenizer()
+    problem = Problem(3, (("+", 2), ("*", 3)), 7)  # 3+2=5, 5*3=1
+    prompt = render(tokenizer, problem.prompt_text)
+    slipped = "\n".join(solution_lines(problem, 0, 6))  # 3+2=6 *3 / 6*3=4 / answer 4
+    targets = result_targets(tokenizer, prompt, slipped, 7)
+    assert slipped.splitlines()[:2] == ["3+2=6 *3", "6*3=4"]
+    # the last token of each written result (one token per character), the operation's result from the written
+    # operand (6*3 = 18 = 4 mod 7: the second line is right given the first), and whether the written one slipped
+    assert [tokenizer.decode([targets.input_ids[t]]) for t in targets.positions] == ["6", "4"]
+    assert targets.positions == [len(prompt) + 4, len(prompt) + 13]
+    assert targets.targets == [5, 4] and targets.slipped == [True, False]
+    assert targets.prefix_right == [False, False]  # once a result slipped, no later prefix is right
+    right = result_targets(tokenizer, prompt, "\n".join(solution_lines(problem)), 7)
+    assert right.slipped == [False, False] and right.prefix_right == [True, True]
+    # a line that computes right from a miscopied operand: no slip, but the prefix is wrong from there on
+    miscopied = result_targets(tokenizer, prompt, "3+2=5 *3\n4*3=5\nanswer 5", 7)
+    assert miscopied.slipped == [False, False] and miscopied.prefix_right == [True, False]
+
+
+def test_critic_init_needs_a_slipped_result_and_saves_a_causal_lm(tmp_path):
+    from verl_prm.apps.arithmetic.critic_init import CriticInitConfig, train_critic_init
+    from verl_prm.apps.arithmetic.model import ModelConfig, build_model, build_tokenizer, save_policy
+
+    tokenizer = build_tokenizer()
+    policy = save_policy(build_model(tokenizer, ModelConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                            num_attention_heads=2, num_key_value_heads=2,
+                                                            max_position_embeddings=64)), tokenizer, tmp_path / "p")
+    problem = Problem(3, (("+", 2), ("*", 3)), 7)
+    right = "\n".join(solution_lines(problem))
+    with pytest.raises(ValueError, match="no solution with a slipped result"):
+        train_critic_init(policy, tmp_path / "out", [problem.prompt_text] * 4, [right] * 4, 7,
+                          CriticInitConfig(steps=1, eval_fraction=0.25), progress=False)
+    slipped = "\n".join(solution_lines(problem, 0, 6))
+    result = train_critic_init(policy, tmp_path / "out", [problem.prompt_text] * 8, [slipped, right] * 4, 7,
+                               CriticInitConfig(steps=2, batch_size=2, eval_fraction=0.5, eval_every=1), progress=False)
+    assert [r["step"] for r in result["curve"]] == [1, 2] and result["train_solutions"] == result["eval_solutions"] == 2
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=False)
+    assert type(saved).__name__ == "Qwen2ForCausalLM" and (tmp_path / "out" / "tokenizer.json").exists()
+    from safetensors.torch import load_file
+
+    heads = load_file(tmp_path / "out" / "critic_init_heads.safetensors")  # result head over 7 residues, check head
+    assert heads["heads.0.weight"].shape == (7, 16) and heads["heads.1.weight"].shape == (1, 16)
+    # with the check target the solutions without a slip are used too, and the check's held-out AUROC is measured
+    checked = train_critic_init(policy, tmp_path / "check", [problem.prompt_text] * 8, [slipped, right] * 4, 7,
+                                CriticInitConfig(steps=1, batch_size=2, eval_fraction=0.5, check_weight=1.0),
+                                progress=False)
+    assert checked["train_solutions"] == checked["eval_solutions"] == 4 and 0 <= checked["eval/check_auroc"] <= 1
+    # the check head read as a value head: its logits are the check head's on the init's backbone
+    from transformers import AutoModelForTokenClassification
+
+    from verl_prm.apps.arithmetic.critic_study import check_head_checkpoint
+
+    converted = AutoModelForTokenClassification.from_pretrained(
+        check_head_checkpoint(tmp_path / "check", tmp_path / "check_head"), trust_remote_code=False).eval()
+    init = AutoModelForCausalLM.from_pretrained(tmp_path / "check", trust_remote_code=False).eval()
+    heads = load_file(tmp_path / "check" / "critic_init_heads.safetensors")
+    ids = torch.tensor([tokenizer(problem.prompt_text + slipped)["input_ids"]])
+    with torch.no_grad():
+        hidden = init.get_decoder()(input_ids=ids).last_hidden_state
+        want = hidden @ heads["heads.1.weight"].T + heads["heads.1.bias"]
+        assert torch.allclose(converted(input_ids=ids).logits, want, atol=1e-5)
+    with pytest.raises(FileNotFoundError, match="no heads saved"):
+        check_head_checkpoint(policy, tmp_path / "nothing")
+    with pytest.raises(ValueError, match="check_weight"):
+        CriticInitConfig(check_weight=float("inf"))
+    with pytest.raises(ValueError, match="eval_fraction"):
+        CriticInitConfig(eval_fraction=1.0)
+    with pytest.raises(ValueError, match="lr"):
+        CriticInitConfig(lr=float("nan"))

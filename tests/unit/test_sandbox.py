@@ -1,0 +1,514 @@
+"""The code sandbox (verl_prm.code.sandbox): limits, isolation modes and their probes, hostile programs,
+world-writable directories and sockets, and the failure reason of every run."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from sandbox_support import sandbox_processes
+
+import verl_prm
+from verl_prm.code.data import humaneval_task
+from verl_prm.code.sandbox import _processes_of, isolation, run_many, run_program
+from verl_prm.code.sandbox_config import REASONS, SandboxConfig
+from verl_prm.code.verifier import CodeTask, verify_many
+
+REPO = Path(__file__).resolve().parents[2]
+SUBSET = [0, 16, 32, 48, 64, 80, 96, 112, 128, 144]  # HumanEval problems the sandbox runs
+# Small limits: the hostile programs below must not hurt a shared 2-core machine.
+HOSTILE = SandboxConfig(timeout_s=2.0, cpu_s=1, memory_mb=256, max_output_bytes=4096, nproc=8, file_mb=4)
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # another file system
+        shutil.copy2(source, target)
+
+
+@pytest.fixture(scope="module")
+def tmp_pythons():
+    """Interpreters under /tmp (where CI may put its clone and its venv), which full isolation masks:
+
+    * ``readable``: a copy of this Python's installation (binary + standard library, hard links where possible)
+      that other uids can read;
+    * ``closed``: the same reached through a directory other uids cannot traverse (0700), as a pyenv Python under
+      ``/root`` is: an unprivileged uid cannot import its standard library;
+    * ``venv``: a ``venv --system-site-packages`` with a module in its own site-packages and a ``.pth`` that adds
+      another directory under /tmp (an editable install);
+    * ``tmp_on_path``: a venv whose ``.pth`` puts ``/tmp`` itself on ``sys.path``."""
+    root = Path(tempfile.mkdtemp(prefix="verl_prm_sandbox_pythons_", dir="/tmp"))
+    root.chmod(0o755)
+    try:
+        base = os.path.realpath(sys.executable)  # the installation's binary (a venv's python links to it)
+        version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+        tree = root / "readable"
+        (tree / "bin").mkdir(parents=True)
+        _link_or_copy(base, str(tree / "bin" / version))
+        skip = shutil.ignore_patterns("site-packages", "dist-packages", "test", "tests", "idlelib", "tkinter",
+                                      "turtledemo", "ensurepip", "lib2to3", "config-*")
+        shutil.copytree(sysconfig.get_path("stdlib"), tree / "lib" / version, symlinks=True,
+                        copy_function=_link_or_copy, ignore=skip)
+        (root / "closed").mkdir(mode=0o700)
+        (root / "closed" / "py").symlink_to(tree)
+        venvs, purelibs = {}, {}
+        for name in ("venv", "tmp_on_path"):
+            subprocess.run([base, "-m", "venv", "--without-pip", "--system-site-packages", str(root / name)], check=True)
+            venvs[name] = root / name / "bin" / "python"
+            query = "import sysconfig; print(sysconfig.get_path('purelib'))"
+            purelib = subprocess.run([str(venvs[name]), "-I", "-c", query], capture_output=True, text=True,
+                                     check=True).stdout.strip()
+            purelibs[name] = purelib
+            if name == "venv":
+                Path(purelib, "sandbox_probe_pkg.py").write_text("VALUE = 42\n")
+                (root / "editable").mkdir()
+                (root / "editable" / "sandbox_probe_editable.py").write_text("VALUE = 7\n")
+                Path(purelib, "sandbox_probe_editable.pth").write_text(f"{root / 'editable'}\n")
+            else:
+                Path(purelib, "sandbox_probe_tmp.pth").write_text("/tmp\n")
+        yield SimpleNamespace(root=root, readable=str(tree / "bin" / version),
+                              closed=str(root / "closed" / "py" / "bin" / version), venv=str(venvs["venv"]),
+                              venv_purelib=purelibs["venv"],
+                              tmp_on_path=str(venvs["tmp_on_path"]))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def readable_by_other_uids(path: str) -> bool:
+    """``path`` lists as uid 65534 (nobody): an independent check of what the sandbox's user isolation needs."""
+    return subprocess.run(["ls", path], user=65534, group=65534, extra_groups=[], capture_output=True).returncode == 0
+
+
+# ---------------------------------------------------------------------------------------------- sandbox
+
+
+def test_isolation_mode_matches_the_machine():
+    iso = isolation()
+    can_unshare = os.geteuid() == 0 and shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "--net", "--mount", "true"], capture_output=True).returncode == 0
+    assert iso.mode == ("full" if can_unshare else "basic")
+    assert iso.network == ("namespace+audit-hook" if can_unshare else "audit-hook")
+    assert isolation(SandboxConfig(mode="basic")).mode == "basic"
+    if os.geteuid() == 0 and readable_by_other_uids(sysconfig.get_path("stdlib")):
+        assert isolation(SandboxConfig(mode="user")).mode == "user"
+    elif os.geteuid() == 0:  # a pyenv Python under /root: user isolation cannot import its standard library
+        with pytest.raises(RuntimeError, match="mode='user'.* cannot run Python here: user isolation: the probe program"):
+            isolation(SandboxConfig(mode="user"))
+    for bad in (float("nan"), float("inf"), 0.0):
+        with pytest.raises(ValueError, match="SandboxConfig.timeout_s must be a finite number of seconds > 0"):
+            SandboxConfig(timeout_s=bad)
+
+
+def test_hostile_programs_are_contained_and_scored_with_their_reason(tmp_path, monkeypatch, full_isolation):
+    secret = f"s3cret-{uuid.uuid4().hex}"
+    monkeypatch.setenv("VERL_PRM_TEST_SECRET", secret)
+    host_probe = f"/tmp/verl_prm_sandbox_probe_{uuid.uuid4().hex}"
+    closed_dir = Path(verl_prm.__file__).parent  # root-owned, 0755: not writable by the sandbox uid
+    if any(str(closed_dir).startswith(d + "/") for d in ("/tmp", "/var/tmp", "/dev/shm")):
+        closed_dir = Path("/")  # a clone under /tmp is masked in full isolation (the write would find no directory)
+    outside = closed_dir / f"sandbox_probe_{uuid.uuid4().hex}"
+    programs = {
+        # name: (source, expected reason in full isolation, expected reason in basic isolation)
+        "passes": ("print('ok')\nassert sum(range(4)) == 6\n", "passed", "passed"),
+        "syntax": ("def f(:\n    return 1\n", "syntax_error", "syntax_error"),
+        "indentation": ("def f():\nreturn 1\n", "syntax_error", "syntax_error"),
+        "assertion": ("assert 1 + 1 == 3, 'wrong'\n", "assertion_failed", "assertion_failed"),
+        "runtime": ("[][1]\n", "runtime_error", "runtime_error"),
+        "sleep": ("import time\ntime.sleep(60)\n", "timeout", "timeout"),
+        "fork_bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+                      "timeout", "timeout"),
+        "huge_allocation": ("x = bytearray(8 * 1024 ** 3)\n", "memory", "memory"),
+        "socket": ("import socket\nsocket.create_connection(('10.255.255.1', 80), timeout=1)\n",
+                   "network_blocked", "network_blocked"),
+        # a child process has no audit hook: the network namespace is what stops it
+        "subprocess_network": ("import subprocess, sys\nr = subprocess.run([sys.executable, '-S', '-c', 'import socket; "
+                               "socket.create_connection((\"10.255.255.1\", 80), timeout=1)'], capture_output=True, "
+                               "text=True)\nprint(r.returncode, r.stderr.strip().splitlines()[-1])\n", "passed", "passed"),
+        "write_outside": (f"open({str(outside)!r}, 'w').write('x')\n", "permission_denied", "passed"),
+        "write_tmp": (f"open({host_probe!r}, 'w').write('x')\nprint(open({host_probe!r}).read())\n",
+                      "passed", "passed"),
+        "env_secret": ("import os\nprint(sorted(os.environ))\nassert 'VERL_PRM_TEST_SECRET' not in os.environ\n",
+                       "passed", "passed"),
+        "parent_environ": (f"print(open('/proc/{os.getpid()}/environ').read())\n", "permission_denied", "passed"),
+        "sys_exit": ("import sys\nsys.exit(0)\nassert False\n", "early_exit", "early_exit"),
+        "os_exit": ("import os\nos._exit(0)\n", "early_exit", "early_exit"),
+        "self_kill": ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n", "killed", "killed"),
+        "output_flood": ("import sys\nfor _ in range(2000):\n    sys.stdout.write('x' * 1000)\n", "passed", "passed"),
+        "daemon": ("import os, time\npid = os.fork()\nif pid == 0:\n    os.setsid()\n    time.sleep(60)\n"
+                   "    os._exit(0)\nprint(pid)\n", "passed", "passed"),
+    }
+    names = list(programs)
+    started = time.perf_counter()
+    results = dict(zip(names, run_many([programs[n][0] for n in names], HOSTILE, max_workers=4)))
+    elapsed = time.perf_counter() - started
+    column = 1 if full_isolation else 2
+    for name in names:
+        result = results[name]
+        assert result.reason in REASONS
+        assert result.reason == programs[name][column], (name, result)
+    assert "wall-clock" in results["sleep"].detail
+    # the CPU limit: alone, with a wall-clock limit it cannot reach first even on a loaded machine
+    (cpu_loop,) = run_many(["while True:\n    pass\n"], dataclasses.replace(HOSTILE, timeout_s=60.0), max_workers=1)
+    assert cpu_loop.reason == "timeout" and "CPU" in cpu_loop.detail, cpu_loop
+    assert "sandbox: network access is blocked" in results["socket"].detail
+    if full_isolation:
+        assert results["subprocess_network"].stdout.startswith("1 OSError: [Errno 101] Network is unreachable")
+    assert results["assertion"].detail == "AssertionError: wrong"
+    assert results["passes"].stdout == "ok\n"
+    # nothing of the caller's environment reaches the program
+    assert "VERL_PRM_TEST_SECRET" not in results["env_secret"].stdout and secret not in results["env_secret"].stdout
+    if full_isolation:  # another uid: the caller's /proc/<pid>/environ is closed (basic mode: the same uid)
+        assert results["parent_environ"].stdout == "" and "Permission denied" in results["parent_environ"].detail
+    # output is capped, the rest discarded
+    flood = results["output_flood"]
+    assert flood.stdout_truncated and len(flood.stdout) == HOSTILE.max_output_bytes
+    if full_isolation:
+        assert not outside.exists()
+        assert not os.path.exists(host_probe)  # the write went to the run's private tmpfs
+        assert results["write_tmp"].stdout == "x\n"
+    else:
+        outside.unlink(missing_ok=True)
+        Path(host_probe).unlink(missing_ok=True)
+    # the daemon left the process group: it was killed with the run anyway
+    daemon_pid = int(results["daemon"].stdout.split()[0])
+    time.sleep(0.2)
+    if full_isolation:
+        try:
+            with open(f"/proc/{daemon_pid}/status") as f:
+                state = next(line for line in f if line.startswith("State:")).split()[1]
+            assert state in ("Z", "X")
+        except FileNotFoundError:
+            pass
+    # the limits bound every hostile run: 4 at a time, each within its deadline plus clean-up
+    assert max(r.wall_s for r in results.values()) < HOSTILE.timeout_s + 3.0, {n: r.wall_s for n, r in results.items()}
+    assert elapsed < 60
+
+
+def test_machine_is_fine_after_a_fork_bomb(full_isolation):
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    result = run_program(bomb, HOSTILE)
+    assert result.reason == "timeout"
+    assert sandbox_processes() == []  # no process of any run survives it
+    if full_isolation:
+        assert _processes_of(200_000 + (os.getpid() % 100_000) * 64)[0] == []
+    after = run_program("import os\npid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)\nprint('forked')\n",
+                        HOSTILE)
+    assert after.reason == "passed" and after.stdout == "forked\n"  # the next run can still fork
+
+
+def test_basic_mode_also_contains_a_timeout_and_reports_reasons():
+    basic = SandboxConfig(timeout_s=1.5, cpu_s=1, memory_mb=256, nproc=8, mode="basic")
+    loop, ok, net = run_many(["while True: pass\n", "print(1)\n",
+                              "import socket\nsocket.socket(socket.AF_INET, socket.SOCK_STREAM)\n"], basic, max_workers=3)
+    assert (loop.reason, ok.reason, net.reason) == ("timeout", "passed", "network_blocked")
+    assert ok.isolation == "basic"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="user isolation switches uid: root only")
+def test_user_mode_switches_uid_and_kills_escaped_processes(tmp_pythons):
+    # an interpreter other uids can read (this one may live under /root)
+    user = SandboxConfig(timeout_s=2.0, cpu_s=1, memory_mb=256, nproc=8, mode="user", python=tmp_pythons.readable)
+    if isolation(dataclasses.replace(user, mode="auto")).mode == "basic":
+        pytest.skip("this machine cannot switch uids")
+    outside = Path(verl_prm.__file__).parent / f"sandbox_probe_{uuid.uuid4().hex}"
+    daemon = "import os, time\npid = os.fork()\nif pid == 0:\n    os.setsid()\n    time.sleep(60)\n    os._exit(0)\nprint(pid)\n"
+    ids, write, escaped = run_many(["import os\nprint(os.getuid(), os.getcwd() == os.environ['HOME'])\n",
+                                    f"open({str(outside)!r}, 'w').write('x')\n", daemon], user, max_workers=3)
+    assert ids.isolation == "user" and ids.reason == "passed"
+    uid, home_is_cwd = ids.stdout.split()
+    assert int(uid) >= 200_000 and home_is_cwd == "True"
+    assert write.reason == "permission_denied" and not outside.exists()
+    assert escaped.reason == "passed" and sandbox_processes() == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="user isolation switches uid: root only")
+def test_an_explicit_mode_is_probed_and_one_that_cannot_run_python_is_an_error(tmp_pythons, humaneval):
+    # HumanEval prompts import typing etc. lazily: with an unreadable installation each correct solution scored 0
+    pairs = [(humaneval_task(humaneval[i]), humaneval[i]["canonical_solution"]) for i in SUBSET[:4]]
+    assert not readable_by_other_uids(os.path.dirname(tmp_pythons.closed))  # the reproduction holds
+    if isolation(SandboxConfig(python=tmp_pythons.readable)).mode == "basic":
+        pytest.skip("this machine cannot switch uids")
+    closed_user = SandboxConfig(timeout_s=10, mode="user", python=tmp_pythons.closed)
+    expected = (rf"SandboxConfig\(mode='user', python='{re.escape(tmp_pythons.closed)}', site_packages=False\) cannot "
+                rf"run Python here: user isolation: the probe program ended with .*not readable by other uids: "
+                rf"{re.escape(str(tmp_pythons.root / 'closed'))} has no o\+x bit.*use mode='full' or 'auto'")
+    with pytest.raises(RuntimeError, match=expected):
+        isolation(closed_user)
+    with pytest.raises(RuntimeError, match=expected):  # an error, never a reward of 0
+        verify_many(pairs, closed_user, max_workers=2)
+    # "auto" probes too and takes the strongest level that runs Python; full isolation shows the closed tree
+    auto = SandboxConfig(timeout_s=10, python=tmp_pythons.closed)
+    verdicts = verify_many(pairs, auto, max_workers=2)
+    assert [v.reason for v in verdicts] == ["passed"] * len(pairs), [(v.task_id, v.detail) for v in verdicts]
+    assert verdicts[0].run.isolation == ("full" if isolation().mode == "full" else "basic")
+    # a readable installation runs in user isolation, as the unprivileged uid
+    readable_user = dataclasses.replace(closed_user, python=tmp_pythons.readable)
+    assert isolation(readable_user).mode == "user"
+    verdicts = verify_many(pairs, readable_user, max_workers=2)
+    assert [v.reason for v in verdicts] == ["passed"] * len(pairs), [(v.task_id, v.detail) for v in verdicts]
+    whoami = run_program("import heapq, os\nprint(os.getuid())\n", readable_user)
+    assert whoami.isolation == "user" and int(whoami.stdout) >= 200_000
+
+
+def test_an_interpreter_and_its_site_packages_under_tmp_stay_visible_read_only(tmp_pythons, full_isolation):
+    if not full_isolation:
+        pytest.skip("only full isolation masks /tmp")
+    root = tmp_pythons.root
+    program = f"""import errno, os, subprocess, sys
+import sandbox_probe_pkg, sandbox_probe_editable
+print(sandbox_probe_pkg.VALUE, sandbox_probe_editable.VALUE, sys.executable)
+child = subprocess.run([sys.executable, '-c', 'import sandbox_probe_pkg; print(sandbox_probe_pkg.VALUE)'],
+                       capture_output=True, text=True)
+print(child.returncode, child.stdout.strip())
+net = subprocess.run([sys.executable, '-S', '-c', 'import socket; socket.create_connection(("10.255.255.1", 80), timeout=1)'],
+                     capture_output=True, text=True)
+print(net.returncode, net.stderr.strip().splitlines()[-1])
+print(sorted(os.listdir({str(root)!r})))
+options = {{line.split()[4]: line.split()[5].split(',') for line in open('/proc/self/mountinfo')}}
+print(options[{str(root / 'venv')!r}][0], options[{str(root / 'editable')!r}][0])
+try:
+    open(os.path.join(os.path.dirname(sandbox_probe_pkg.__file__), 'planted.py'), 'w')
+except OSError as error:
+    print(errno.errorcode[error.errno])
+"""
+    venv = SandboxConfig(timeout_s=10, cpu_s=5, memory_mb=512, nproc=8, python=tmp_pythons.venv, site_packages=True)
+    result = run_program(program, venv)
+    assert result.reason == "passed", result
+    assert result.stdout.splitlines() == [
+        f"42 7 {tmp_pythons.venv}",
+        "0 42",  # a child sys.executable finds the venv's site-packages too
+        "1 OSError: [Errno 101] Network is unreachable",
+        "['editable', 'venv']",  # only the interpreter's paths: the rest of the host's /tmp stays hidden
+        "ro ro",
+        "EROFS",
+    ]
+    assert not Path(tmp_pythons.venv_purelib, "planted.py").exists()
+    # without site_packages: the standard library only, and the venv's site-packages are not shown
+    listing = run_program(f"import os\nprint(sorted(os.listdir({str(root / 'venv')!r})))\nimport sandbox_probe_pkg\n",
+                          dataclasses.replace(venv, site_packages=False))
+    assert (listing.reason, listing.stdout) == ("runtime_error", "['bin']\n")
+    assert listing.detail == "ModuleNotFoundError: No module named 'sandbox_probe_pkg'"
+    # a path that cannot be shown without undoing the private /tmp is refused at setup
+    with pytest.raises(ValueError, match=r"the interpreter needs /tmp, which the sandbox cannot show read-only without "
+                                         r"undoing its private /tmp"):
+        isolation(dataclasses.replace(venv, python=tmp_pythons.tmp_on_path))
+
+
+def test_no_new_privs_stops_setuid_binaries():
+    status = ("import subprocess\nown = open('/proc/self/status').read().split('NoNewPrivs:')[1].split()[0]\n"
+              "child = subprocess.run(['grep', 'NoNewPrivs', '/proc/self/status'], capture_output=True, text=True)\n"
+              "print(own, child.stdout.split()[1])\n")
+    for mode in ("auto", "basic"):
+        result = run_program(status, dataclasses.replace(HOSTILE, mode=mode))
+        assert (result.reason, result.stdout) == ("passed", "1 1\n"), (mode, result)
+    if os.geteuid() != 0 or isolation().mode != "full":
+        pytest.skip("a setuid binary raises privileges only for another uid: needs full isolation as root")
+    # a setuid-root copy of `id` where the sandbox can see it: outside the masked directories (a clone may be under
+    # /tmp: then in a directory of its own under /, removed afterwards), on a file system without nosuid
+    masked = ("/tmp/", "/var/tmp/", "/dev/shm/")
+    home = Path(tempfile.mkdtemp(prefix=".sandbox_setuid_probe_", dir="/" if str(REPO).startswith(masked) else REPO))
+    try:
+        home.chmod(0o755)
+        if os.statvfs(home).f_flag & os.ST_NOSUID or not readable_by_other_uids(str(home)):
+            pytest.skip(f"{home} is mounted nosuid or closed to other uids")
+        setuid_id = home / "id"
+        shutil.copy2(shutil.which("id"), setuid_id)
+        setuid_id.chmod(0o4755)
+        control = subprocess.run([str(setuid_id), "-u"], user=65534, group=65534, extra_groups=[], capture_output=True,
+                                 text=True)
+        assert control.stdout == "0\n"  # without no_new_privs the binary runs as root
+        result = run_program(f"import os, subprocess\nprint(os.getuid(), subprocess.run([{str(setuid_id)!r}, '-u'], "
+                             f"capture_output=True, text=True).stdout.strip())\n", HOSTILE)
+        uid, euid = result.stdout.split()
+        assert result.reason == "passed" and int(uid) >= 200_000 and euid == uid, result
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_parallel_runs_keep_input_order_and_match_sequential_runs():
+    sources = [f"assert {i} % 3 != 0\nprint({i})\n" for i in range(12)]
+    parallel = run_many(sources, HOSTILE, max_workers=3)
+    sequential = [run_program(s, HOSTILE) for s in sources[:4]]
+    assert [r.reason for r in parallel] == ["assertion_failed" if i % 3 == 0 else "passed" for i in range(12)]
+    assert [r.stdout for r in parallel if r.passed] == [f"{i}\n" for i in range(12) if i % 3]
+    assert [r.reason for r in parallel[:4]] == [r.reason for r in sequential]
+    assert sandbox_processes() == []
+
+
+def _outside_the_masks(prefix: str) -> Path:
+    """A new 0755 directory the sandbox does not mask: in the clone, or under / where the clone is in a masked
+    directory (CI may clone under /tmp); removed by the caller."""
+    from verl_prm.code.sandbox_setup import mask_dirs
+
+    parent = "/" if any(str(REPO) == d or str(REPO).startswith(d + "/") for d in mask_dirs()) else str(REPO)
+    directory = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    directory.chmod(0o755)
+    return directory
+
+
+def host_world_writable_dirs() -> list[str]:
+    """The host's world-writable directories an unprivileged uid can reach, enumerated now with find(1) (not with
+    the sandbox's own scan): every o+w directory outside /proc and /sys whose ancestors all have o+x."""
+    found = subprocess.run(["find", "/", "(", "-path", "/proc", "-o", "-path", "/sys", ")", "-prune", "-o", "-type",
+                            "d", "-perm", "-0002", "-print", "-prune"], capture_output=True, text=True).stdout.split()
+
+    def reachable(path: str) -> bool:
+        parents = [str(p) for p in Path(path).parents]
+        return all(os.stat(p).st_mode & 0o001 for p in parents)
+
+    return sorted(p for p in found if reachable(p))
+
+
+def test_every_world_writable_directory_of_the_host_is_private_in_full_isolation(full_isolation):
+    if not full_isolation:
+        pytest.skip("only full isolation has a mount namespace")
+    dirs = host_world_writable_dirs()
+    assert "/tmp" in dirs  # the enumeration works
+    later = _outside_the_masks(".sandbox_ww_probe_")  # world-writable, but created after the sandbox's scan
+    try:
+        isolation()  # the scan has run in this process
+        later.chmod(0o777)
+        name = f"verl_prm_probe_{uuid.uuid4().hex}"
+        program = f"""import errno
+mounts = {{line.split()[4]: line.split(' - ')[1].split()[0] for line in open('/proc/self/mountinfo')}}
+for d in {dirs!r}:
+    with open(d + '/{name}', 'wb') as f:
+        f.write(b'x' * (3 << 20))  # 3 MiB, as in the report (/run/lock)
+    print(d, mounts.get(d))
+try:
+    open({str(later)!r} + '/{name}', 'w')
+except OSError as error:
+    print('later', errno.errorcode[error.errno])
+"""
+        result = run_program(program, HOSTILE)
+        assert result.reason == "passed", result
+        assert result.stdout.splitlines() == [f"{d} tmpfs" for d in dirs] + ["later EROFS"]
+        left = [d for d in dirs + [str(later)] if os.path.exists(f"{d}/{name}")]
+        assert left == []  # nothing reached the host
+    finally:
+        shutil.rmtree(later, ignore_errors=True)
+
+
+def test_no_host_unix_socket_is_reachable_in_full_isolation(full_isolation):
+    if not full_isolation:
+        pytest.skip("only full isolation refuses Unix-domain sockets")
+    import socket
+    import threading
+
+    home = _outside_the_masks(".sandbox_socket_probe_")
+    path = str(home / "listener.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    received = []
+    try:
+        listener.bind(path)
+        os.chmod(path, 0o777)
+        listener.listen(8)
+        listener.settimeout(0.2)
+        stop = threading.Event()
+
+        def serve():
+            while not stop.is_set():
+                try:
+                    connection, _ = listener.accept()
+                except OSError:
+                    continue
+                with connection:
+                    received.append(connection.recv(100))
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        pid = os.fork()
+        if pid == 0:  # another uid (nobody) outside the sandbox reaches the listener
+            try:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+                with socket.socket(socket.AF_UNIX) as control:
+                    control.connect(path)
+                    control.send(b"control")
+                os._exit(0)
+            except BaseException:
+                os._exit(1)
+        assert os.waitpid(pid, 0)[1] == 0
+        direct = f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({path!r})\ns.send(b'direct')\n"
+        child = (f"import subprocess, sys\nr = subprocess.run([sys.executable, '-S', '-c', {direct!r}], "
+                 f"capture_output=True, text=True)\nprint(r.stderr.strip().splitlines()[-1])\n")
+        raw = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+               "print(libc.socket(1, 1, 0), ctypes.get_errno())\n")
+        pair = "import socket\na, b = socket.socketpair()\na.send(b'ok')\nprint(b.recv(2))\n"
+        results = run_many([direct, child, raw, pair], HOSTILE, max_workers=2)
+        stop.set()
+        thread.join(timeout=5)
+    finally:
+        listener.close()
+        shutil.rmtree(home, ignore_errors=True)
+    assert [r.reason for r in results] == ["network_blocked", "passed", "passed", "passed"], results
+    assert results[0].detail == "OSError: [Errno 97] Address family not supported by protocol"
+    assert results[1].stdout == "OSError: [Errno 97] Address family not supported by protocol\n"  # no audit hook
+    assert results[2].stdout == "-1 97\n"  # the raw system call: seccomp, not the audit hook
+    assert results[3].stdout == "b'ok'\n"  # a socketpair reaches nothing outside and still works
+    assert received == [b"control"]
+
+
+def test_sandbox_config_checks_every_field():
+    cases = {
+        "max_files": (3, "SandboxConfig.max_files must be a whole number in [16, 2147483647] (file descriptors"),
+        "file_mb": (0, "SandboxConfig.file_mb must be a whole number in [1, 2147483647] (MiB"),
+        "cpu_s": (0, "SandboxConfig.cpu_s must be a whole number in [1, 2147483647]"),
+        "memory_mb": (32, "SandboxConfig.memory_mb must be a whole number in [64, 2147483647]"),
+        "nproc": (0, "SandboxConfig.nproc must be a whole number in [1, 2147483647]"),
+        "max_output_bytes": (-1, "SandboxConfig.max_output_bytes must be a whole number in [0, 2147483647]"),
+    }
+    for name, (value, message) in cases.items():
+        for bad in (value, True, 2.0, float("nan"), "8", None, 2**31):
+            with pytest.raises(ValueError, match=re.escape(message.split(" (")[0])):
+                SandboxConfig(**{name: bad})
+        with pytest.raises(ValueError) as error:
+            SandboxConfig(**{name: value})
+        assert str(error.value).startswith(message) and str(error.value).endswith(f"got {value}")
+    for bad in (True, "10", None, float("-inf")):
+        with pytest.raises(ValueError, match="SandboxConfig.timeout_s must be a finite number of seconds > 0"):
+            SandboxConfig(timeout_s=bad)
+    with pytest.raises(ValueError, match="SandboxConfig.site_packages must be True or False, got 1"):
+        SandboxConfig(site_packages=1)
+    with pytest.raises(ValueError, match="SandboxConfig.python must be the path of an interpreter, got ''"):
+        SandboxConfig(python="")
+    assert SandboxConfig(timeout_s=5, max_files=16, file_mb=1, memory_mb=64, nproc=1, max_output_bytes=0).timeout_s == 5
+
+
+def test_the_startup_probe_runs_under_the_configured_limits_and_names_the_limit_too_small(tmp_path):
+    # A launcher that holds descriptors 3..40 open (all but the status pipe) before it starts Python: the probe
+    # passes with the default max_files and fails with 16, which passes SandboxConfig's own check.
+    launcher = tmp_path / "python-launcher"
+    launcher.write_text(f"""#!/bin/bash
+status=-1
+[[ "${{@: -1}}" =~ \\"status_fd\\":\\ ([0-9]+) ]] && status=${{BASH_REMATCH[1]}}
+for fd in $(seq 3 40); do [[ $fd == "$status" ]] || eval "exec $fd</dev/null"; done
+exec {sys.executable} "$@"
+""")
+    launcher.chmod(0o755)
+    level = isolation().mode
+    assert run_program("print('ok')\n", SandboxConfig(timeout_s=10, python=str(launcher))).stdout == "ok\n"
+    tight = SandboxConfig(timeout_s=10, max_files=16, python=str(launcher))
+    expected = (f"SandboxConfig(max_files=16) is too small to start {launcher} in {level} isolation: the start-up "
+                f"probe ended with sandbox_error: OSError: [Errno 24] Too many open files")
+    with pytest.raises(ValueError) as error:
+        isolation(tight)
+    assert str(error.value).startswith(expected), error.value
+    assert str(error.value).endswith("and passes with max_files=256 (the default); raise max_files")
+    with pytest.raises(ValueError, match=re.escape(expected)):  # at start-up, never a 0 for a correct program
+        task = CodeTask(task_id="t", kind="assert", prompt="def f():\n", tests="assert f() == 1\n")
+        verify_many([(task, "    return 1\n")], tight, max_workers=1)
+    assert run_program("print('ok')\n", dataclasses.replace(tight, max_files=64)).stdout == "ok\n"

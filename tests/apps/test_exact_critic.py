@@ -476,7 +476,7 @@ def compose_verl(overrides):
 
 
 def test_exact_overrides_compose_with_verl_and_pass_the_startup_check():
-    """(verl's own config validation of a whole launcher with these overrides: test_verl_integration.py)"""
+    """(verl's own config validation of a whole launcher with these overrides: tests/integration/test_launchers.py)"""
     from verl_prm.integrations.verl.run_config import validate_run_config
     from verl_prm.integrations.verl.hook_trainer import critic_worker_kwargs
 

@@ -857,6 +857,8 @@ def test_prefetch_is_bit_equal_to_the_sequential_path_and_runs_ahead(checkpoints
 
     for packing in ("varlen", "padded"):
         critic = load_critic("value_head", checkpoints["value_head"], packing=packing, max_tokens_per_batch=300)
+        assert critic.prefetch is False  # the default on CPU (the thread would compete with the forward)
+        critic.prefetch = True
         ids, prompt_ends, step_ends = _sequences(critic.tokenizer, samples * 3, random.Random(5))
         inputs = critic.build_inputs(ids, prompt_ends, step_ends)
         plan = critic.plan(inputs)
@@ -902,8 +904,8 @@ def test_prefetch_is_bit_equal_to_the_sequential_path_and_runs_ahead(checkpoints
 @pytest.mark.slow
 def test_host_preparation_share_of_a_1024_response_batch(checkpoints, repo_data):
     """Host-side preparation against the forward for 1,024 GSM8K responses (steps at "\\n") on the tiny test
-    critic, CPU: seconds of text -> critic inputs (``build_inputs``), of the per-micro-batch host tensors
-    (``prepare_batch``) and of the forwards (``prefetch=False``, each timed alone), and the whole
+    critic, CPU, padded rows: seconds of text -> critic inputs (``build_inputs``), of the per-micro-batch host
+    tensors (``prepare_batch``; also for the packed rows of a GPU critic) and of the forwards (``prefetch=False``, each timed alone), and the whole
     ``forward_values`` with and without prefetch, whose values are bit-equal. Printed for docs/gpu.md (``-s``)."""
     import time
 
@@ -911,7 +913,8 @@ def test_host_preparation_share_of_a_1024_response_batch(checkpoints, repo_data)
 
     rows = [json.loads(line) for line in (repo_data / "gsm8k_test.jsonl").read_text().splitlines()[:1024]]
     assert len(rows) == 1024
-    critic = load_critic("value_head", checkpoints["value_head"], packing="varlen", max_tokens_per_batch=16384,
+    # padded rows (the CPU default: a packed row under SDPA would build a dense mask over all 16,384 tokens)
+    critic = load_critic("value_head", checkpoints["value_head"], packing="padded", max_tokens_per_batch=16384,
                          truncation="left_prompt")
     t0 = time.perf_counter()
     ids, prompt_ends, step_ends = [], [], []
@@ -925,11 +928,16 @@ def test_host_preparation_share_of_a_1024_response_batch(checkpoints, repo_data)
     inputs = critic.build_inputs(ids, prompt_ends, step_ends)
     plan = critic.plan(inputs)
     t2 = time.perf_counter()
+    a = time.perf_counter()
+    packed_plan = critic.plan(inputs, "varlen")
+    for batch in packed_plan:  # the packed rows a GPU critic runs (flash-attention varlen), host side only
+        critic.prepare_batch(inputs, batch, "varlen")
+    packed_prepare = time.perf_counter() - a
     prepare = forward = 0.0
     with torch.inference_mode():
         for batch in plan:
             a = time.perf_counter()
-            tensors = critic.prepare_batch(inputs, batch, "varlen")
+            tensors = critic.prepare_batch(inputs, batch, "padded")
             b = time.perf_counter()
             critic.adapter.backbone(**tensors.model_kwargs())
             forward += time.perf_counter() - b
@@ -945,6 +953,7 @@ def test_host_preparation_share_of_a_1024_response_batch(checkpoints, repo_data)
     print(f"\n{len(inputs)} responses, {tokens} tokens, {len(plan)} micro-batches: tokenise {t1 - t0:.3f} s, "
           f"build_inputs+plan {t2 - t1:.3f} s, prepare_batch {prepare:.3f} s, forwards {forward:.3f} s "
           f"(preparation share of prepare+forward {prepare / (prepare + forward):.1%}); forward_values "
-          f"sequential {timings[False]:.3f} s, prefetch {timings[True]:.3f} s")
+          f"sequential {timings[False]:.3f} s, prefetch {timings[True]:.3f} s; packed rows: {len(packed_plan)} "
+          f"micro-batches, prepare_batch {packed_prepare:.3f} s")
     assert all(torch.equal(a, b) for a, b in zip(values[True], values[False]))
     assert len(plan) > 10 and prepare > 0 and forward > 0

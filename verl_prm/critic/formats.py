@@ -233,6 +233,18 @@ def _base_model(model: nn.Module) -> nn.Module:
     return base
 
 
+def candidate_rows_head(model: nn.Module, candidates: list[int]) -> nn.Linear:
+    """The two candidate rows of a causal LM's output layer as a [2, H] fp32 Linear: the logits of the positive
+    and negative tokens, without the full-vocabulary logits."""
+    lm_head = model.get_output_embeddings()
+    head = nn.Linear(lm_head.weight.shape[1], len(candidates), bias=getattr(lm_head, "bias", None) is not None)
+    with torch.no_grad():
+        head.weight.copy_(lm_head.weight[candidates].float())
+        if head.bias is not None:
+            head.bias.copy_(lm_head.bias[candidates].float())
+    return head
+
+
 def _token_classification_head(model: nn.Module) -> nn.Module:
     for name in ("score", "classifier"):
         head = getattr(model, name, None)
@@ -627,13 +639,7 @@ class MathShepherdFormat(CriticFormat):
         model = _load_complete(AutoModelForCausalLM, path, dtype, attn_implementation, allow_pickle, device)
         check_vocabulary(path, tokenizer, model)
         model.eval()
-        lm_head = model.get_output_embeddings()
-        # Only the two candidate rows of the LM head are needed: a [2, H] fp32 Linear instead of full-vocab logits.
-        head = nn.Linear(lm_head.weight.shape[1], 2, bias=getattr(lm_head, "bias", None) is not None)
-        with torch.no_grad():
-            head.weight.copy_(lm_head.weight[candidates].float())
-            if head.bias is not None:
-                head.bias.copy_(lm_head.bias[candidates].float())
+        head = candidate_rows_head(model, candidates)
         softcap = getattr(model.config, "final_logit_softcapping", None)
         tag_text = tokenizer.convert_ids_to_tokens(tag) if isinstance(tag, int) else tag
         return cls(model, _base_model(model), head.eval(), marker_id=marker_id, softcap=softcap, tag_text=tag_text,
@@ -692,12 +698,7 @@ class RlhflowFormat(CriticFormat):
         model = _load_complete(AutoModelForCausalLM, path, dtype, attn_implementation, allow_pickle, device)
         check_vocabulary(path, tokenizer, model)
         model.eval()
-        lm_head = model.get_output_embeddings()
-        head = nn.Linear(lm_head.weight.shape[1], 2, bias=getattr(lm_head, "bias", None) is not None)
-        with torch.no_grad():
-            head.weight.copy_(lm_head.weight[candidates].float())
-            if head.bias is not None:
-                head.bias.copy_(lm_head.bias[candidates].float())
+        head = candidate_rows_head(model, candidates)
         return cls(model, _base_model(model), head.eval(), positive_id=candidates[0],
                    step_delimiter=_check_delimiter(step_delimiter))
 

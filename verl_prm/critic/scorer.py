@@ -4,8 +4,10 @@ sequence.
 Scoring path: step ends (from text spans, critic-side token positions, or policy tokens + ``StepSplit``) ->
 the format's adapter inserts its markers (``packing.insert_markers``) -> context check / left truncation ->
 micro-batches by a token budget, longest first -> one forward pass per micro-batch under
-``torch.inference_mode()`` (one packed row with restarting ``position_ids`` = varlen attention, or right-padded
-rows with minimal padding) -> the head applied only at the read positions -> values back in input order.
+``torch.inference_mode()`` (one packed row with restarting ``position_ids`` = varlen attention, its boundaries
+given once for flash attention; or right-padded rows with minimal padding), the next micro-batch's host tensors
+prepared in a background thread meanwhile -> the head applied only at the read positions -> values back in
+input order.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ class ProverCritic:
         max_padding_share: float = 0.1,
         progress: bool = False,
         calibration: Calibration | None = None,
-        prefetch: bool = True,
+        prefetch: bool | None = None,
     ):
         if truncation not in ("error", "left_prompt"):
             raise ValueError(f"truncation must be 'error' or 'left_prompt', got {truncation!r}")
@@ -124,7 +126,9 @@ class ProverCritic:
         self.packing: Literal["varlen", "padded"] = packing
         self.max_padding_share = check_number("max_padding_share", max_padding_share, 0.0, 1.0)
         self.progress = progress
-        self.prefetch = bool(prefetch)
+        # default: on for an accelerator, where the device would wait for Python-side packing; off on CPU, where
+        # the thread competes with the forward for the same cores (measured slower: docs/gpu.md)
+        self.prefetch = device.type != "cpu" if prefetch is None else bool(prefetch)
         if calibration is not None and getattr(adapter, "score", None) == "pos_minus_neg":
             raise ValueError(f"{calibration.describe()} maps values in [0, 1]; score='pos_minus_neg' gives "
                              "P(pos) - P(neg) in [-1, 1]")
@@ -428,7 +432,7 @@ class ProverCritic:
         """Values [H_i + 1] per input (fp32, CPU), in input order: one forward pass per micro-batch.
 
         ``batches`` defaults to :meth:`plan` (length-sorted, token budget); the benchmark passes naive plans.
-        With ``prefetch`` (default), micro-batch k + 1's host tensors are built in a background thread while
+        With ``prefetch`` (default on an accelerator, off on CPU), micro-batch k + 1's host tensors are built in a background thread while
         micro-batch k runs, and copied to the device (non-blocking, from page-locked memory on CUDA) before k's
         values are read back: the device does not wait for Python-side packing between micro-batches.
         """

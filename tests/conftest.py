@@ -4,6 +4,7 @@ cannot shadow the top-level `tests` package that the verl wheel installs."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,20 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def restored_environ():
+    """The whole process environment restored after the test: verl's ``Worker`` writes LOCAL_RANK and other keys
+    into ``os.environ`` itself, which would make later tests (accelerate, TRL) start torch.distributed."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture
+def worker_env(restored_environ, monkeypatch):
+    """What verl's RayWorkerGroup puts in a worker's environment (one worker, rank 0)."""
+    for key, value in {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599"}.items():
+        monkeypatch.setenv(key, value)

@@ -356,21 +356,6 @@ def test_exact_prefix_critic_in_the_search():
 # ---------------------------------------------------------------------------------------------- worker
 
 
-@pytest.fixture()
-def worker_env(monkeypatch):
-    """What verl's RayWorkerGroup puts in a worker's environment (one worker, rank 0). verl's ``Worker`` writes
-    more variables itself (LOCAL_RANK, ...), which would make later tests (accelerate, TRL) start
-    torch.distributed: the whole environment is restored afterwards."""
-    import os
-
-    saved = dict(os.environ)
-    for key, value in {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599"}.items():
-        monkeypatch.setenv(key, value)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 def test_worker_with_format_exact_equals_the_prover(worker_env, arithmetic_tokenizer, tmp_path):
     """ProverCriticWorker(format exact) on a verl DataProto, as the hook sends it, == the prover on the texts."""
     from verl import DataProto

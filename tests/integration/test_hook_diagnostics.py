@@ -79,20 +79,6 @@ def test_startup_reads_the_reference(critic_dir):
 # ---------------------------------------------------------------------------------------------- the hook
 
 
-@pytest.fixture
-def worker_env(monkeypatch):
-    """What verl's RayWorkerGroup puts in a worker's environment (one worker, rank 0); verl's ``Worker`` writes
-    more variables itself, so the whole environment is restored afterwards (as tests/apps/test_exact_critic.py)."""
-    import os
-
-    saved = dict(os.environ)
-    for key, value in {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599"}.items():
-        monkeypatch.setenv(key, value)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 class MemoryQueue:
     """TransferQueue's kv_batch_get / kv_batch_put over one in-memory TensorDict (the fields the hook reads)."""
 

@@ -65,13 +65,8 @@ def test_shard_rows_are_torch_chunk_layout(rows, world):
 
 # ---------------------------------------------------------------------------------------------- offload
 @pytest.fixture(autouse=True)
-def restored_environment():
-    """verl's Worker writes LOCAL_RANK and other keys into os.environ itself; left behind, they make accelerate
-    (TRL) start torch.distributed in later tests of the session."""
-    saved = dict(os.environ)
+def _environment(restored_environ):  # the workers below write into os.environ (tests/conftest.py)
     yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def _worker(monkeypatch, cls, **kwargs):

@@ -65,3 +65,8 @@ def empty_match_problem(pattern: re.Pattern) -> Optional[str]:
         return (f"has a zero-width match inside plain words (at {zero_width} of {_PLAIN_TEXT!r}), so it makes "
                 "every word a step")
     return None
+
+
+def is_class_path(text: object) -> bool:
+    """``text`` has the form ``"module:Class"`` (both parts non-empty), how a config names a class to import."""
+    return isinstance(text, str) and text.count(":") == 1 and all(text.split(":"))

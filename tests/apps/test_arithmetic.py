@@ -15,17 +15,9 @@ import pandas as pd
 import pytest
 import torch
 
-from verl_prm.apps.arithmetic.task import (
-    TaskConfig,
-)
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "arithmetic"
-CONFIGS = [
-    TaskConfig(),
-    TaskConfig(min_ops=1, max_ops=2, modulus=7, max_operand=6),
-    TaskConfig(min_ops=3, max_ops=6, modulus=97, max_operand=96, ops="*-"),
-]
 
 # ------------------------------------------------------------------------------------------- micro run
 

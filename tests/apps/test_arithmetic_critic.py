@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,17 +11,9 @@ import torch
 from verl_prm.apps.arithmetic.score import DATA_SOURCE
 from verl_prm.apps.arithmetic.task import (
     Problem,
-    TaskConfig,
     solution_lines,
 )
 
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "examples" / "arithmetic"
-CONFIGS = [
-    TaskConfig(),
-    TaskConfig(min_ops=1, max_ops=2, modulus=7, max_operand=6),
-    TaskConfig(min_ops=3, max_ops=6, modulus=97, max_operand=96, ops="*-"),
-]
 
 
 def test_exact_label_rows_hold_the_exact_provers_values_and_pass_the_label_checks(tmp_path):

@@ -25,7 +25,6 @@ from verl_prm.apps.arithmetic.task import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "examples" / "arithmetic"
 CONFIGS = [
     TaskConfig(),
     TaskConfig(min_ops=1, max_ops=2, modulus=7, max_operand=6),

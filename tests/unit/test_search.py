@@ -236,9 +236,8 @@ def text_models(tmp_path_factory, bpe_large):
     return root
 
 
-def test_search_cli_text_runs_every_method_with_tiny_models(tmp_path, text_models, repo_data):
-    from verl_prm.search.cli import main
-
+def search_inputs(tmp_path, repo_data):
+    """A reward file (even count of 'x': a policy-independent outcome) and three real GSM8K problems."""
     reward = tmp_path / "reward.py"
     reward.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    return float(solution_str.count('x') % 2 == 0)\n")
@@ -246,6 +245,13 @@ def test_search_cli_text_runs_every_method_with_tiny_models(tmp_path, text_model
     with open(repo_data / "gsm8k_test.jsonl") as f, open(data, "w") as g:
         for line, _ in zip(f, range(3)):
             g.write(line)
+    return reward, data
+
+
+def test_search_cli_text_runs_every_method_with_tiny_models(tmp_path, text_models, repo_data):
+    from verl_prm.search.cli import main
+
+    reward, data = search_inputs(tmp_path, repo_data)
     out = tmp_path / "text"
     args = ["--input", str(data), "--prompt-field", "question", "--answer-field", "answer",
             "--answer-regex", "#### (.*)", "--data-source", "openai/gsm8k", "--reward-fn", f"{reward}:score",
@@ -344,13 +350,7 @@ def test_search_cli_text_with_space_delimiter_merges_shared_critic_tokens(tmp_pa
     and reported."""
     from verl_prm.search.cli import main
 
-    reward = tmp_path / "reward.py"
-    reward.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return float(solution_str.count('x') % 2 == 0)\n")
-    data = tmp_path / "problems.jsonl"
-    with open(repo_data / "gsm8k_test.jsonl") as f, open(data, "w") as g:
-        for line, _ in zip(f, range(3)):
-            g.write(line)
+    reward, data = search_inputs(tmp_path, repo_data)
     out = tmp_path / "space"
     args = ["--input", str(data), "--prompt-field", "question", "--answer-field", "answer",
             "--answer-regex", "#### (.*)", "--data-source", "openai/gsm8k", "--reward-fn", f"{reward}:score",

@@ -223,17 +223,19 @@ def test_trained_critic_beats_a_constant_on_exact_values(critic_setup):
     assert held_out["eval/mse"] < held_out["eval/mse_constant"]
 
 
+class Crash(RuntimeError):
+    """Raised by ``crash_at_three``: the run stops as a crash would, after step 3's record."""
+
+
+def crash_at_three(step, record):
+    if step == 3:
+        raise Crash
+
+
 def test_interrupted_training_resumes_to_the_same_weights(critic_setup):
     root, _, _ = critic_setup
     settings = dict(max_steps=6, save_every=2, keep_checkpoints=5, log_every=1, eval_every=3, warmup_steps=2)
     reference = train(_config(root, "straight", **settings))
-
-    class Crash(RuntimeError):
-        pass
-
-    def crash_at_three(step, record):
-        if step == 3:
-            raise Crash
 
     with pytest.raises(Crash):
         train(_config(root, "crashed", **settings), on_step=crash_at_three)
@@ -390,13 +392,6 @@ def test_torn_last_metrics_line_is_skipped_and_a_torn_middle_line_is_an_error(cr
 
     root, _, _ = critic_setup
     settings = dict(max_steps=4, save_every=2, keep_checkpoints=5, log_every=1, warmup_steps=1)
-
-    class Crash(RuntimeError):
-        pass
-
-    def crash_at_three(step, record):
-        if step == 3:
-            raise Crash
 
     with pytest.raises(Crash):
         train(_config(root, "torn", **settings), on_step=crash_at_three)

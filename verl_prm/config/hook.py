@@ -27,7 +27,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from verl_prm.checks import empty_match_problem
+from verl_prm.checks import empty_match_problem, is_class_path
 from verl_prm.choices import CODE_STEP_RULES
 
 __all__ = [
@@ -343,7 +343,7 @@ def _check_diagnostics_section(diagnostics: DiagnosticsSection) -> None:
     if diagnostics.reference is None:
         return
     prover = diagnostics.reference.get("prover")
-    if not isinstance(prover, str) or prover.count(":") != 1 or not all(prover.split(":")):
+    if not is_class_path(prover):
         raise ConfigError(
             "verl_prm.diagnostics.reference needs prover, the 'module:Class' of the exact prover whose values the "
             f"diagnostics compare with (got {prover!r}): add +verl_prm.diagnostics.reference.prover=module:Class "
@@ -390,7 +390,7 @@ def _check_exact_critic_section(critic: CriticSection) -> None:
             "verl_prm.critic.path=null"
         )
     prover = critic.options.get("prover")
-    if not isinstance(prover, str) or prover.count(":") != 1 or not all(prover.split(":")):
+    if not is_class_path(prover):
         raise ConfigError(
             "verl_prm.critic.format=exact needs verl_prm.critic.options.prover, the 'module:Class' of the exact "
             f"prover that gives the values (got {prover!r}): add +verl_prm.critic.options.prover=module:Class "

@@ -31,6 +31,7 @@ from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 
+from verl_prm.checks import is_class_path
 from verl_prm.critic.scorer import CriticScores
 
 __all__ = [
@@ -81,7 +82,7 @@ def build_exact_prover(prover: Any, options: Mapping[str, Any] | None = None) ->
     """
     cls = prover
     if isinstance(prover, str):
-        if prover.count(":") != 1 or not all(prover.split(":")):
+        if not is_class_path(prover):
             raise ValueError(f"an exact prover is named 'module:Class', got {prover!r}")
         module_name, attr = prover.split(":")
         try:

@@ -380,13 +380,19 @@ def _load_complete(auto_class, path, dtype, attn_implementation, allow_pickle: b
     allowed = ("lm_head",) + tuple(head_prefixes) if quiet else ()
     unused = {k for k in info.get("unexpected_keys") or () if not any(k == a or k.startswith(a + ".") for a in allowed)}
     if unused:
-        shown = ", ".join(sorted(unused)[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
-        raise CheckpointError(
-            f"critic checkpoint {str(path)!r} has weights the {type(model).__name__} built from its config.json "
-            f"(model_type={getattr(model.config, 'model_type', None)!r}) does not use: {shown}. They would be "
-            "dropped and every value would change; fix model_type/architectures in config.json"
-        )
+        raise unused_weights_error(path, model, unused)
     return model
+
+
+def unused_weights_error(path, model: nn.Module, unused: set[str]) -> CheckpointError:
+    """The load error for checkpoint weights that the model built from config.json has no place for (e.g. the
+    q/k/v biases of a Qwen2 checkpoint whose config says llama): dropped silently, they would change every value."""
+    shown = ", ".join(sorted(unused)[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
+    return CheckpointError(
+        f"critic checkpoint {str(path)!r} has weights the {type(model).__name__} built from its config.json "
+        f"(model_type={getattr(model.config, 'model_type', None)!r}) does not use: {shown}. They would be "
+        "dropped and every value would change; fix model_type/architectures in config.json"
+    )
 
 
 def check_vocabulary(path, tokenizer, model: nn.Module) -> None:

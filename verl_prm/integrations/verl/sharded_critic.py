@@ -168,6 +168,7 @@ def load_sharded_value_head(path: str, tokenizer, *, device: torch.device, dtype
         ValueHeadFormat,
         check_vocabulary,
         read_head_from_safetensors,
+        unused_weights_error,
     )
 
     root = Path(path)
@@ -194,12 +195,7 @@ def load_sharded_value_head(path: str, tokenizer, *, device: torch.device, dtype
                               f"Linear({config.hidden_size}, 1)")
     unused = {key for key in index if key not in read and not key.startswith(head_prefix + ".")}
     if unused:
-        shown = ", ".join(sorted(unused)[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
-        raise CheckpointError(
-            f"critic checkpoint {path!r} has weights the {type(model).__name__} built from its config.json "
-            f"(model_type={config.model_type!r}) does not use: {shown}. They would be dropped and every value would "
-            "change; fix model_type/architectures in config.json"
-        )
+        raise unused_weights_error(path, model, unused)
     setattr(model, head_name, head)  # the meta head of the model is replaced by the loaded fp32 one
     check_vocabulary(path, tokenizer, model)
     backbone.eval()

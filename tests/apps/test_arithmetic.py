@@ -6,6 +6,7 @@ test_arithmetic_task.py, test_arithmetic_statistics.py, test_arithmetic_critic.p
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -183,7 +184,7 @@ def test_main_ppo_commands_of_every_arm_compose_and_differ_only_in_the_critic(tm
     from verl_prm.integrations.verl.run_config import validate_run_config
     from verl_prm.apps.arithmetic.pipeline import SCALES
     from verl_prm.apps.arithmetic.task import STEP_REGEX
-    from verl_prm.apps.arithmetic.verl_rl import ARMS, RunPaths, main_ppo_command
+    from verl_prm.apps.arithmetic.verl_rl import ARMS, MC_N, RunPaths, main_ppo_command
     from verl_prm.training.trainer import latest_checkpoint  # noqa: F401  (the learned critic's layout)
 
     scale = SCALES[scale_name]
@@ -215,17 +216,27 @@ def test_main_ppo_commands_of_every_arm_compose_and_differ_only_in_the_critic(tm
             assert hook.critic.format == "exact"
             assert dict(hook.critic.options) == exact_prover
             assert hook.diagnostics.reference is None
+        elif ARMS[arm].critic == "rollout":
+            assert (hook.critic.format, hook.critic.path, hook.critic.mc_n) == ("rollout", None, MC_N)
+            assert hook.diagnostics.reference == exact_prover
         else:
             assert (hook.critic.format, hook.critic.path) == ("value_head", str(critic))
+            assert hook.critic.calibration == ARMS[arm].calibration
             # the exact arm's prover is the learned arm's reference, for the diagnostics only
             assert hook.diagnostics.reference == exact_prover
+        assert pav.normalize == (arm == "pav_learned_normalized")
         commands[arm] = set(command[3:])
     run_names = ("trainer.experiment_name=", "trainer.default_local_dir=")
+    # each arm differs from the one it is compared with only where its row in verl_rl's table says
     for a, b, allowed in (("grpo", "pav_exact", ("algorithm.adv_estimator=",)),
                           ("pav_exact", "pav_learned", ("verl_prm.critic.", "+verl_prm.critic.",
-                                                        "+verl_prm.diagnostics.reference."))):
+                                                        "+verl_prm.diagnostics.reference.")),
+                          ("pav_learned", "pav_learned_calibrated", ("verl_prm.critic.calibration=",)),
+                          ("pav_learned", "pav_learned_normalized", ("algorithm.pav.normalize=",)),
+                          ("pav_exact", "pav_mc", ("verl_prm.critic.", "+verl_prm.critic.",
+                                                   "+verl_prm.diagnostics.reference."))):
         differing = sorted(commands[a] ^ commands[b])
-        assert differing and all(x.startswith(allowed + run_names) for x in differing), differing
+        assert differing and all(x.startswith(allowed + run_names) for x in differing), (a, b, differing)
 
 
 def test_a_run_stops_with_every_process_of_its_session(tmp_path):
@@ -364,18 +375,51 @@ def test_read_run_takes_the_curves_from_verls_file_logger(tmp_path):
              {"step": 1, "data": {"critic/score/mean": 0.25, "pav/outcome_zero_signal_groups": 0.5,
                                   "pav/process_term/std": 0.1, "timing_s/step": 3.0}},
              {"step": 2, "data": {"critic/score/mean": 0.5, "pav/outcome_zero_signal_groups": 0.0,
-                                  "pav/process_term/std": 0.2, "timing_s/step": 2.0, key: 0.75}}]
+                                  "pav/process_term/std": 0.2, "timing_s/step": 2.0, key: 0.75,
+                                  "pav/zero_outcome_groups_with_signal": None, "pav/process_corr": 0.5,
+                                  "pav/mc_tokens": 300.0, "response_length/mean": 5.0}}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"step": 3, "da')
     run = read_run(tmp_path, scale)
     per_step = scale.rl.prompts_per_step * scale.rl.group_size
     assert run["curve"] == [(0, 0, 0.5), (2, 2 * per_step, 0.75)]
     assert [t["zero_signal_groups"] for t in run["training"]] == [0.5, 0.0]
+    second = run["training"][1]  # a NaN logged as null (no group without an outcome signal) reads as nan
+    assert math.isnan(second["zero_outcome_groups_with_signal"]) and second["process_corr"] == 0.5
+    assert (second["mc_tokens"], second["response_tokens"]) == (300.0, 5.0 * per_step)
+    assert run["training"][0]["mc_tokens"] == 0.0 and math.isnan(run["training"][0]["process_corr"])
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "da\n' + json.dumps(lines[0]) + "\n")
     with pytest.raises(ValueError, match="metrics.jsonl:1 is not JSON"):
         read_run(tmp_path, scale)
     (tmp_path / "metrics.jsonl").write_text(json.dumps(lines[1]) + "\n")
     with pytest.raises(ValueError, match=f"has no val-core/arithmetic_mod/acc/mean@{scale.rl.eval_samples} metric"):
         read_run(tmp_path, scale)
+
+
+def test_a_resumed_run_keeps_the_steps_it_logged_before_the_resume(tmp_path):
+    """verl's file logger truncates metrics.jsonl when main_ppo starts: start_run moves a non-empty one aside as
+    the next metrics-<n>.jsonl, and read_run reads the parts in order (a step logged again replaces the earlier
+    record; a torn last line of a killed start is skipped)."""
+    import sys
+
+    from verl_prm.apps.arithmetic.pipeline import SCALES
+    from verl_prm.apps.arithmetic.verl_rl import read_run, start_run
+
+    scale = SCALES["micro"]
+    key = f"val-core/arithmetic_mod/acc/mean@{scale.rl.eval_samples}"
+    first = [{"step": 0, "data": {key: 0.25}}, {"step": 1, "data": {"critic/score/mean": 0.5, key: 0.3}}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in first) + '{"step": 2, "da')
+    run = start_run([sys.executable, "-c", "pass"], tmp_path, threads=1)
+    run.wait(60)
+    run.stop()
+    assert (tmp_path / "metrics-1.jsonl").read_text().startswith(json.dumps(first[0]))
+    second = [{"step": 1, "data": {"critic/score/mean": 0.75, key: 0.5}}, {"step": 2, "data": {key: 0.6}}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in second))
+    per_step = scale.rl.prompts_per_step * scale.rl.group_size
+    result = read_run(tmp_path, scale)
+    assert result["curve"] == [(0, 0, 0.25), (1, per_step, 0.5), (2, 2 * per_step, 0.6)]
+    assert [t["batch_accuracy"] for t in result["training"]] == [0.75]
+    start_run([sys.executable, "-c", "pass"], tmp_path, threads=1).stop()  # the next start: the next part
+    assert (tmp_path / "metrics-2.jsonl").read_text() == "".join(json.dumps(x) + "\n" for x in second)
 
 
 def test_command_line_overrides_reach_the_scale():

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -176,3 +177,50 @@ def test_critic_init_needs_a_slipped_result_and_saves_a_causal_lm(tmp_path):
         CriticInitConfig(eval_fraction=1.0)
     with pytest.raises(ValueError, match="lr"):
         CriticInitConfig(lr=float("nan"))
+
+
+def _ols_slope(x, y):
+    """The least-squares slope cov(x, y) / var(x), written out."""
+    mx, my = sum(x) / len(x), sum(y) / len(y)
+    return sum((a - mx) * (b - my) for a, b in zip(x, y)) / sum((a - mx) ** 2 for a in x)
+
+
+def test_size_statistics_compare_values_and_process_terms_with_the_exact_provers():
+    """value_size.size_statistics on two rows worked by hand: the process term is A_h = BoK(v_h) - BoK(v_{h-1})
+    (the PAV paper's Eq. 5 with the Best-of-K prover, BoK(v) = 1 - (1 - v)^K); a first pit is the first step whose
+    exact value is 0 after a positive one."""
+    import numpy as np
+
+    from verl_prm.apps.arithmetic.value_size import size_statistics
+
+    exact = [np.array([0.5, 0.25, 0.0, 0.0]), np.array([1.0, 1.0])]
+    values = [np.array([0.4, 0.3, 0.1, 0.1]), np.array([0.8, 0.8])]
+    stats = size_statistics(values, exact, best_of_k=1)
+    # row 1: A = [-0.1, -0.2, 0], exact A = [-0.25, -0.25, 0]; the pit is step 2 (index 1); row 2: A = [0]
+    assert stats["mse"] == pytest.approx((0.01 + 0.0025 + 0.01 + 0.01 + 0.04 + 0.04) / 6)
+    assert stats["drop_at_first_pit"] == pytest.approx(0.3 - 0.1)
+    assert stats["abs_adv_slipped"] == pytest.approx(0.2) and stats["first_pits"] == 1
+    assert stats["abs_adv_right"] == pytest.approx((0.1 + 0.0) / 2)  # the steps whose exact value stays > 0
+    assert stats["slope"] == pytest.approx(_ols_slope([0.5, 0.25, 0, 0, 1, 1], [0.4, 0.3, 0.1, 0.1, 0.8, 0.8]))
+    assert stats["process_slope"] == pytest.approx(_ols_slope([-0.25, -0.25, 0, 0], [-0.1, -0.2, 0, 0]))
+    assert stats["process_corr"] == pytest.approx(float(np.corrcoef([-0.1, -0.2, 0, 0], [-0.25, -0.25, 0, 0])[0, 1]))
+    # Best-of-2 changes the process term, not the statistics of the values themselves
+    bok = lambda v: 1 - (1 - v) ** 2  # noqa: E731
+    k2 = size_statistics(values, exact, best_of_k=2)
+    assert k2["abs_adv_slipped"] == pytest.approx(abs(bok(0.1) - bok(0.3)))
+    assert k2["mse"] == stats["mse"]
+    # the exact values against themselves: the right size
+    same = size_statistics(exact, exact, best_of_k=4)
+    assert (same["mse"], same["slope"], same["process_slope"], same["process_corr"]) == pytest.approx((0, 1, 1, 1))
+
+
+@pytest.mark.parametrize("values,exact,message", [
+    ([[0.1, 0.2]], [[0.1, 0.2, 0.3]], "row 0 has values of shape (2,) and exact (3,)"),
+    ([[0.1, float("nan")]], [[0.1, 0.2]], "row 0 has a non-finite value"),
+    ([[0.1, 0.2]], [], "1 rows of values but 0 of exact values"),
+])
+def test_size_statistics_refuse_rows_that_do_not_match(values, exact, message):
+    from verl_prm.apps.arithmetic.value_size import size_statistics
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        size_statistics(values, exact, best_of_k=1)

@@ -223,3 +223,30 @@ def test_every_scale_evaluates_with_4_samples_and_a_changed_statistic_is_detecte
     more = stages_of(replace(scale, rl=replace(scale.rl, eval_samples=8)), tmp_path)
     with pytest.raises(ValueError, match=r"other settings \(rl.eval_samples: 4 -> 8\)"):
         more["rl"].parts[0].done()
+
+
+def test_process_summary_averages_each_seeds_steps_then_the_seeds_and_prices_the_steps_to_level():
+    """evaluate.process_summary: per seed the mean over its logged steps (a metric a step did not log is skipped,
+    one no step logged is nan), then the mean over seeds; tokens per step = responses + continuations; the steps to
+    L times the per-step cost are the tokens and seconds to L (summarise_arms), shown by process_table."""
+    from verl_prm.apps.arithmetic.evaluate import process_summary, process_table, summarise_arms
+
+    nan = float("nan")
+    seed0 = [{"zero_signal_groups": 0.5, "process_corr": 0.5, "mc_tokens": 300.0, "response_tokens": 100.0, "step_seconds": 2.0},
+             {"zero_signal_groups": 0.5, "process_corr": 0.7, "mc_tokens": 500.0, "response_tokens": 100.0, "step_seconds": 4.0}]
+    seed1 = [{"zero_signal_groups": 0.5, "process_corr": 0.9, "mc_tokens": 400.0, "response_tokens": 300.0, "step_seconds": 3.0},
+             {"zero_signal_groups": 0.5, "process_corr": nan, "mc_tokens": 400.0, "response_tokens": 300.0, "step_seconds": 3.0}]
+    summary = process_summary([seed0, seed1])
+    assert summary["process_corr"] == pytest.approx((0.6 + 0.9) / 2)
+    assert summary["tokens_per_step"] == pytest.approx((100 + 300) / 2 + (400 + 400) / 2)
+    assert summary["seconds_per_step"] == pytest.approx(3.0)
+    assert summary["abs_adv_slipped"] is None  # never logged (an arm without a reference)
+    runs = {"grpo": {s: _rl_run([0.2, 0.3, 0.4, 0.5]) for s in (0, 1)},
+            "pav_mc": {0: {**_rl_run([0.2, 0.5, 0.5, 0.6]), "training": seed0},
+                       1: {**_rl_run([0.2, 0.5, 0.5, 0.6]), "training": seed1}}}
+    arms = summarise_arms(runs, budget=30, resamples=20)
+    mc = arms["pav_mc"]
+    assert mc["tokens_to_level"] == pytest.approx(mc["steps_to_level"] * 600.0)
+    assert mc["seconds_to_level"] == pytest.approx(mc["steps_to_level"] * 3.0)
+    row = next(line for line in process_table(arms) if line.startswith("| PAV-GRPO, Monte-Carlo"))
+    assert row.split(" | ")[1] == "0.750" and "600 (400)" in row, row

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import re
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -179,6 +181,24 @@ def test_critic_worker_gets_the_pickle_opt_in(critic_dir):
     hook, _ = validate_run_config(config)
     assert critic_worker_kwargs(hook)["allow_pickle"] is True
     assert critic_worker_kwargs(read_hook_config(None))["allow_pickle"] is False
+
+
+def test_critic_calibration_choice_reaches_the_worker_and_is_checked_at_startup(critic_dir, tmp_path):
+    """verl_prm.critic.calibration goes to ProverCritic.from_pretrained as is (auto: the checkpoint's
+    calibration.json; none: raw values; tests/unit/test_calibration.py loads both); a missing file, or a choice
+    for a critic without weights, stops the run at startup naming the key."""
+    from verl_prm.integrations.verl.hook_trainer import critic_worker_kwargs
+
+    base = PLUGIN_OVERRIDES + [f"verl_prm.critic.path={critic_dir}"]
+    assert critic_worker_kwargs(validate_run_config(compose_verl(base))[0])["calibration"] == "auto"
+    hook, _ = validate_run_config(compose_verl(base + ["verl_prm.critic.calibration=none"]))
+    assert critic_worker_kwargs(hook)["calibration"] == "none"
+    missing = tmp_path / "calibration.json"
+    with pytest.raises(ConfigError, match=re.escape(f"verl_prm.critic.calibration={str(missing)!r} does not exist")):
+        validate_run_config(compose_verl(base + [f"verl_prm.critic.calibration={missing}"]))
+    with pytest.raises(ConfigError, match=re.escape("verl_prm.critic.calibration='none' is unused with "
+                                                    "verl_prm.critic.format=rollout")):
+        read_hook_config({"critic": {"format": "rollout", "calibration": "none"}})
 
 
 def test_startup_validation_accepts_a_valid_run(critic_dir):

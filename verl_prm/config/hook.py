@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
@@ -106,6 +107,10 @@ class CriticSection:
     # Also load a checkpoint whose weights are pickle only (pytorch_model.bin): unpickling can run arbitrary code,
     # so the default loads safetensors only (verl_prm.checkpoints).
     allow_pickle: bool = False
+    # Post-hoc calibration of a checkpoint critic's values (verl_prm.training.calibration): "auto" applies the
+    # checkpoint's calibration.json when it has one (`verl-prm train` writes it), "none" the raw values, a path
+    # that calibration file (fitted for these weights). Unused with formats "exact" and "rollout".
+    calibration: str = "auto"
     # format "rollout" only (docs/step_values.md): continuations sampled per step prefix, through the run's rollout
     # replicas with the rollout's sampling settings, scored by the run's reward function.
     mc_n: int = 4
@@ -260,6 +265,15 @@ def _check_ranges(config: HookConfig) -> None:
         raise ConfigError(f"verl_prm.critic.max_tokens_per_batch must be >= 1, got {critic.max_tokens_per_batch}")
     if critic.truncation not in TRUNCATIONS:
         raise ConfigError(f"verl_prm.critic.truncation must be one of {TRUNCATIONS}, got {critic.truncation!r}")
+    if not isinstance(critic.calibration, str) or not critic.calibration:
+        raise ConfigError(f"verl_prm.critic.calibration must be auto, none or a calibration.json path, got "
+                          f"{critic.calibration!r}")
+    if critic.format in (EXACT_CRITIC_FORMAT, ROLLOUT_CRITIC_FORMAT) and critic.calibration != "auto":
+        raise ConfigError(f"verl_prm.critic.calibration={critic.calibration!r} is unused with verl_prm.critic.format="
+                          f"{critic.format} (no checkpoint's values to calibrate): remove the override")
+    if critic.calibration not in ("auto", "none") and not Path(critic.calibration).exists():
+        raise ConfigError(f"verl_prm.critic.calibration={critic.calibration!r} does not exist: name a calibration.json "
+                          "written by `verl-prm train` for this critic's weights, or use auto / none")
     if critic.dtype not in ("auto", "bfloat16", "float16", "float32"):
         raise ConfigError(
             f"verl_prm.critic.dtype must be auto, bfloat16, float16 or float32, got {critic.dtype!r}"

@@ -71,6 +71,28 @@ def _mean_curve_auc(curves: Sequence, budget: int) -> float:
 BOOTSTRAPPED = ("level", "steps_to_level", "samples_to_level", "efficiency", "auc", "auc_gain")
 
 
+# per training step of verl_rl.read_run: the diagnostics and costs process_summary averages
+PROCESS_KEYS = ("process_corr", "abs_adv_right", "abs_adv_slipped", "exact_abs_adv_right", "exact_abs_adv_slipped",
+                "zero_outcome_groups_with_signal", "mc_seconds", "mc_tokens", "response_tokens", "step_seconds")
+
+
+def process_summary(trainings: Sequence[Sequence[dict]]) -> dict:
+    """Mean over seeds of each seed's mean over its training steps (``PROCESS_KEYS``; a metric a run did not log
+    is None), plus ``tokens_per_step`` (response + continuation tokens) and ``seconds_per_step`` (verl's
+    ``timing_s/step``, the continuations' sampling included)."""
+    out = {}
+    for key in PROCESS_KEYS:
+        per_seed = [np.nanmean([t.get(key, np.nan) for t in steps]) if any(np.isfinite(t.get(key, np.nan))
+                                                                           for t in steps) else np.nan
+                    for steps in trainings if steps]
+        finite = [v for v in per_seed if np.isfinite(v)]
+        out[key] = float(np.mean(finite)) if finite else None
+    out["tokens_per_step"] = (None if out["response_tokens"] is None
+                              else out["response_tokens"] + (out["mc_tokens"] or 0.0))
+    out["seconds_per_step"] = out["step_seconds"]
+    return out
+
+
 def summarise_arms(runs: dict, *, budget: int, reference: str = "grpo", level_fraction: float = 2 / 3,
                    resamples: int = 2000, seed: int = 0) -> dict:
     """Per arm over its seeds: the seed-mean held-out curve and its standard error per point, the final accuracy
@@ -130,6 +152,11 @@ def summarise_arms(runs: dict, *, budget: int, reference: str = "grpo", level_fr
             summary.update({"reference": reference, "level_fraction": level_fraction,
                             "level_step": level_fraction * budget})
         summary.update({"budget": budget, "bootstrap": {"resamples": resamples, "seed": seed}})
+        summary["process"] = process_summary([seeds[s]["training"] for s in sorted(seeds)])
+        steps = summary.get("steps_to_level")
+        for name, per_step in (("tokens_to_level", "tokens_per_step"), ("seconds_to_level", "seconds_per_step")):
+            cost = summary["process"][per_step]
+            summary[name] = None if steps is None or cost is None else steps * cost
         out[arm] = summary
     return out
 
@@ -207,8 +234,10 @@ def search_sweep(model, tokenizer, prefix_critic, prompt_texts: Sequence[str], p
     return rows
 
 
-ARM_LABELS = {"grpo": "GRPO (outcome only)", "pav_exact": "PAV-GRPO, exact prover",
-              "pav_learned": "PAV-GRPO, learned PAV"}
+def _arm_label(arm: str) -> str:
+    from verl_prm.apps.arithmetic.verl_rl import ARMS
+
+    return ARMS[arm].label if arm in ARMS else arm
 
 
 def _pm(value: float, se: float, digits: int = 3) -> str:
@@ -268,7 +297,7 @@ def write_table(results: dict, path_md: str | Path, path_json: str | Path) -> st
         else:
             to_level = samples = speed = "-"
         lines.append(
-            f"| {ARM_LABELS.get(arm, arm)} | {len(summary['seeds'])} | "
+            f"| {_arm_label(arm)} | {len(summary['seeds'])} | "
             f"{_pm(summary['final_accuracy'], summary['final_accuracy_se'])} | "
             f"{_pm(summary['curve'][-1][2], summary['curve_se'][-1])} | {_pm(summary['auc'], summary['auc_se'])} | "
             f"{to_level} | {samples} | {speed} | {summary['zero_signal_groups']:.3f} |")
@@ -287,13 +316,17 @@ def write_table(results: dict, path_md: str | Path, path_json: str | Path) -> st
     if few:
         lines += ["", f"**Fewer than {MIN_REPORTED_SEEDS} seeds** ({', '.join(f'{a}: {n}' for a, n in few.items())}): "
                   "not a result to report; the bootstrap needs several seeds per arm."]
+    lines += ["", *process_table(arms)]
     critic = results["critic"]
     lines += [
         "",
         f"Learned PAV: held-out label AUROC {critic['label_auroc']:.3f}; step AUROC against the true prefix "
         f"correctness {critic['step_auroc']:.3f} on {critic['steps_scored']} steps of base-policy samples "
         f"({critic['wrong_step_share']:.1%} of them wrong); mean value drop at the first wrong step "
-        f"{critic['mean_value_drop_at_first_wrong_step']:.3f}.",
+        f"{critic['mean_value_drop_at_first_wrong_step']:.3f}"
+        + (f"; with its calibration ({critic['calibration']}) {critic['calibrated_mean_value_drop_at_first_wrong_step']:.3f}, "
+           f"held-out label MSE {critic['label_mse']:.3f} -> {critic['calibrated_label_mse']:.3f}"
+           if "calibration" in critic else "") + ".",
         "",
         "| search (base policy) | critic | N | accuracy | generated tokens / problem | critic tokens / problem |",
         "|---|---|---:|---:|---:|---:|",
@@ -305,6 +338,32 @@ def write_table(results: dict, path_md: str | Path, path_json: str | Path) -> st
     text = "\n".join(lines) + "\n"
     Path(path_md).write_text(text)
     return text
+
+
+def process_table(arms: dict) -> list[str]:
+    """Markdown lines: per arm, its process term against the exact prover's on the same RL batches (the
+    diagnostics; n/a where the arm has no reference) and what a step costs, with the steps to L turned into
+    generated tokens and seconds."""
+    def num(value, digits=3):
+        return "n/a" if value is None or not np.isfinite(value) else f"{value:.{digits}f}"
+
+    lines = ["| policy | corr(A, exact A) per step | mean abs A right / slipped steps | exact prover's | zero-outcome "
+             "groups with a process signal | generated tokens / step (continuations) | s / step | tokens to L | "
+             "s to L |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for arm, summary in arms.items():
+        p = summary["process"]
+        mc = f" ({num(p['mc_tokens'], 0)})" if p["mc_tokens"] else ""
+        lines.append(
+            f"| {_arm_label(arm)} | {num(p['process_corr'])} | {num(p['abs_adv_right'])} / {num(p['abs_adv_slipped'])} | "
+            f"{num(p['exact_abs_adv_right'])} / {num(p['exact_abs_adv_slipped'])} | "
+            f"{num(p['zero_outcome_groups_with_signal'])} | {num(p['tokens_per_step'], 0)}{mc} | "
+            f"{num(p['seconds_per_step'], 1)} | {num(summary.get('tokens_to_level'), 0)} | "
+            f"{num(summary.get('seconds_to_level'), 0)} |")
+    lines += ["", "Process columns: verl_prm.diagnostics against the exact prover on each arm's own RL batches, mean "
+              "over steps and seeds (A = the process term before alpha; right: steps whose exact value stays > 0, "
+              "slipped: the step where it falls to 0). Tokens and seconds to L: steps to L times the arm's mean per "
+              "step (verl's timing_s/step, the runs two at a time on the machine)."]
+    return lines
 
 
 def plot_all(results: dict, output_dir: str | Path) -> list[str]:
@@ -327,7 +386,7 @@ def plot_all(results: dict, output_dir: str | Path) -> list[str]:
             x = np.array([c[column] for c in summary["curve"]])
             y = np.array([c[2] for c in summary["curve"]])
             se = np.nan_to_num(np.array(summary["curve_se"]))
-            axis.plot(x, y, marker="o", markersize=3, label=f"{ARM_LABELS.get(arm, arm)} ({len(summary['seeds'])} seeds)")
+            axis.plot(x, y, marker="o", markersize=3, label=f"{_arm_label(arm)} ({len(summary['seeds'])} seeds)")
             axis.fill_between(x, y - se, y + se, alpha=0.2)
         if reference is not None:
             axis.axhline(reference["level"], color="gray", linestyle=":", linewidth=1,
@@ -346,7 +405,7 @@ def plot_all(results: dict, output_dir: str | Path) -> list[str]:
         steps = sorted({t["step"] for s in seeds.values() for t in s["training"]})
         per_step = [np.mean([t["zero_signal_groups"] for s in seeds.values() for t in s["training"] if t["step"] == step])
                     for step in steps]
-        axis.plot(steps, per_step, label=ARM_LABELS.get(arm, arm))
+        axis.plot(steps, per_step, label=_arm_label(arm))
     axis.set_xlabel("RL step")
     axis.set_ylabel("share of prompt groups with no outcome signal")
     axis.set_title("groups whose samples all fail or all succeed (GRPO advantage 0)", fontsize=9)

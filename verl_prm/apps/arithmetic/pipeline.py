@@ -65,7 +65,7 @@ from verl_prm.apps.arithmetic.critic_init import CriticInitConfig, critic_init_f
 from verl_prm.apps.arithmetic.machine import cpu_info, gpu_names
 from verl_prm.apps.arithmetic.model import ModelConfig, SFTConfig
 from verl_prm.apps.arithmetic.task import STEP_REGEX, TaskConfig
-from verl_prm.apps.arithmetic.verl_rl import ARMS, SCORE_FILE, RLConfig
+from verl_prm.apps.arithmetic.verl_rl import ARMS, LEARNED_ARMS, SCORE_FILE, RLConfig
 
 __all__ = ["Scale", "SCALES", "STAGES", "environment", "run", "main", "scale_from_json", "seed_everything",
            "split_problems", "stage_process_command", "stages_in_own_process"]
@@ -112,9 +112,13 @@ class Scale:
     pav_batch_size: int = 32
     pav_lr: float = 2e-4
     pav_warmup: int = 10
+    # verl-prm train --calibration: the post-hoc map fitted on the held-out labels and stored in the checkpoint
+    # (the pav_learned_calibrated arm applies it, pav_learned reads the raw values); "none" at the test scales,
+    # whose few held-out labels cannot fit one
+    pav_calibration: str = "platt"
     # RL through verl's main_ppo: every arm (verl_rl.ARMS) with every seed, the same settings otherwise
     rl: RLConfig = field(default_factory=RLConfig)
-    rl_arms: tuple[str, ...] = ("grpo", "pav_exact", "pav_learned")
+    rl_arms: tuple[str, ...] = ("grpo", "pav_exact", "pav_learned", "pav_learned_calibrated", "pav_mc")
     rl_seeds: tuple[int, ...] = (0, 1, 2)
     # main_ppo processes at once (a CPU run spends ~40% of a step waiting on verl's replay-buffer poll)
     rl_parallel: int = 2
@@ -153,6 +157,10 @@ class Scale:
             raise ValueError("critic_init needs check_weight > 0: only the value head is trained on it, so the backbone "
                              "must have been taught the check (with check_weight 0 it only recomputes results, and a "
                              "linear value head reads no check from that; docs/arithmetic.md)")
+        from verl_prm.training.calibration import CALIBRATION_METHODS
+
+        if self.pav_calibration not in CALIBRATION_METHODS:
+            raise ValueError(f"pav_calibration must be one of {', '.join(CALIBRATION_METHODS)}, got {self.pav_calibration!r}")
         for name in ("pav_lr", "search_alpha"):
             value = getattr(self, name)
             if not np.isfinite(value):
@@ -222,7 +230,7 @@ SCALES: dict[str, Scale] = {
         model=ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                           num_key_value_heads=2, max_position_embeddings=160),
         sft=SFTConfig(steps=4, batch_size=8, warmup_steps=1),
-        n_cov=1, n_mc=2, label_batch_size=16, pav_steps=2, pav_batch_size=4, pav_warmup=1,
+        n_cov=1, n_mc=2, label_batch_size=16, pav_steps=2, pav_batch_size=4, pav_warmup=1, pav_calibration="none",
         rl=RLConfig(steps=2, prompts_per_step=2, group_size=2, eval_every=1, eval_samples=4),
         rl_arms=("pav_exact",), rl_seeds=(0,), rl_parallel=1,
         eval_samples=4, search_problems=2, best_of_n=(1, 2), beam_widths=(1,), samples_per_beam=2,
@@ -235,7 +243,7 @@ SCALES: dict[str, Scale] = {
         model=ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                           num_key_value_heads=2, max_position_embeddings=64),
         sft=SFTConfig(steps=150, batch_size=16, lr=1e-2, warmup_steps=5),
-        n_cov=2, n_mc=2, label_batch_size=16, pav_steps=2, pav_batch_size=4, pav_warmup=1,
+        n_cov=2, n_mc=2, label_batch_size=16, pav_steps=2, pav_batch_size=4, pav_warmup=1, pav_calibration="none",
         rl=RLConfig(steps=2, prompts_per_step=4, group_size=4, lr=1e-3, eval_every=1, eval_samples=4),
         eval_samples=4, search_problems=4, best_of_n=(1, 2), beam_widths=(1,), samples_per_beam=2,
     ),
@@ -494,17 +502,18 @@ def label_prompts(prompts: Path, policy: Path, output: Path, scale: Scale, progr
 
 
 def train_pav(labels: Path, init: Path, output: Path, *, steps: int, batch_size: int, lr: float, warmup_steps: int,
-              max_length: int, log_every: int, cpu: bool, freeze_backbone: bool = False, progress: bool = True) -> dict:
+              max_length: int, log_every: int, cpu: bool, freeze_backbone: bool = False, calibration: str = "none",
+              progress: bool = True) -> dict:
     """``verl_prm.training.trainer.train`` (what ``verl-prm train`` runs) of a value-head PAV on ``labels``: 20% of
-    the prompts held out, the Monte-Carlo values themselves (Best-of-1), seed 0, no post-hoc calibration (the
-    learned arm as measured so far; too few held-out labels at the test scales to fit one); resumes from
-    ``output``. Returns the training settings (``TrainConfig`` as a dict)."""
+    the prompts held out, the Monte-Carlo values themselves (Best-of-1), seed 0, the post-hoc ``calibration``
+    fitted on the held-out labels (``--calibration``); resumes from ``output``. Returns the training settings
+    (``TrainConfig`` as a dict)."""
     from verl_prm.training.trainer import TrainConfig, train
 
     config = TrainConfig(labels=[str(labels)], output_dir=str(output), init=str(init), eval_fraction=0.2,
                          max_length=max_length, batch_size=batch_size, max_steps=steps, lr=lr,
                          warmup_steps=warmup_steps, best_of_k=1, freeze_backbone=freeze_backbone, seed=0, cpu=cpu,
-                         log_every=log_every, progress=progress, calibration="none")
+                         log_every=log_every, progress=progress, calibration=calibration)
     train(config)
     return {k: v for k, v in asdict(config).items() if k != "progress"}
 
@@ -521,7 +530,8 @@ def stage_pav(stage: Stage, scale: Scale, labels: Path, policy: Path, data_dir: 
     outputs["training"] = train_pav(
         labels, init, stage.path, steps=scale.pav_steps, batch_size=scale.pav_batch_size, lr=scale.pav_lr,
         warmup_steps=scale.pav_warmup, max_length=scale.model.max_position_embeddings, log_every=10,
-        cpu=scale.device == "cpu", freeze_backbone=scale.critic_init is not None, progress=progress)
+        cpu=scale.device == "cpu", freeze_backbone=scale.critic_init is not None, calibration=scale.pav_calibration,
+        progress=progress)
     metrics = json.loads((stage.path / "eval_metrics.json").read_text())
     return {"checkpoint": str(latest_checkpoint(stage.path)), "eval_metrics": metrics, **outputs}
 
@@ -552,9 +562,11 @@ def rl_run_stages(scale: Scale, root: Path, settings: dict) -> dict[tuple[str, i
     # seed by seed, every arm of a seed together: an interrupted stage leaves complete comparisons
     for seed in scale.rl_seeds:
         for arm in scale.rl_arms:
-            critic = settings["critic"] if arm == "pav_learned" else settings["prover"]
+            critic = settings["critic"] if arm in LEARNED_ARMS else settings["prover"]
             out[(arm, seed)] = Stage(root / "rl", f"{arm}_seed{seed}", {
                 "policy": settings["policy"], "critic": critic, "rl": scale.rl, "arm": arm, "seed": seed,
+                # what the arm runs (its estimator, critic and overrides): a changed arm is a changed run
+                "arm_settings": ARMS[arm],
                 "max_new_tokens": scale.max_new_tokens, "device": scale.device})
     return out
 
@@ -622,18 +634,31 @@ def stage_evaluate(stage: Stage, scale: Scale, policy: Path, critic: str, pav_me
         runs.setdefault(arm, {})[int(seed_text)] = {**outputs, "final": final}
     tokenizer = AutoTokenizer.from_pretrained(str(policy), trust_remote_code=False)
     model = AutoModelForCausalLM.from_pretrained(str(policy), trust_remote_code=False).to(scale.device).eval()
-    critic_model = ProverCritic.from_pretrained(critic, format="value_head", device=scale.device)
-    critic_result = ev.critic_step_auroc(critic_model, tokenizer, model, texts_of(tokenizer), test, samples=1,
-                                         max_new_tokens=scale.max_new_tokens, seed=seed + 1)
+    # the learned PAV's raw values (as the pav_learned arm reads them) and, when the checkpoint has one, with its
+    # calibration (the pav_learned_calibrated arm): the step AUROC is the same (a monotone map), the sizes are not
+    critic_models = {"learned": ProverCritic.from_pretrained(critic, format="value_head", device=scale.device,
+                                                             calibration="none")}
+    calibrated = ProverCritic.from_pretrained(critic, format="value_head", device=scale.device)
+    if calibrated.calibration is not None:
+        critic_models["learned_calibrated"] = calibrated
+    critic_result = ev.critic_step_auroc(critic_models["learned"], tokenizer, model, texts_of(tokenizer), test,
+                                         samples=1, max_new_tokens=scale.max_new_tokens, seed=seed + 1)
     critic_result["label_auroc"] = float(pav_metrics.get("eval/auroc", float("nan")))
     critic_result["label_mse"] = float(pav_metrics.get("eval/mse", float("nan")))
+    if "learned_calibrated" in critic_models:
+        calibrated_result = ev.critic_step_auroc(calibrated, tokenizer, model, texts_of(tokenizer), test, samples=1,
+                                                 max_new_tokens=scale.max_new_tokens, seed=seed + 1)
+        critic_result["calibration"] = calibrated.calibration.describe()
+        critic_result["calibrated_mean_value_drop_at_first_wrong_step"] = \
+            calibrated_result["mean_value_drop_at_first_wrong_step"]
+        critic_result["calibrated_label_mse"] = float(pav_metrics.get("eval/calibrated_mse", float("nan")))
     search_set = test[: scale.search_problems]
     search = {}
-    for critic_name, prefix_critic in (
-        ("learned", ev.learned_prefix_critic(critic_model, texts_of(tokenizer, search_set))),
-        ("exact", ev.exact_prefix_critic(ArithmeticProver(step_accuracy=prover["step_accuracy"]),
-                                         texts_of(tokenizer, search_set))),
-    ):
+    prefix_critics = {name: ev.learned_prefix_critic(model_, texts_of(tokenizer, search_set))
+                      for name, model_ in critic_models.items()}
+    prefix_critics["exact"] = ev.exact_prefix_critic(ArithmeticProver(step_accuracy=prover["step_accuracy"]),
+                                                     texts_of(tokenizer, search_set))
+    for critic_name, prefix_critic in prefix_critics.items():
         search[critic_name] = ev.search_sweep(
             model, tokenizer, prefix_critic, texts_of(tokenizer, search_set), search_set,
             best_of_n=scale.best_of_n, beam_widths=scale.beam_widths, samples_per_beam=scale.samples_per_beam,
@@ -662,7 +687,7 @@ def stages_of(scale: Scale, root: Path) -> dict[str, Stage]:
     lab = Stage(root, "labels", {"policy": s.settings, "prompts": scale.label_problems, "n": [scale.n_cov, scale.n_mc],
                                  "backend": scale.label_backend, "max_new_tokens": scale.max_new_tokens})
     pav = Stage(root, "pav", {"labels": lab.settings, "steps": scale.pav_steps, "batch": scale.pav_batch_size,
-                              "lr": scale.pav_lr, "warmup": scale.pav_warmup,
+                              "lr": scale.pav_lr, "warmup": scale.pav_warmup, "calibration": scale.pav_calibration,
                               "critic_init": asdict(scale.critic_init) if scale.critic_init else None,
                               **({"data": d.settings} if scale.critic_init else {})})
     rl_settings = {"policy": s.settings, "prover": prover.settings, "critic": pav.settings, "rl": scale.rl,
@@ -738,6 +763,8 @@ def _run(scale: Scale, root: Path, stages: Sequence[str], progress: bool, log, o
 
     # Every stage up to the last requested one runs in order; one that was not requested must be complete.
     needed = set(STAGES[: max(STAGES.index(x) for x in stages) + 1])
+    if "pav" not in stages and "evaluate" not in needed and not set(scale.rl_arms) & set(LEARNED_ARMS):
+        needed.discard("pav")  # the rl stage reads the learned PAV in its learned arms only
     d, s = named["data"], named["sft"]
     out: dict = {}
     for name, fn in (
@@ -746,7 +773,7 @@ def _run(scale: Scale, root: Path, stages: Sequence[str], progress: bool, log, o
         ("prover", lambda: stage_prover(named["prover"], scale, s.path)),
         ("label", lambda: stage_label(named["label"], scale, d.path, s.path, progress)),
         ("pav", lambda: stage_pav(named["pav"], scale, named["label"].path, s.path, d.path, progress, log)),
-        ("rl", lambda: stage_rl(named["rl"], scale, d.path, s.path, out["pav"]["checkpoint"],
+        ("rl", lambda: stage_rl(named["rl"], scale, d.path, s.path, out["pav"]["checkpoint"] if "pav" in out else None,
                                 out["prover"]["step_accuracy"], log)),
         ("evaluate", lambda: stage_evaluate(named["evaluate"], scale, s.path, out["pav"]["checkpoint"],
                                             out["pav"]["eval_metrics"], out["prover"], out["rl"])),
@@ -841,7 +868,7 @@ def recipe_parser() -> argparse.ArgumentParser:
     parser.add_argument("--work-dir", required=True, help="outputs of every stage; rerun to resume")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     parser.add_argument("--rl-steps", type=int, default=None, help="override the RL iterations of the scale")
-    parser.add_argument("--rl-arms", default=None, help="override the RL arms (comma-separated: grpo,pav_exact,pav_learned)")
+    parser.add_argument("--rl-arms", default=None, help="override the RL arms (comma-separated names of verl_rl.ARMS)")
     parser.add_argument("--rl-seeds", default=None, help="override the RL seeds (comma-separated integers)")
     parser.add_argument("--rl-parallel", type=int, default=None, help="main_ppo runs at once (default 2)")
     parser.add_argument("--label-problems", type=int, default=None, help="override the problems labelled")

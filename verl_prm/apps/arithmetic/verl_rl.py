@@ -1,15 +1,24 @@
 """The RL stages of the arithmetic recipe: verl's own trainer (``python -m verl.trainer.main_ppo``) with the plugin.
 
-Three arms, the same command but for the estimator and the critic (same SFT policy, prompts, seeds and budget):
+The arms, the same command but for the estimator and the critic (same SFT policy, prompts, seeds and budget):
 
-==============  ================  ====================================================================
-arm             estimator         prover critic (``verl_prm.critic``)
-==============  ================  ====================================================================
-``grpo``        ``grpo``          the exact prover, for the ``pav/*`` metrics only (verl's advantages)
-``pav_exact``   ``pav_grpo``      ``format=exact``: the task's scripted prover with exact values
-``pav_learned`` ``pav_grpo``      ``format=value_head``: the PAV that ``verl-prm train`` learnt (the exact
-                                  prover is its ``verl_prm.diagnostics.reference``: metrics only)
-==============  ================  ====================================================================
+==========================  ==============  ==============================================================
+arm                         estimator       prover critic (``verl_prm.critic``)
+==========================  ==============  ==============================================================
+``grpo``                    ``grpo``        the exact prover, for the ``pav/*`` metrics only (verl's advantages)
+``pav_exact``               ``pav_grpo``    ``format=exact``: the task's scripted prover with exact values
+``pav_learned``             ``pav_grpo``    ``format=value_head``: the PAV that ``verl-prm train`` learnt, its raw
+                                            values (``critic.calibration=none``)
+``pav_learned_calibrated``  ``pav_grpo``    the same PAV with its post-hoc calibration (``calibration=auto``:
+                                            the checkpoint's ``calibration.json``)
+``pav_learned_normalized``  ``pav_grpo``    the raw PAV, its process term divided by its batch std
+                                            (``algorithm.pav.normalize=true``)
+``pav_mc``                  ``pav_grpo``    ``format=rollout``: Monte-Carlo values, ``MC_N`` continuations of every
+                                            step prefix from the run's own rollout replicas
+==========================  ==============  ==============================================================
+
+Every PAV arm but ``pav_exact`` names the exact prover as its ``verl_prm.diagnostics.reference`` (metrics only:
+``pav/process_corr``, ``pav/*abs_adv*``).
 
 :func:`main_ppo_command` builds the command for a device: the run's settings (batch, group size, learning
 rate, evaluation, ``algorithm.pav.*``) are the same on CPU and GPU; only the device block differs (CPU: the
@@ -35,7 +44,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["ARMS", "Arm", "RLConfig", "RunPaths", "SCORE_FILE", "main_ppo_command", "merge_final_policy", "read_run",
+__all__ = ["ARMS", "Arm", "LEARNED_ARMS", "MC_N", "DIAGNOSTIC_METRICS", "RLConfig", "RunPaths", "SCORE_FILE", "main_ppo_command", "merge_final_policy", "read_run",
            "run_arms", "start_run"]
 
 # the task's verl score function, in a file that verl (and the label stage) load by path
@@ -73,18 +82,33 @@ class RLConfig:
 
 @dataclass(frozen=True)
 class Arm:
-    """One RL arm: verl's estimator and the plugin's critic format."""
+    """One RL arm: verl's estimator, the plugin's critic (``exact``, ``learned`` or ``rollout``), the learned
+    critic's calibration (``verl_prm.critic.calibration``) and further ``algorithm.pav`` overrides."""
 
     estimator: str
-    critic: str  # "exact" | "learned"
+    critic: str
     label: str
+    calibration: str = "none"
+    pav_overrides: tuple[str, ...] = ()
+    # format=rollout: verl_prm.critic.mc_* overrides
+    mc_overrides: tuple[str, ...] = ()
 
+
+# continuations per step prefix of the pav_mc arm (n of the Monte-Carlo estimate; the labels' n_mc is 2)
+MC_N = 4
 
 ARMS: dict[str, Arm] = {
     "grpo": Arm("grpo", "exact", "GRPO (outcome only)"),
     "pav_exact": Arm("pav_grpo", "exact", "PAV-GRPO, exact prover"),
-    "pav_learned": Arm("pav_grpo", "learned", "PAV-GRPO, learned PAV"),
+    "pav_learned": Arm("pav_grpo", "learned", "PAV-GRPO, learned PAV (raw values)"),
+    "pav_learned_calibrated": Arm("pav_grpo", "learned", "PAV-GRPO, learned PAV, calibrated", calibration="auto"),
+    "pav_learned_normalized": Arm("pav_grpo", "learned", "PAV-GRPO, learned PAV, process term / batch std",
+                                  pav_overrides=("normalize=true",)),
+    "pav_mc": Arm("pav_grpo", "rollout", f"PAV-GRPO, Monte-Carlo values (n={MC_N})",
+                  mc_overrides=(f"mc_n={MC_N}", "mc_prefixes=every")),
 }
+# the arms whose critic is the recipe's learned PAV (their runs depend on the pav stage)
+LEARNED_ARMS = tuple(name for name, arm in ARMS.items() if arm.critic == "learned")
 
 
 @dataclass(frozen=True)
@@ -112,12 +136,16 @@ def main_ppo_command(scale, arm_name: str, seed: int, paths: RunPaths, run_dir: 
         raise ValueError(f"unknown RL arm {arm_name!r}; known: {', '.join(ARMS)}")
     arm, rl = ARMS[arm_name], scale.rl
     exact_prover = [f"prover={EXACT_PROVER}", f"step_accuracy={paths.step_accuracy:.6f}"]
+    # the exact arm's prover as the diagnostics' reference: the pav/process_corr, pav/*abs_adv* metrics
+    reference = [f"+verl_prm.diagnostics.reference.{option}" for option in exact_prover]
     if arm.critic == "learned":
         if paths.learned_critic is None:
             raise ValueError(f"arm {arm_name} needs the learned PAV checkpoint (the recipe's pav stage)")
-        # the exact arm's prover as the diagnostics' reference: the pav/process_corr, pav/*abs_adv* metrics
         critic = [f"verl_prm.critic.path={paths.learned_critic}", "verl_prm.critic.format=value_head",
-                  *(f"+verl_prm.diagnostics.reference.{option}" for option in exact_prover)]
+                  f"verl_prm.critic.calibration={arm.calibration}", *reference]
+    elif arm.critic == "rollout":
+        critic = ["verl_prm.critic.format=rollout", "verl_prm.critic.path=null",
+                  *(f"verl_prm.critic.{override}" for override in arm.mc_overrides), *reference]
     else:
         critic = ["verl_prm.critic.format=exact", *(f"+verl_prm.critic.options.{option}" for option in exact_prover)]
     batch = rl.prompts_per_step
@@ -131,6 +159,7 @@ def main_ppo_command(scale, arm_name: str, seed: int, paths: RunPaths, run_dir: 
         f"algorithm.adv_estimator={arm.estimator}",
         f"algorithm.pav.alpha={rl.alpha}",
         f"algorithm.pav.best_of_k={rl.best_of_k}",
+        *(f"algorithm.pav.{override}" for override in arm.pav_overrides),
         "algorithm.use_kl_in_reward=False",
         f"reward.custom_reward_function.path={SCORE_FILE}",
         "reward.custom_reward_function.name=compute_score",
@@ -162,7 +191,9 @@ def main_ppo_command(scale, arm_name: str, seed: int, paths: RunPaths, run_dir: 
         "trainer.resume_mode=auto",
         "trainer.val_before_train=True",
         f"trainer.test_freq={rl.eval_every}",
-        f"trainer.save_freq={rl.steps}",
+        # a checkpoint at every evaluation, the latest kept: a killed run resumes (resume_mode=auto) from there
+        f"trainer.save_freq={rl.eval_every}",
+        "trainer.max_actor_ckpt_to_keep=1",
         f"trainer.total_training_steps={rl.steps}",
         "trainer.total_epochs=1000",
     ]
@@ -199,6 +230,23 @@ def main_ppo_command(scale, arm_name: str, seed: int, paths: RunPaths, run_dir: 
     return [python, "-m", "verl.trainer.main_ppo", *run, *device_block]
 
 
+def _metric_parts(run_dir: Path) -> list[Path]:
+    """The metrics of earlier starts of a resumed run (``metrics-1.jsonl``, ``metrics-2.jsonl``, ...), in order."""
+    parts = [(int(path.stem.split("-")[1]), path) for path in run_dir.glob("metrics-*.jsonl")
+             if path.stem.split("-")[1].isdigit()]
+    return [path for _, path in sorted(parts)]
+
+
+def _keep_earlier_metrics(run_dir: Path) -> None:
+    """verl's file logger truncates its file when it starts, so the steps an interrupted run logged before its
+    resume would be lost: keep them as the next ``metrics-<n>.jsonl`` (``read_run`` reads every part)."""
+    current = run_dir / "metrics.jsonl"
+    if current.exists() and current.stat().st_size > 0:
+        parts = _metric_parts(run_dir)
+        number = int(parts[-1].stem.split("-")[1]) + 1 if parts else 1
+        current.replace(run_dir / f"metrics-{number}.jsonl")
+
+
 def start_run(command: Sequence[str], run_dir: Path, *, threads: int = 1):
     """Start ``command`` in ``run_dir`` (``cpu_loop.start_main_ppo``: a session of its own, whose ``stop`` ends
     the Ray processes too) with verl's file logger at ``run_dir/metrics.jsonl``, its output appended to
@@ -206,6 +254,7 @@ def start_run(command: Sequence[str], run_dir: Path, *, threads: int = 1):
     from verl_prm.apps.cpu_loop import start_main_ppo
 
     run_dir.mkdir(parents=True, exist_ok=True)
+    _keep_earlier_metrics(run_dir)
     (run_dir / "command.sh").write_text(
         f"VERL_FILE_LOGGER_PATH={shlex.quote(str(run_dir / 'metrics.jsonl'))} " + shlex.join(command) + "\n")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TRL_EXPERIMENTAL_SILENCE="1",
@@ -235,25 +284,49 @@ def merge_final_policy(run_dir: Path, steps: int, python: str = sys.executable) 
     return final
 
 
+# the process-term diagnostics against the exact reference (verl_prm.diagnostics) and the sampler's time, by the
+# names read_run gives them
+DIAGNOSTIC_METRICS = {
+    "process_corr": "pav/process_corr",
+    "abs_adv_right": "pav/abs_adv_right",
+    "abs_adv_slipped": "pav/abs_adv_slipped",
+    "exact_abs_adv_right": "pav/exact_abs_adv_right",
+    "exact_abs_adv_slipped": "pav/exact_abs_adv_slipped",
+    "zero_outcome_groups_with_signal": "pav/zero_outcome_groups_with_signal",
+    "mc_seconds": "timing_s/pav_mc",
+}
+
+
+def _metric(data: dict, key: str, missing: float = float("nan")) -> float:
+    """A logged metric as a float; a step where it is undefined (verl's file logger writes a NaN as null) is nan."""
+    value = data.get(key, missing)
+    return float("nan") if value is None else float(value)
+
+
 def read_run(run_dir: Path, scale) -> dict:
     """The run's curves from verl's file logger: held-out accuracy per evaluation step, and per training step
-    the batch accuracy, the share of groups with no outcome signal and the PAV metrics.
+    the batch accuracy, the share of groups with no outcome signal, the step's time, its generated tokens
+    (responses; continuations of format=rollout) and the PAV metrics (``DIAGNOSTIC_METRICS``; nan when not logged).
 
-    A torn last line (the run was killed while writing) is skipped; any other unreadable line is an error.
+    A resumed run reads the parts its earlier starts logged too (``metrics-<n>.jsonl``, kept by ``start_run``: verl
+    truncates the file when it starts). A torn last line of a part (its start was killed while writing) is skipped;
+    any other unreadable line is an error.
     """
     rl = scale.rl
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: was the run started with trainer.logger including 'file'?")
-    lines = path.read_text().splitlines()
     records = []
-    for number, line in enumerate(lines, 1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if number == len(lines):
-                continue
-            raise ValueError(f"{path}:{number} is not JSON") from None
+    # the parts of earlier starts first: a step logged again after a resume replaces the earlier record
+    for part in [*_metric_parts(run_dir), path]:
+        lines = part.read_text().splitlines()
+        for number, line in enumerate(lines, 1):
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                if number == len(lines):  # torn by the kill that interrupted this start
+                    continue
+                raise ValueError(f"{part}:{number} is not JSON") from None
     key = _validation_key(rl.eval_samples)
     per_step = rl.prompts_per_step * rl.group_size
     evaluations: dict[int, float] = {}
@@ -265,9 +338,13 @@ def read_run(run_dir: Path, scale) -> dict:
         if "critic/score/mean" in data:
             training[step] = {
                 "batch_accuracy": float(data["critic/score/mean"]),
-                "zero_signal_groups": float(data.get("pav/outcome_zero_signal_groups", float("nan"))),
-                "process_term_std": float(data.get("pav/process_term/std", float("nan"))),
-                "step_seconds": float(data.get("timing_s/step", float("nan"))),
+                "zero_signal_groups": _metric(data, "pav/outcome_zero_signal_groups"),
+                "process_term_std": _metric(data, "pav/process_term/std"),
+                "step_seconds": _metric(data, "timing_s/step"),
+                # the batch's response tokens, and the Monte-Carlo continuations' (format=rollout; 0 otherwise)
+                "response_tokens": _metric(data, "response_length/mean") * per_step,
+                "mc_tokens": _metric(data, "pav/mc_tokens", 0.0),
+                **{name: _metric(data, key) for name, key in DIAGNOSTIC_METRICS.items()},
             }
     if not evaluations:
         raise ValueError(f"{path} has no {key} metric: was the run started with trainer.test_freq and val_kwargs.n="

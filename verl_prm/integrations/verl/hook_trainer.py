@@ -211,6 +211,7 @@ def critic_worker_kwargs(hook: HookConfig) -> dict[str, Any]:
         "max_tokens_per_batch": critic.max_tokens_per_batch,
         "truncation": critic.truncation,
         "allow_pickle": critic.allow_pickle,
+        "calibration": critic.calibration,
     }
     if critic.dtype != "auto":
         kwargs["dtype"] = critic.dtype

@@ -1,0 +1,199 @@
+"""Why the learned PAV's values have the wrong size: its values against the exact prover's, on held-out labels.
+
+The recipe's learned PAV (the ``pav`` stage) ranks prefixes well but, before calibration, its process term was a
+fraction of the exact prover's (docs/arithmetic.md). PAV-GRPO adds ``alpha * (BoK(v_h) - BoK(v_{h-1}))`` to the
+advantage, so the size of the values matters, not only their order. This module measures, on the label rows of
+the prompts that ``verl-prm train`` held out (the same ``split_by_prompt``), each candidate source of the
+squash:
+
+* **label noise**: the Monte-Carlo labels (``n_mc`` continuations) against the exact prover's values of the same
+  prefixes (``critic_study.exact_label_rows``): the error a perfect fit of the labels would keep;
+* **the fit**: the PAV's raw values against the exact values, on held-out and on training rows (a squash on the
+  training rows too is the head's fit, not generalisation): MSE, the least-squares slope of the values on the
+  exact ones (1 = the right size), the mean drop at the first step where the exact value falls to 0;
+* **the calibration**: the same for the values with the checkpoint's ``calibration.json`` applied;
+* **Best-of-K after the fit**: the process term ``A_h = BoK(v_h) - BoK(v_{h-1})`` of each source, its mean |A| on
+  right steps (the exact value stays > 0) and on slipped steps (the exact value falls to 0), and its per-step
+  correlation with the exact prover's ``A_h``;
+* a constant (the training labels' mean): the baseline that an MSE is compared with.
+
+    python -m verl_prm.apps.arithmetic.value_size --work-dir runs/arith/mod7
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["measure", "size_statistics", "size_table"]
+
+
+def _best_of_k(values: np.ndarray, k: int) -> np.ndarray:
+    """The Best-of-K prover's value of a prefix whose base value is ``v``: ``1 - (1 - v)^K`` (the estimators'
+    ``verl_prm.advantages.best_of_k``)."""
+    return 1.0 - (1.0 - np.clip(values, 0.0, 1.0)) ** k
+
+
+def size_statistics(values: Sequence[np.ndarray], exact: Sequence[np.ndarray], *, best_of_k: int) -> dict:
+    """How ``values`` compare in size with ``exact``, row by row.
+
+    Each row is ``[v_0, v_1, ..., v_H]``: the prompt's value, then the value after each step (the same length in
+    both). Returns ``mse`` (against the exact values), ``slope``/``intercept`` (least squares of the values on the
+    exact ones over all positions), ``drop_at_first_pit`` (mean ``v_{h-1} - v_h`` at the first h whose exact value
+    is 0 after a positive one), and of the process term ``A_h = BoK(v_h) - BoK(v_{h-1})``: ``abs_adv_right``
+    (mean |A| where the exact value stays > 0), ``abs_adv_slipped`` (mean |A| at the first pits),
+    ``process_corr`` (Pearson correlation of A with the exact A over all steps) and ``process_slope`` (least
+    squares slope of A on the exact A: the share of the exact process term that the values carry).
+    """
+    if len(values) != len(exact):
+        raise ValueError(f"size_statistics: {len(values)} rows of values but {len(exact)} of exact values")
+    flat_v, flat_e, adv_v, adv_e, right, slipped, drops = [], [], [], [], [], [], []
+    for row, (v, e) in enumerate(zip(values, exact)):
+        v, e = np.asarray(v, dtype=np.float64), np.asarray(e, dtype=np.float64)
+        if v.shape != e.shape or v.ndim != 1 or len(v) < 2:
+            raise ValueError(f"size_statistics: row {row} has values of shape {v.shape} and exact {e.shape}; both "
+                             "must be [v_0, ..., v_H] with H >= 1")
+        if not (np.isfinite(v).all() and np.isfinite(e).all()):
+            raise ValueError(f"size_statistics: row {row} has a non-finite value")
+        flat_v.append(v)
+        flat_e.append(e)
+        a_v = np.diff(_best_of_k(v, best_of_k))
+        a_e = np.diff(_best_of_k(e, best_of_k))
+        adv_v.append(a_v)
+        adv_e.append(a_e)
+        stays = e[1:] > 0
+        right.append(np.abs(a_v[stays]))
+        pits = np.flatnonzero((e[1:] == 0) & (e[:-1] > 0))
+        if len(pits):
+            h = int(pits[0])
+            slipped.append(abs(a_v[h]))
+            drops.append(v[h] - v[h + 1])
+    fv, fe = np.concatenate(flat_v), np.concatenate(flat_e)
+    av, ae = np.concatenate(adv_v), np.concatenate(adv_e)
+    slope, intercept = np.polyfit(fe, fv, 1) if np.ptp(fe) > 0 else (float("nan"), float("nan"))
+    process_slope = float(np.polyfit(ae, av, 1)[0]) if np.ptp(ae) > 0 else float("nan")
+    corr = float(np.corrcoef(av, ae)[0, 1]) if np.ptp(av) > 0 and np.ptp(ae) > 0 else float("nan")
+    right_all = np.concatenate(right) if right else np.array([])
+    return {
+        "positions": int(len(fv)),
+        "mse": float(np.mean((fv - fe) ** 2)),
+        "slope": float(slope),
+        "intercept": float(intercept),
+        "drop_at_first_pit": float(np.mean(drops)) if drops else float("nan"),
+        "abs_adv_right": float(right_all.mean()) if len(right_all) else float("nan"),
+        "abs_adv_slipped": float(np.mean(slipped)) if slipped else float("nan"),
+        "first_pits": len(slipped),
+        "process_corr": corr,
+        "process_slope": process_slope,
+    }
+
+
+def _rows(frame) -> list[np.ndarray]:
+    """``[prompt_value, q_1, ..., q_H]`` of each label row."""
+    return [np.asarray([float(r["prompt_value"]), *map(float, r["q"])]) for r in frame.to_dict("records")]
+
+
+def _critic_rows(critic, frame) -> list[np.ndarray]:
+    """The critic's ``[v_0, v_1, ..., v_H]`` of each label row (its prefixes as ``verl-prm train`` encodes them)."""
+    from verl_prm.steps import encode_with_step_ends
+
+    input_ids, prompt_ends, step_ends = [], [], []
+    for row in frame.to_dict("records"):
+        spans = [(int(a), int(b)) for a, b in zip(row["step_starts"], row["step_ends"])]
+        encoded = encode_with_step_ends(critic.tokenizer, row["prompt"], row["response"], spans)
+        input_ids.append(list(encoded.input_ids))
+        prompt_ends.append(int(encoded.prompt_end))
+        step_ends.append([int(e) for e in encoded.step_ends])
+    scores = critic.score_sequences(input_ids, prompt_ends, step_ends)
+    out = []
+    for b, ends in enumerate(step_ends):
+        out.append(np.asarray([float(scores.prompt_values[b]), *scores.step_values[b, :len(ends)].tolist()]))
+    return out
+
+
+def measure(work_dir: str | Path, *, best_of_k: int, train_rows: int = 2000, checkpoint: str | None = None,
+            log=print) -> dict:
+    """Every source's ``size_statistics`` on the recipe's held-out label rows (and on up to ``train_rows``
+    training rows for the fit): the MC labels, the PAV raw and calibrated, a constant. ``checkpoint``: another
+    critic trained on the same labels and split (default: the ``pav`` stage's)."""
+    from verl_prm.apps.arithmetic.critic_study import exact_label_rows
+    from verl_prm.critic import ProverCritic
+    from verl_prm.labeling.format import read_labels
+    from verl_prm.training.data import split_by_prompt
+
+    work = Path(work_dir)
+    pav = json.loads((work / "pav" / "DONE.json").read_text())["outputs"]
+    prover = json.loads((work / "prover" / "DONE.json").read_text())["outputs"]
+    training, checkpoint = pav["training"], checkpoint or pav["checkpoint"]
+    step_accuracy = float(prover["step_accuracy"])
+    import pandas as pd
+
+    frame = read_labels([str(p) for p in training["labels"]])
+    train_frame, held_frame = split_by_prompt(frame, training["eval_fraction"], training["seed"])
+    train_frame = train_frame.sample(n=min(train_rows, len(train_frame)), random_state=0).reset_index(drop=True)
+    log(f"[value_size] {len(held_frame)} held-out rows, {len(train_frame)} training rows; exact prover p = "
+        f"{step_accuracy:.4f}; critic {checkpoint}")
+    results: dict = {"checkpoint": checkpoint, "step_accuracy": step_accuracy, "best_of_k": best_of_k,
+                     "held_out_rows": len(held_frame), "train_rows": len(train_frame), "sources": {}}
+    constant = float(np.mean([v for row in _rows(train_frame) for v in row]))
+    for split, part in (("held_out", held_frame), ("train", train_frame)):
+        exact = _rows(pd.DataFrame(exact_label_rows(part, step_accuracy)))
+        sources = {"mc_labels": _rows(part), "constant": [np.full(len(e), constant) for e in exact]}
+        for name, calibration in (("pav_raw", "none"), ("pav_calibrated", "auto")):
+            critic = ProverCritic.from_pretrained(checkpoint, device="cpu", dtype="float32", calibration=calibration)
+            if calibration == "auto" and critic.calibration is None:
+                continue  # a checkpoint without calibration.json
+            sources[name] = _critic_rows(critic, part)
+            if calibration == "auto":
+                results["calibration"] = critic.describe()
+        results["sources"][split] = {"exact": size_statistics(exact, exact, best_of_k=best_of_k)}
+        for name, rows in sources.items():
+            results["sources"][split][name] = size_statistics(rows, exact, best_of_k=best_of_k)
+    return results
+
+
+def size_table(results: dict) -> str:
+    """The measurements as a markdown table (one row per source and split)."""
+    keys = ("mse", "slope", "drop_at_first_pit", "abs_adv_right", "abs_adv_slipped", "process_corr", "process_slope")
+    lines = [f"Against the exact prover (p = {results['step_accuracy']:.3f}), Best-of-{results['best_of_k']} process "
+             f"term; {results['held_out_rows']} held-out label rows, {results['train_rows']} training rows; "
+             f"calibrated = {results.get('calibration', 'n/a')}.", "",
+             "| split | source | " + " | ".join(keys) + " |", "|---|---|" + "---:|" * len(keys)]
+    for split, sources in results["sources"].items():
+        for name, stats in sources.items():
+            lines.append(f"| {split} | {name} | " + " | ".join(f"{stats[k]:.3f}" for k in keys) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m verl_prm.apps.arithmetic.value_size", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work-dir", required=True, help="the recipe's work directory (its pav and prover stages)")
+    parser.add_argument("--best-of-k", type=int, default=None, help="K of the process term (default: the scale's)")
+    parser.add_argument("--train-rows", type=int, default=2000, help="training rows measured for the fit")
+    parser.add_argument("--checkpoint", default=None, help="another critic on the same labels (default: the pav stage's)")
+    parser.add_argument("--output", default=None, help="JSON file (default WORK_DIR/value_size.json)")
+    args = parser.parse_args(argv)
+    from verl_prm.apps.arithmetic.pipeline import SCALES, scale_from_json
+
+    work = Path(args.work_dir)
+    scale_file = work / "scale.json"
+    scale = scale_from_json(json.loads(scale_file.read_text())) if scale_file.exists() else SCALES["cpu"]
+    k = args.best_of_k if args.best_of_k is not None else scale.rl.best_of_k
+    if k < 1 or args.train_rows < 1:
+        parser.error("--best-of-k and --train-rows must be >= 1")
+    results = measure(work, best_of_k=k, train_rows=args.train_rows, checkpoint=args.checkpoint)
+    output = Path(args.output) if args.output else work / "value_size.json"
+    output.write_text(json.dumps(results, indent=2))
+    print(size_table(results))
+    print(f"written: {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

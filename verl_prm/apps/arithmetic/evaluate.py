@@ -25,6 +25,7 @@ import torch
 from verl_prm.apps.arithmetic.machine import machine_line
 from verl_prm.apps.arithmetic.stats import bootstrap, bootstrap_se, first_crossing, interpolate, mean_curve, normalised_auc
 from verl_prm.apps.arithmetic.task import DATA_SOURCE, STEP_REGEX, Problem, compute_score, prefix_is_correct
+from verl_prm.apps.arithmetic.verl_rl import ARMS
 
 __all__ = ["efficiency_statistics", "summarise_arms", "critic_step_auroc", "search_sweep", "write_table",
            "plot_all", "learned_prefix_critic", "exact_prefix_critic"]
@@ -235,8 +236,6 @@ def search_sweep(model, tokenizer, prefix_critic, prompt_texts: Sequence[str], p
 
 
 def _arm_label(arm: str) -> str:
-    from verl_prm.apps.arithmetic.verl_rl import ARMS
-
     return ARMS[arm].label if arm in ARMS else arm
 
 

@@ -34,9 +34,12 @@ __all__ = ["measure", "size_statistics", "size_table"]
 
 
 def _best_of_k(values: np.ndarray, k: int) -> np.ndarray:
-    """The Best-of-K prover's value of a prefix whose base value is ``v``: ``1 - (1 - v)^K`` (the estimators'
-    ``verl_prm.advantages.best_of_k``)."""
-    return 1.0 - (1.0 - np.clip(values, 0.0, 1.0)) ** k
+    """The Best-of-K prover's values 1 - (1 - v)^K, by the estimators' own ``verl_prm.advantages.best_of_k``."""
+    import torch
+
+    from verl_prm.advantages import best_of_k
+
+    return best_of_k(torch.from_numpy(np.clip(values, 0.0, 1.0)), k).numpy()
 
 
 def size_statistics(values: Sequence[np.ndarray], exact: Sequence[np.ndarray], *, best_of_k: int) -> dict:
@@ -141,16 +144,16 @@ def measure(work_dir: str | Path, *, best_of_k: int, train_rows: int = 2000, che
     results: dict = {"checkpoint": checkpoint, "step_accuracy": step_accuracy, "best_of_k": best_of_k,
                      "held_out_rows": len(held_frame), "train_rows": len(train_frame), "sources": {}}
     constant = float(np.mean([v for row in _rows(train_frame) for v in row]))
+    # each critic loaded once: its raw values, and with the checkpoint's calibration.json when it has one
+    critics = {"pav_raw": ProverCritic.from_pretrained(checkpoint, device="cpu", dtype="float32", calibration="none")}
+    calibrated = ProverCritic.from_pretrained(checkpoint, device="cpu", dtype="float32")
+    if calibrated.calibration is not None:
+        critics["pav_calibrated"] = calibrated
+        results["calibration"] = calibrated.describe()
     for split, part in (("held_out", held_frame), ("train", train_frame)):
         exact = _rows(pd.DataFrame(exact_label_rows(part, step_accuracy)))
         sources = {"mc_labels": _rows(part), "constant": [np.full(len(e), constant) for e in exact]}
-        for name, calibration in (("pav_raw", "none"), ("pav_calibrated", "auto")):
-            critic = ProverCritic.from_pretrained(checkpoint, device="cpu", dtype="float32", calibration=calibration)
-            if calibration == "auto" and critic.calibration is None:
-                continue  # a checkpoint without calibration.json
-            sources[name] = _critic_rows(critic, part)
-            if calibration == "auto":
-                results["calibration"] = critic.describe()
+        sources.update({name: _critic_rows(critic, part) for name, critic in critics.items()})
         results["sources"][split] = {"exact": size_statistics(exact, exact, best_of_k=best_of_k)}
         for name, rows in sources.items():
             results["sources"][split][name] = size_statistics(rows, exact, best_of_k=best_of_k)

@@ -127,6 +127,49 @@ def test_pav_on_a_checking_backbone_trains_only_its_value_head(tmp_path):
         replace(SCALES["cpu"], critic_init=CriticInitConfig())
 
 
+def test_pav_refined_trains_the_pav_backbone_on_and_only_its_arm_reads_it(tmp_path):
+    """Scale.critic_refine: the pav_refined stage starts a critic_init round from pav/backbone (its weights move
+    from there), trains only a value head on the result with the pav stage's settings, and is run only for an arm
+    that reads it (pav_learned_refined), whose runs name its settings; a refined arm without critic_refine is
+    refused when the scale is made."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file
+
+    from verl_prm.apps.arithmetic.critic_init import CriticInitConfig
+    from verl_prm.apps.arithmetic.pipeline import SCALES, run, stages_of
+
+    init = CriticInitConfig(steps=2, batch_size=4, eval_every=1, eval_fraction=0.25, check_weight=1.0)
+    refine = replace(init, steps=3, lr=5e-4)
+    scale = replace(SCALES["micro"], critic_init=init, critic_refine=refine)
+    records = run(scale, tmp_path, ["data", "sft", "prover", "label", "pav"], progress=False, log=lambda *_: None)
+    assert "pav_refined" not in records  # no arm reads it
+    messages: list[str] = []
+    refined = run(scale, tmp_path, ["pav_refined"], progress=False, log=messages.append)["pav_refined"]["outputs"]
+    assert refined["critic_init"]["config"]["steps"] == 3 and len(refined["critic_init"]["curve"]) == 3
+    assert any(m.startswith("[arithmetic] pav_refined: critic_init") for m in messages)
+    pav_training = json.loads((tmp_path / "pav" / "DONE.json").read_text())["outputs"]["training"]
+    training = refined["training"]
+    assert training["freeze_backbone"] and training["init"] == str(tmp_path / "pav_refined" / "backbone")
+    assert {k: v for k, v in training.items() if k not in ("init", "output_dir")} == \
+        {k: v for k, v in pav_training.items() if k not in ("init", "output_dir")}
+    before = load_file(tmp_path / "pav" / "backbone" / "model.safetensors")
+    after = load_file(tmp_path / "pav_refined" / "backbone" / "model.safetensors")
+    assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
+    critic = load_file(Path(refined["checkpoint"]) / "model.safetensors")
+    assert all(torch.equal(critic[k], after[k]) for k in critic if not k.startswith("score."))
+
+    arms = replace(scale, rl_arms=("pav_learned", "pav_learned_refined"))
+    runs = {part.path.name: part.settings for part in stages_of(arms, tmp_path)["rl"].parts}
+    named = stages_of(arms, tmp_path)
+    assert runs["pav_learned_refined_seed0"]["critic"] == named["pav_refined"].settings
+    assert runs["pav_learned_seed0"]["critic"] == named["pav"].settings
+    with pytest.raises(ValueError, match=r"read the pav_refined stage's PAV, which needs critic_refine"):
+        replace(SCALES["micro"], rl_arms=("pav_learned_refined",))
+    with pytest.raises(ValueError, match="critic_refine trains critic_init's backbone on"):
+        replace(SCALES["micro"], critic_refine=refine)
+
+
 def test_rl_stage_is_complete_only_when_every_run_is(tmp_path):
     """Adding an arm or a seed to a finished recipe reruns the rl stage for the new runs only (the finished runs
     keep their markers); the results stage's settings name the arms and seeds, so its table is rebuilt."""
@@ -188,12 +231,14 @@ def test_main_ppo_commands_of_every_arm_compose_and_differ_only_in_the_critic(tm
     from verl_prm.training.trainer import latest_checkpoint  # noqa: F401  (the learned critic's layout)
 
     scale = SCALES[scale_name]
-    critic = tmp_path / "critic"
-    critic.mkdir()
-    (critic / "config.json").write_text("{}")
-    (critic / "model.safetensors").write_bytes(b"")
+    critics = {}
+    for kind in ("learned", "refined"):
+        critics[kind] = tmp_path / f"critic_{kind}"
+        critics[kind].mkdir()
+        (critics[kind] / "config.json").write_text("{}")
+        (critics[kind] / "model.safetensors").write_bytes(b"")
     paths = RunPaths(policy=tmp_path / "policy", train_file=tmp_path / "train.parquet",
-                     val_file=tmp_path / "test.parquet", learned_critic=critic, step_accuracy=0.8125)
+                     val_file=tmp_path / "test.parquet", learned_critics=critics, step_accuracy=0.8125)
     commands = {}
     for arm in ARMS:
         command = main_ppo_command(scale, arm, 1, paths, tmp_path / arm, device=device)
@@ -220,7 +265,8 @@ def test_main_ppo_commands_of_every_arm_compose_and_differ_only_in_the_critic(tm
             assert (hook.critic.format, hook.critic.path, hook.critic.mc_n) == ("rollout", None, MC_N)
             assert hook.diagnostics.reference == exact_prover
         else:
-            assert (hook.critic.format, hook.critic.path) == ("value_head", str(critic))
+            # each learned arm reads the PAV of its own stage
+            assert (hook.critic.format, hook.critic.path) == ("value_head", str(critics[ARMS[arm].critic]))
             assert hook.critic.calibration == ARMS[arm].calibration
             # the exact arm's prover is the learned arm's reference, for the diagnostics only
             assert hook.diagnostics.reference == exact_prover
@@ -233,6 +279,7 @@ def test_main_ppo_commands_of_every_arm_compose_and_differ_only_in_the_critic(tm
                                                         "+verl_prm.diagnostics.reference.")),
                           ("pav_learned", "pav_learned_calibrated", ("verl_prm.critic.calibration=",)),
                           ("pav_learned", "pav_learned_normalized", ("algorithm.pav.normalize=",)),
+                          ("pav_learned", "pav_learned_refined", ("verl_prm.critic.path=",)),
                           ("pav_exact", "pav_mc", ("verl_prm.critic.", "+verl_prm.critic.",
                                                    "+verl_prm.diagnostics.reference."))):
         differing = sorted(commands[a] ^ commands[b])
@@ -283,7 +330,7 @@ def test_the_gpu_scale_runs_each_gpu_stage_in_a_process_of_its_own(tmp_path, mon
         stages_in_own_process)
     from verl_prm.apps.arithmetic.task import generate_problems, verl_row
 
-    assert stages_in_own_process(SCALES["gpu"]) == ("sft", "label", "pav", "evaluate")
+    assert stages_in_own_process(SCALES["gpu"]) == ("sft", "label", "pav", "pav_refined", "evaluate")
     assert all(stages_in_own_process(SCALES[name]) == () for name in ("cpu", "micro", "tiny"))
     scale = replace(SCALES["gpu"], pav_steps=7)
     scale_file = tmp_path / "scale.json"
@@ -632,3 +679,30 @@ def test_value_head_init_reports_only_unexpected_keys(micro_run, tmp_path, capfd
     save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
     with pytest.warns(UserWarning, match="up_proj"):
         value_head_from_init(str(broken))
+
+
+def test_value_size_reads_the_micro_runs_critic_and_its_backbone_features(micro_run):
+    """value_size on a finished recipe: the exact values measured against themselves have slope 1 and MSE 0; the
+    backbone features it reads are the value head's input (the head applied to them gives the critic's values);
+    the head fits give finite statistics on the held-out rows."""
+    import numpy as np
+
+    from verl_prm.apps.arithmetic.value_size import _critic_rows, _label_split, backbone_features, head_fits, measure
+    from verl_prm.critic import ProverCritic
+
+    work, _ = micro_run
+    results = measure(work, best_of_k=2, log=lambda *_: None)
+    exact = results["sources"]["held_out"]["exact"]
+    assert exact["mse"] == 0.0 and exact["slope"] == pytest.approx(1.0)
+    assert set(results["sources"]["held_out"]) == {"exact", "mc_labels", "constant", "pav_raw"}
+    train_frame, _, _, checkpoint = _label_split(work, None)
+    critic = ProverCritic.from_pretrained(checkpoint, device="cpu", dtype="float32", calibration="none")
+    features = backbone_features(critic, train_frame)
+    with torch.no_grad():
+        values = [torch.sigmoid(critic.adapter.head(torch.from_numpy(f).float())).squeeze(-1).numpy() for f in features]
+    for got, want in zip(values, _critic_rows(critic, train_frame)):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    fits = head_fits(work, best_of_k=2, log=lambda *_: None)["fits"]
+    truth_auroc = fits["mc_labels_with_truth_flipped_0"]["truth_auroc"]
+    assert truth_auroc == 1.0 or np.isnan(truth_auroc)  # nan: one class only in a micro split
+    assert all(np.isfinite(stats["mse"]) for stats in fits.values())

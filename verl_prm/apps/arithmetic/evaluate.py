@@ -326,6 +326,13 @@ def write_table(results: dict, path_md: str | Path, path_json: str | Path) -> st
         + (f"; with its calibration ({critic['calibration']}) {critic['calibrated_mean_value_drop_at_first_wrong_step']:.3f}, "
            f"held-out label MSE {critic['label_mse']:.3f} -> {critic['calibrated_label_mse']:.3f}"
            if "calibration" in critic else "") + ".",
+    ]
+    if "refined" in critic:
+        refined = critic["refined"]
+        lines += ["", f"Learned PAV on the refined check (pav_refined): held-out label AUROC {refined['label_auroc']:.3f}, "
+                      f"MSE {refined['label_mse']:.3f}; step AUROC {refined['step_auroc']:.3f}; mean value drop at the "
+                      f"first wrong step {refined['mean_value_drop_at_first_wrong_step']:.3f}."]
+    lines += [
         "",
         "| search (base policy) | critic | N | accuracy | generated tokens / problem | critic tokens / problem |",
         "|---|---|---:|---:|---:|---:|",

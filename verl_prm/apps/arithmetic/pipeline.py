@@ -17,6 +17,9 @@ pav         ``pav/``: the learned PAV. With ``Scale.critic_init`` (the CPU and G
             then ``verl_prm.training`` (what ``verl-prm train --freeze-backbone`` runs) fits a value head on it to
             the Monte-Carlo labels; without it, the whole policy is fine-tuned with a value head (the PAV paper's
             choice)
+pav_refined ``pav_refined/``: with ``Scale.critic_refine`` and an arm that reads it (``pav_learned_refined``): the
+            ``pav`` stage's backbone trained on at its check (``critic_refine``: heads drawn again, a fresh
+            warm-up; ``pav_refined/backbone/``), then the same value head training as ``pav`` on the same labels
 rl          ``rl/<arm>_seed<seed>/``: every arm (GRPO, PAV-GRPO with the exact prover, PAV-GRPO with the learned
             PAV) with every seed through ``python -m verl.trainer.main_ppo`` (:mod:`.verl_rl`), the same prompts,
             seeds and budget; on CPU with the plugin's CPU platform, on GPU with vLLM
@@ -65,16 +68,16 @@ from verl_prm.apps.arithmetic.critic_init import CriticInitConfig, critic_init_f
 from verl_prm.apps.arithmetic.machine import cpu_info, gpu_names
 from verl_prm.apps.arithmetic.model import ModelConfig, SFTConfig
 from verl_prm.apps.arithmetic.task import STEP_REGEX, TaskConfig
-from verl_prm.apps.arithmetic.verl_rl import ARMS, LEARNED_ARMS, SCORE_FILE, RLConfig
+from verl_prm.apps.arithmetic.verl_rl import ARMS, CRITIC_STAGES, LEARNED_ARMS, SCORE_FILE, RLConfig
 
 __all__ = ["Scale", "SCALES", "STAGES", "environment", "run", "main", "scale_from_json", "seed_everything",
            "split_problems", "stage_process_command", "stages_in_own_process"]
 
 DATA_SOURCE_NAME = "arithmetic_mod"
-STAGES = ("data", "sft", "prover", "label", "pav", "rl", "evaluate")
+STAGES = ("data", "sft", "prover", "label", "pav", "pav_refined", "rl", "evaluate")
 # The stages that hold a GPU (the rl stage's main_ppo runs are processes of their own already): at a GPU scale
 # each runs in a process of its own, whose exit frees all it held (a vLLM engine has no shutdown) for the next.
-GPU_STAGES = ("sft", "label", "pav", "evaluate")
+GPU_STAGES = ("sft", "label", "pav", "pav_refined", "evaluate")
 LABEL_SHARD_SIZE = 64  # prompts per label shard (verl-prm label's default)
 MIN_EVAL_SAMPLES = 4  # samples per test prompt at every evaluation (verl's validation and the final policies)
 
@@ -107,6 +110,10 @@ class Scale:
     # policy first taught to check each written result (critic_init with check_weight > 0), then only the value
     # head is trained on the Monte-Carlo labels (--freeze-backbone), at pav_lr
     critic_init: Optional[CriticInitConfig] = None
+    # the pav_refined stage: critic_init's backbone trained on (its check had not converged in critic_init's
+    # schedule: on an AVX512 machine its held-out AUROC was 0.915 after 3,000 steps, and the value head's size is
+    # bounded by the check's quality, docs/arithmetic.md); None = no such stage
+    critic_refine: Optional[CriticInitConfig] = None
     # verl-prm train
     pav_steps: int = 500
     pav_batch_size: int = 32
@@ -153,6 +160,13 @@ class Scale:
             raise ValueError(f"rl_seeds must be distinct seeds, got {self.rl_seeds}")
         if isinstance(self.rl_parallel, bool) or not isinstance(self.rl_parallel, int) or self.rl_parallel < 1:
             raise ValueError(f"rl_parallel must be an integer >= 1, got {self.rl_parallel!r}")
+        if self.critic_refine is not None and (self.critic_init is None or not self.critic_refine.check_weight > 0):
+            raise ValueError("critic_refine trains critic_init's backbone on at its check: it needs critic_init and "
+                             "check_weight > 0")
+        refined = [arm for arm in self.rl_arms if ARMS[arm].critic == "refined"]
+        if refined and self.critic_refine is None:
+            raise ValueError(f"rl_arms {refined} read the pav_refined stage's PAV, which needs critic_refine; this "
+                             "scale has none (drop the arm, or use the cpu scale)")
         if self.critic_init is not None and not self.critic_init.check_weight > 0:
             raise ValueError("critic_init needs check_weight > 0: only the value head is trained on it, so the backbone "
                              "must have been taught the check (with check_weight 0 it only recomputes results, and a "
@@ -221,6 +235,8 @@ SCALES: dict[str, Scale] = {
         rl_num_ops=6,
         sft=SFTConfig(steps=2200, batch_size=32, lr=2e-3, warmup_steps=20, curriculum_steps=1200),
         critic_init=CriticInitConfig(check_weight=1.0), pav_lr=1e-3,
+        critic_refine=CriticInitConfig(steps=2000, lr=5e-4, warmup_steps=50, check_weight=1.0),
+        rl_arms=("grpo", "pav_exact", "pav_learned", "pav_learned_refined", "pav_mc"),
         rl=RLConfig(steps=30, prompts_per_step=16, group_size=8, lr=5e-5, eval_every=5, eval_samples=4),
     ),
     # The test suite's micro run: every stage for real, a few optimisation steps each.
@@ -518,19 +534,23 @@ def train_pav(labels: Path, init: Path, output: Path, *, steps: int, batch_size:
     return {k: v for k, v in asdict(config).items() if k != "progress"}
 
 
-def stage_pav(stage: Stage, scale: Scale, labels: Path, policy: Path, data_dir: Path, progress: bool, log) -> dict:
+def stage_pav(stage: Stage, scale: Scale, labels: Path, policy: Path, data_dir: Path, progress: bool, log,
+              critic_init: CriticInitConfig | None = None) -> dict:
+    """The learned PAV: with ``critic_init`` (default ``scale.critic_init``), the backbone at ``policy`` first
+    taught the check (``stage/backbone``), then a value head trained on it; else the whole ``policy`` fine-tuned."""
     from verl_prm.training.trainer import latest_checkpoint
 
+    critic_init = critic_init or scale.critic_init
     init, outputs = policy, {}
-    if scale.critic_init is not None:
+    if critic_init is not None:
         init = stage.path / "backbone"
-        outputs["critic_init"] = critic_init_from_sft(init, policy, data_dir, scale.task.modulus, scale.critic_init,
+        outputs["critic_init"] = critic_init_from_sft(init, policy, data_dir, scale.task.modulus, critic_init,
                                                       device=scale.device, progress=progress,
-                                                      log=lambda line: log(f"[arithmetic] pav: {line}"))
+                                                      log=lambda line: log(f"[arithmetic] {stage.path.name}: {line}"))
     outputs["training"] = train_pav(
         labels, init, stage.path, steps=scale.pav_steps, batch_size=scale.pav_batch_size, lr=scale.pav_lr,
         warmup_steps=scale.pav_warmup, max_length=scale.model.max_position_embeddings, log_every=10,
-        cpu=scale.device == "cpu", freeze_backbone=scale.critic_init is not None, calibration=scale.pav_calibration,
+        cpu=scale.device == "cpu", freeze_backbone=critic_init is not None, calibration=scale.pav_calibration,
         progress=progress)
     metrics = json.loads((stage.path / "eval_metrics.json").read_text())
     return {"checkpoint": str(latest_checkpoint(stage.path)), "eval_metrics": metrics, **outputs}
@@ -562,7 +582,7 @@ def rl_run_stages(scale: Scale, root: Path, settings: dict) -> dict[tuple[str, i
     # seed by seed, every arm of a seed together: an interrupted stage leaves complete comparisons
     for seed in scale.rl_seeds:
         for arm in scale.rl_arms:
-            critic = settings["critic"] if arm in LEARNED_ARMS else settings["prover"]
+            critic = settings[CRITIC_STAGES[ARMS[arm].critic]] if arm in LEARNED_ARMS else settings["prover"]
             out[(arm, seed)] = Stage(root / "rl", f"{arm}_seed{seed}", {
                 "policy": settings["policy"], "critic": critic, "rl": scale.rl, "arm": arm, "seed": seed,
                 # what the arm runs (its estimator, critic and overrides): a changed arm is a changed run
@@ -571,7 +591,7 @@ def rl_run_stages(scale: Scale, root: Path, settings: dict) -> dict[tuple[str, i
     return out
 
 
-def stage_rl(stage: Stage, scale: Scale, data_dir: Path, policy: Path, learned_critic: str | None,
+def stage_rl(stage: Stage, scale: Scale, data_dir: Path, policy: Path, learned_critics: dict[str, str],
              step_accuracy: float, log) -> dict:
     """Every arm x seed through ``python -m verl.trainer.main_ppo`` (``verl_rl``), ``scale.rl_parallel`` at once;
     a finished run is recorded in its own ``DONE.json``, so an interrupted stage resumes with the rest."""
@@ -580,7 +600,7 @@ def stage_rl(stage: Stage, scale: Scale, data_dir: Path, policy: Path, learned_c
     runs = {(part.settings["arm"], part.settings["seed"]): part for part in stage.parts}
     paths = RunPaths(policy=policy.resolve(), train_file=(data_dir / "rl_train.parquet").resolve(),
                      val_file=(data_dir / "test.parquet").resolve(),
-                     learned_critic=Path(learned_critic).resolve() if learned_critic else None,
+                     learned_critics={kind: Path(path).resolve() for kind, path in learned_critics.items()},
                      step_accuracy=float(step_accuracy))
     todo = []
     for (arm, seed), run_stage in runs.items():
@@ -609,7 +629,7 @@ def stage_rl(stage: Stage, scale: Scale, data_dir: Path, policy: Path, learned_c
 
 
 def stage_evaluate(stage: Stage, scale: Scale, policy: Path, critic: str, pav_metrics: dict, prover: dict,
-                   rl_runs: dict) -> dict:
+                   rl_runs: dict, refined: dict | None = None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from verl_prm.critic import ProverCritic
@@ -652,6 +672,15 @@ def stage_evaluate(stage: Stage, scale: Scale, policy: Path, critic: str, pav_me
         critic_result["calibrated_mean_value_drop_at_first_wrong_step"] = \
             calibrated_result["mean_value_drop_at_first_wrong_step"]
         critic_result["calibrated_label_mse"] = float(pav_metrics.get("eval/calibrated_mse", float("nan")))
+    if refined is not None:
+        # the pav_refined stage's PAV, raw values (as the pav_learned_refined arm reads them)
+        critic_models["learned_refined"] = ProverCritic.from_pretrained(
+            refined["checkpoint"], format="value_head", device=scale.device, calibration="none")
+        refined_result = ev.critic_step_auroc(critic_models["learned_refined"], tokenizer, model, texts_of(tokenizer),
+                                              test, samples=1, max_new_tokens=scale.max_new_tokens, seed=seed + 1)
+        critic_result["refined"] = {**refined_result,
+                                    "label_auroc": float(refined["eval_metrics"].get("eval/auroc", float("nan"))),
+                                    "label_mse": float(refined["eval_metrics"].get("eval/mse", float("nan")))}
     search_set = test[: scale.search_problems]
     search = {}
     prefix_critics = {name: ev.learned_prefix_critic(model_, texts_of(tokenizer, search_set))
@@ -690,19 +719,24 @@ def stages_of(scale: Scale, root: Path) -> dict[str, Stage]:
                               "lr": scale.pav_lr, "warmup": scale.pav_warmup, "calibration": scale.pav_calibration,
                               "critic_init": asdict(scale.critic_init) if scale.critic_init else None,
                               **({"data": d.settings} if scale.critic_init else {})})
-    rl_settings = {"policy": s.settings, "prover": prover.settings, "critic": pav.settings, "rl": scale.rl,
-                   "max_new_tokens": scale.max_new_tokens, "device": scale.device}
+    refined = Stage(root, "pav_refined", {"pav": pav.settings, "data": d.settings,
+                                          "critic_refine": asdict(scale.critic_refine) if scale.critic_refine else None})
+    rl_settings = {"policy": s.settings, "prover": prover.settings, "pav": pav.settings,
+                   "pav_refined": refined.settings, "rl": scale.rl, "max_new_tokens": scale.max_new_tokens,
+                   "device": scale.device}
     # The runs are the stage's parts, each with its own settings (the learned critic's only in pav_learned runs):
     # another critic, arm or seed reruns only the runs it changes. The results depend on all of them.
-    rl = Stage(root, "rl", {k: v for k, v in rl_settings.items() if k != "critic"},
+    rl = Stage(root, "rl", {k: v for k, v in rl_settings.items() if k not in CRITIC_STAGES.values()},
                parts=tuple(rl_run_stages(scale, root, rl_settings).values()))
-    ev = Stage(root, "results", {"rl": rl.settings, "critic": pav.settings, "arms": scale.rl_arms,
+    ev = Stage(root, "results", {"rl": rl.settings, "critic": pav.settings, "critic_refined": refined.settings,
+                                 "arms": scale.rl_arms,
                                  "seeds": scale.rl_seeds,
                                  "eval_samples": scale.eval_samples,
                                  "statistics": [scale.level_fraction, scale.bootstrap_resamples, scale.bootstrap_seed],
                                  "search": [scale.search_problems, scale.best_of_n, scale.beam_widths,
                                             scale.samples_per_beam, scale.search_alpha]})
-    return {"data": d, "sft": s, "prover": prover, "label": lab, "pav": pav, "rl": rl, "evaluate": ev}
+    return {"data": d, "sft": s, "prover": prover, "label": lab, "pav": pav, "pav_refined": refined, "rl": rl,
+            "evaluate": ev}
 
 
 def run(scale: Scale, work_dir: str | Path, stages: Sequence[str] = STAGES, *, progress: bool = True,
@@ -763,8 +797,13 @@ def _run(scale: Scale, root: Path, stages: Sequence[str], progress: bool, log, o
 
     # Every stage up to the last requested one runs in order; one that was not requested must be complete.
     needed = set(STAGES[: max(STAGES.index(x) for x in stages) + 1])
-    if "pav" not in stages and "evaluate" not in needed and not set(scale.rl_arms) & set(LEARNED_ARMS):
-        needed.discard("pav")  # the rl stage reads the learned PAV in its learned arms only
+    # the rl stage reads a learned PAV in the arms of its critic only; the evaluation reads the pav stage's always,
+    # the pav_refined stage's when an arm reads it
+    critic_kinds = {ARMS[arm].critic for arm in scale.rl_arms}
+    if "pav" not in stages and "evaluate" not in needed and not critic_kinds & set(CRITIC_STAGES):
+        needed.discard("pav")
+    if scale.critic_refine is None or ("pav_refined" not in stages and "refined" not in critic_kinds):
+        needed.discard("pav_refined")  # a scale without critic_refine has no such stage
     d, s = named["data"], named["sft"]
     out: dict = {}
     for name, fn in (
@@ -773,10 +812,16 @@ def _run(scale: Scale, root: Path, stages: Sequence[str], progress: bool, log, o
         ("prover", lambda: stage_prover(named["prover"], scale, s.path)),
         ("label", lambda: stage_label(named["label"], scale, d.path, s.path, progress)),
         ("pav", lambda: stage_pav(named["pav"], scale, named["label"].path, s.path, d.path, progress, log)),
-        ("rl", lambda: stage_rl(named["rl"], scale, d.path, s.path, out["pav"]["checkpoint"] if "pav" in out else None,
+        # the pav stage's backbone taught on: its own critic_init round from there, then the same head training
+        ("pav_refined", lambda: stage_pav(named["pav_refined"], scale, named["label"].path,
+                                          named["pav"].path / "backbone", d.path, progress, log,
+                                          critic_init=scale.critic_refine)),
+        ("rl", lambda: stage_rl(named["rl"], scale, d.path, s.path,
+                                {kind: out[stage]["checkpoint"] for kind, stage in CRITIC_STAGES.items() if stage in out},
                                 out["prover"]["step_accuracy"], log)),
         ("evaluate", lambda: stage_evaluate(named["evaluate"], scale, s.path, out["pav"]["checkpoint"],
-                                            out["pav"]["eval_metrics"], out["prover"], out["rl"])),
+                                            out["pav"]["eval_metrics"], out["prover"], out["rl"],
+                                            refined=out.get("pav_refined"))),
     ):
         if name in needed:
             out[name] = do(name, fn)

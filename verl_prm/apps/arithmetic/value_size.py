@@ -17,7 +17,15 @@ squash:
   correlation with the exact prover's ``A_h``;
 * a constant (the training labels' mean): the baseline that an MSE is compared with.
 
-    python -m verl_prm.apps.arithmetic.value_size --work-dir runs/arith/mod7
+With ``--head-fits`` (:func:`head_fits`), value heads fitted to convergence on the critic's own backbone
+features (its value head's input at every read position, the backbone frozen, as ``--freeze-backbone`` trains
+it): a logistic read-out of the Monte-Carlo labels (is the trained head short of its optimum?), of the exact
+values (is it the labels' noise?), and of the Monte-Carlo labels with the truth of each prefix (every result so
+far right) appended as one more feature, some of it flipped at random (the size a head reaches when the
+backbone's check has a given quality). A head that predicts E[v | features] has a slope equal to the share of the
+exact values' variance that the features explain, so a small slope of a converged head is the features' limit.
+
+    python -m verl_prm.apps.arithmetic.value_size --work-dir runs/arith/mod7 [--head-fits]
 """
 
 from __future__ import annotations
@@ -30,7 +38,10 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["measure", "size_statistics", "size_table"]
+__all__ = ["backbone_features", "fit_logistic_head", "head_fits", "measure", "size_statistics", "size_table"]
+
+# the share of the appended prefix truth flipped at random in head_fits (0: a perfect check)
+TRUTH_FLIPS = (0.0, 0.02, 0.05, 0.1)
 
 
 def _best_of_k(values: np.ndarray, k: int) -> np.ndarray:
@@ -119,6 +130,116 @@ def _critic_rows(critic, frame) -> list[np.ndarray]:
     return out
 
 
+def backbone_features(critic, frame) -> list[np.ndarray]:
+    """The input of the critic's value head at each read position of each label row: ``[H + 1, hidden]`` (the
+    prompt's position, then each step's), as the head sees it in ``score_sequences``."""
+    captured = []
+    hook = critic.adapter.head.register_forward_pre_hook(lambda module, args: captured.append(args[0].detach()))
+    features = []
+    try:
+        for index in range(len(frame)):
+            captured.clear()
+            values = _critic_rows(critic, frame.iloc[index:index + 1])[0]
+            row = np.concatenate([c.double().cpu().numpy() for c in captured])
+            if row.shape[0] != len(values):
+                raise RuntimeError(f"backbone_features: row {index} has {len(values)} values but the head read "
+                                   f"{row.shape[0]} positions")
+            features.append(row)
+    finally:
+        hook.remove()
+    return features
+
+
+def fit_logistic_head(features: Sequence[np.ndarray], targets: Sequence[np.ndarray], *, iterations: int = 500,
+                      weight_decay: float = 0.0):
+    """A linear value head ``sigmoid(w . x + b)`` fitted to convergence (L-BFGS, binary cross-entropy against the
+    soft ``targets`` in [0, 1]; features standardised), on the finite targets of every row. Returns a function
+    from a list of ``[n, d]`` feature arrays to the list of predicted values."""
+    import torch
+
+    x = torch.from_numpy(np.concatenate(features)).double()
+    y = torch.from_numpy(np.concatenate(targets)).double()
+    keep = torch.isfinite(y)
+    if not keep.any():
+        raise ValueError("fit_logistic_head: no finite target")
+    x, y = x[keep], y[keep]
+    if not bool(((y >= 0) & (y <= 1)).all()):
+        raise ValueError("fit_logistic_head: targets must be in [0, 1]")
+    mean, std = x.mean(0), x.std(0).clamp_min(1e-6)
+    weight = torch.zeros(x.shape[1], dtype=torch.float64, requires_grad=True)
+    bias = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    optimizer = torch.optim.LBFGS([weight, bias], lr=1.0, max_iter=iterations, history_size=50,
+                                  line_search_fn="strong_wolfe", tolerance_grad=1e-9, tolerance_change=1e-12)
+    z = (x - mean) / std
+
+    def closure():
+        optimizer.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(z @ weight + bias, y)
+        loss = loss + weight_decay * (weight ** 2).sum()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    weight, bias = weight.detach(), bias.detach()
+
+    def predict(rows: Sequence[np.ndarray]) -> list[np.ndarray]:
+        return [torch.sigmoid(((torch.from_numpy(np.asarray(r, dtype=np.float64)) - mean) / std) @ weight + bias).numpy()
+                for r in rows]
+
+    return predict
+
+
+def head_fits(work_dir: str | Path, *, best_of_k: int, checkpoint: str | None = None, log=print) -> dict:
+    """``size_statistics`` (held out) of value heads fitted to convergence on the critic's frozen backbone
+    features (see the module docstring): on the Monte-Carlo labels, on the exact values, and on the labels with
+    the prefix truth appended (``TRUTH_FLIPS`` of it flipped, seeded), each beside the step AUROC of that truth."""
+    from verl_prm.apps.arithmetic.critic_study import exact_label_rows
+    from verl_prm.critic import ProverCritic
+    from verl_prm.training.metrics import auroc
+
+    train_frame, held_frame, step_accuracy, checkpoint = _label_split(work_dir, checkpoint)
+    import pandas as pd
+
+    critic = ProverCritic.from_pretrained(checkpoint, device="cpu", dtype="float32", calibration="none")
+    features = {"train": backbone_features(critic, train_frame), "held_out": backbone_features(critic, held_frame)}
+    labels = {"train": _rows(train_frame), "held_out": _rows(held_frame)}
+    exact = {split: _rows(pd.DataFrame(exact_label_rows(frame, step_accuracy)))
+             for split, frame in (("train", train_frame), ("held_out", held_frame))}
+    log(f"[value_size] head fits on {len(features['train'])} training rows' features of {checkpoint}")
+    results: dict = {"checkpoint": checkpoint, "step_accuracy": step_accuracy, "best_of_k": best_of_k, "fits": {}}
+    for name, targets in (("converged_mc_labels", labels), ("converged_exact_values", exact)):
+        predict = fit_logistic_head(features["train"], targets["train"])
+        results["fits"][name] = size_statistics(predict(features["held_out"]), exact["held_out"], best_of_k=best_of_k)
+    rng = np.random.default_rng(0)
+    for flip in TRUTH_FLIPS:
+        appended = {}
+        for split in ("train", "held_out"):
+            truth = [(e > 0).astype(np.float64) for e in exact[split]]
+            noisy = [np.where(rng.random(len(t)) < flip, 1.0 - t, t) for t in truth]
+            appended[split] = [np.concatenate([x, n[:, None]], axis=1) for x, n in zip(features[split], noisy)]
+            if split == "held_out":
+                check_auroc = auroc(np.concatenate([n[1:] for n in noisy]), np.concatenate([t[1:] for t in truth]))
+        predict = fit_logistic_head(appended["train"], labels["train"])
+        stats = size_statistics(predict(appended["held_out"]), exact["held_out"], best_of_k=best_of_k)
+        results["fits"][f"mc_labels_with_truth_flipped_{flip:g}"] = {**stats, "truth_auroc": float(check_auroc)}
+    return results
+
+
+def _label_split(work_dir: str | Path, checkpoint: str | None):
+    """The recipe's label rows split as ``verl-prm train`` split them (training, held out), the exact prover's p
+    and the critic checkpoint (default: the pav stage's)."""
+    from verl_prm.labeling.format import read_labels
+    from verl_prm.training.data import split_by_prompt
+
+    work = Path(work_dir)
+    pav = json.loads((work / "pav" / "DONE.json").read_text())["outputs"]
+    prover = json.loads((work / "prover" / "DONE.json").read_text())["outputs"]
+    training = pav["training"]
+    frame = read_labels([str(p) for p in training["labels"]])
+    train_frame, held_frame = split_by_prompt(frame, training["eval_fraction"], training["seed"])
+    return train_frame, held_frame, float(prover["step_accuracy"]), checkpoint or pav["checkpoint"]
+
+
 def measure(work_dir: str | Path, *, best_of_k: int, train_rows: int = 2000, checkpoint: str | None = None,
             log=print) -> dict:
     """Every source's ``size_statistics`` on the recipe's held-out label rows (and on up to ``train_rows``
@@ -126,18 +247,10 @@ def measure(work_dir: str | Path, *, best_of_k: int, train_rows: int = 2000, che
     critic trained on the same labels and split (default: the ``pav`` stage's)."""
     from verl_prm.apps.arithmetic.critic_study import exact_label_rows
     from verl_prm.critic import ProverCritic
-    from verl_prm.labeling.format import read_labels
-    from verl_prm.training.data import split_by_prompt
 
-    work = Path(work_dir)
-    pav = json.loads((work / "pav" / "DONE.json").read_text())["outputs"]
-    prover = json.loads((work / "prover" / "DONE.json").read_text())["outputs"]
-    training, checkpoint = pav["training"], checkpoint or pav["checkpoint"]
-    step_accuracy = float(prover["step_accuracy"])
+    train_frame, held_frame, step_accuracy, checkpoint = _label_split(work_dir, checkpoint)
     import pandas as pd
 
-    frame = read_labels([str(p) for p in training["labels"]])
-    train_frame, held_frame = split_by_prompt(frame, training["eval_fraction"], training["seed"])
     train_frame = train_frame.sample(n=min(train_rows, len(train_frame)), random_state=0).reset_index(drop=True)
     log(f"[value_size] {len(held_frame)} held-out rows, {len(train_frame)} training rows; exact prover p = "
         f"{step_accuracy:.4f}; critic {checkpoint}")
@@ -170,6 +283,9 @@ def size_table(results: dict) -> str:
     for split, sources in results["sources"].items():
         for name, stats in sources.items():
             lines.append(f"| {split} | {name} | " + " | ".join(f"{stats[k]:.3f}" for k in keys) + " |")
+    for name, stats in results.get("head_fits", {}).get("fits", {}).items():
+        truth = f" (truth AUROC {stats['truth_auroc']:.3f})" if "truth_auroc" in stats else ""
+        lines.append(f"| held_out | head fit: {name}{truth} | " + " | ".join(f"{stats[k]:.3f}" for k in keys) + " |")
     return "\n".join(lines)
 
 
@@ -181,6 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--train-rows", type=int, default=2000, help="training rows measured for the fit")
     parser.add_argument("--checkpoint", default=None, help="another critic on the same labels (default: the pav stage's)")
     parser.add_argument("--output", default=None, help="JSON file (default WORK_DIR/value_size.json)")
+    parser.add_argument("--head-fits", action="store_true", help="also value heads fitted to convergence on the "
+                        "critic's frozen backbone features (head_fits)")
     args = parser.parse_args(argv)
     from verl_prm.apps.arithmetic.pipeline import SCALES, scale_from_json
 
@@ -191,6 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if k < 1 or args.train_rows < 1:
         parser.error("--best-of-k and --train-rows must be >= 1")
     results = measure(work, best_of_k=k, train_rows=args.train_rows, checkpoint=args.checkpoint)
+    if args.head_fits:
+        results["head_fits"] = head_fits(work, best_of_k=k, checkpoint=args.checkpoint)
     output = Path(args.output) if args.output else work / "value_size.json"
     output.write_text(json.dumps(results, indent=2))
     print(size_table(results))

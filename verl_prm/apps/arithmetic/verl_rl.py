@@ -13,6 +13,9 @@ arm                         estimator       prover critic (``verl_prm.critic``)
                                             the checkpoint's ``calibration.json``)
 ``pav_learned_normalized``  ``pav_grpo``    the raw PAV, its process term divided by its batch std
                                             (``algorithm.pav.normalize=true``)
+``pav_learned_refined``     ``pav_grpo``    the PAV of the ``pav_refined`` stage, raw values: the same labels and
+                                            value head on a backbone whose check was trained on
+                                            (``Scale.critic_refine``)
 ``pav_mc``                  ``pav_grpo``    ``format=rollout``: Monte-Carlo values, ``MC_N`` continuations of every
                                             step prefix from the run's own rollout replicas
 ==========================  ==============  ==============================================================
@@ -44,7 +47,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["ARMS", "Arm", "LEARNED_ARMS", "MC_N", "DIAGNOSTIC_METRICS", "RLConfig", "RunPaths", "SCORE_FILE", "main_ppo_command", "merge_final_policy", "read_run",
+__all__ = ["ARMS", "Arm", "CRITIC_STAGES", "LEARNED_ARMS", "MC_N", "DIAGNOSTIC_METRICS", "RLConfig", "RunPaths", "SCORE_FILE", "main_ppo_command", "merge_final_policy", "read_run",
            "run_arms", "start_run"]
 
 # the task's verl score function, in a file that verl (and the label stage) load by path
@@ -82,8 +85,9 @@ class RLConfig:
 
 @dataclass(frozen=True)
 class Arm:
-    """One RL arm: verl's estimator, the plugin's critic (``exact``, ``learned`` or ``rollout``), the learned
-    critic's calibration (``verl_prm.critic.calibration``) and further ``algorithm.pav`` overrides."""
+    """One RL arm: verl's estimator, the plugin's critic (``exact``; ``learned``: the ``pav`` stage's PAV;
+    ``refined``: the ``pav_refined`` stage's; ``rollout``), the learned critic's calibration
+    (``verl_prm.critic.calibration``) and further ``algorithm.pav`` overrides."""
 
     estimator: str
     critic: str
@@ -104,11 +108,13 @@ ARMS: dict[str, Arm] = {
     "pav_learned_calibrated": Arm("pav_grpo", "learned", "PAV-GRPO, learned PAV, calibrated", calibration="auto"),
     "pav_learned_normalized": Arm("pav_grpo", "learned", "PAV-GRPO, learned PAV, process term / batch std",
                                   pav_overrides=("normalize=true",)),
+    "pav_learned_refined": Arm("pav_grpo", "refined", "PAV-GRPO, learned PAV on the refined check (raw values)"),
     "pav_mc": Arm("pav_grpo", "rollout", f"PAV-GRPO, Monte-Carlo values (n={MC_N})",
                   mc_overrides=(f"mc_n={MC_N}", "mc_prefixes=every")),
 }
-# the arms whose critic is the recipe's learned PAV (their runs depend on the pav stage)
-LEARNED_ARMS = tuple(name for name, arm in ARMS.items() if arm.critic == "learned")
+# the arms whose critic is a learned PAV, and the stage that trains it (their runs depend on that stage)
+CRITIC_STAGES = {"learned": "pav", "refined": "pav_refined"}
+LEARNED_ARMS = tuple(name for name, arm in ARMS.items() if arm.critic in CRITIC_STAGES)
 
 
 @dataclass(frozen=True)
@@ -118,7 +124,8 @@ class RunPaths:
     policy: Path
     train_file: Path
     val_file: Path
-    learned_critic: Path | None
+    # the learned PAVs' checkpoints by critic kind (``Arm.critic``: ``learned``, ``refined``), those trained
+    learned_critics: dict[str, Path]
     step_accuracy: float  # p of the exact prover (the SFT policy's measured per-step accuracy)
 
 
@@ -138,10 +145,11 @@ def main_ppo_command(scale, arm_name: str, seed: int, paths: RunPaths, run_dir: 
     exact_prover = [f"prover={EXACT_PROVER}", f"step_accuracy={paths.step_accuracy:.6f}"]
     # the exact arm's prover as the diagnostics' reference: the pav/process_corr, pav/*abs_adv* metrics
     reference = [f"+verl_prm.diagnostics.reference.{option}" for option in exact_prover]
-    if arm.critic == "learned":
-        if paths.learned_critic is None:
-            raise ValueError(f"arm {arm_name} needs the learned PAV checkpoint (the recipe's pav stage)")
-        critic = [f"verl_prm.critic.path={paths.learned_critic}", "verl_prm.critic.format=value_head",
+    if arm.critic in CRITIC_STAGES:
+        if arm.critic not in paths.learned_critics:
+            raise ValueError(f"arm {arm_name} needs the learned PAV checkpoint of the recipe's "
+                             f"{CRITIC_STAGES[arm.critic]} stage")
+        critic = [f"verl_prm.critic.path={paths.learned_critics[arm.critic]}", "verl_prm.critic.format=value_head",
                   f"verl_prm.critic.calibration={arm.calibration}", *reference]
     elif arm.critic == "rollout":
         critic = ["verl_prm.critic.format=rollout", "verl_prm.critic.path=null",

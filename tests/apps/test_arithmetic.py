@@ -129,7 +129,8 @@ def test_pav_on_a_checking_backbone_trains_only_its_value_head(tmp_path):
 
 def test_pav_refined_trains_the_pav_backbone_on_and_only_its_arm_reads_it(tmp_path):
     """Scale.critic_refine: the pav_refined stage starts a critic_init round from pav/backbone (its weights move
-    from there), trains only a value head on the result with the pav stage's settings, and is run only for an arm
+    from there), fits only a value head on the result (to its optimum, --head-fit newton; otherwise the pav stage's
+    settings), and is run only for an arm
     that reads it (pav_learned_refined), whose runs name its settings; a refined arm without critic_refine is
     refused when the scale is made."""
     from dataclasses import replace
@@ -151,8 +152,9 @@ def test_pav_refined_trains_the_pav_backbone_on_and_only_its_arm_reads_it(tmp_pa
     pav_training = json.loads((tmp_path / "pav" / "DONE.json").read_text())["outputs"]["training"]
     training = refined["training"]
     assert training["freeze_backbone"] and training["init"] == str(tmp_path / "pav_refined" / "backbone")
-    assert {k: v for k, v in training.items() if k not in ("init", "output_dir")} == \
-        {k: v for k, v in pav_training.items() if k not in ("init", "output_dir")}
+    assert training["head_fit"] == "newton" and pav_training["head_fit"] == "adam"  # Scale.refined_head_fit
+    assert {k: v for k, v in training.items() if k not in ("init", "output_dir", "head_fit")} == \
+        {k: v for k, v in pav_training.items() if k not in ("init", "output_dir", "head_fit")}
     before = load_file(tmp_path / "pav" / "backbone" / "model.safetensors")
     after = load_file(tmp_path / "pav_refined" / "backbone" / "model.safetensors")
     assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)

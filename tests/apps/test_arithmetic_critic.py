@@ -227,23 +227,23 @@ def test_size_statistics_refuse_rows_that_do_not_match(values, exact, message):
 
 
 def test_a_converged_logistic_head_recovers_the_probabilities_it_was_fitted_to():
-    """value_size.fit_logistic_head: soft targets that are sigmoid(2 x0 - x1 + 0.5) exactly are the maximum of
+    """value_size.fitted_head_predictor: soft targets that are sigmoid(2 x0 - x1 + 0.5) exactly are the maximum of
     the binary cross-entropy, so a converged fit reproduces them; non-finite targets are skipped, targets outside
     [0, 1] refused."""
     import numpy as np
 
-    from verl_prm.apps.arithmetic.value_size import fit_logistic_head
+    from verl_prm.apps.arithmetic.value_size import fitted_head_predictor
 
     rng = np.random.default_rng(0)
     rows = [rng.normal(size=(5, 3)) for _ in range(60)]
     targets = [1 / (1 + np.exp(-(2 * r[:, 0] - r[:, 1] + 0.5))) for r in rows]
     targets[0] = targets[0].copy()
     targets[0][2] = np.nan
-    predict = fit_logistic_head(rows, targets)
+    predict = fitted_head_predictor(rows, targets)
     truth = [1 / (1 + np.exp(-(2 * r[:, 0] - r[:, 1] + 0.5))) for r in rows]
     for got, want in zip(predict(rows), truth):
         np.testing.assert_allclose(got, want, atol=1e-4)
     with pytest.raises(ValueError, match=r"targets must be in \[0, 1\]"):
-        fit_logistic_head(rows, [t * 2 for t in truth])
+        fitted_head_predictor(rows, [t * 2 for t in truth])
     with pytest.raises(ValueError, match="no finite target"):
-        fit_logistic_head(rows[:1], [np.full(5, np.nan)])
+        fitted_head_predictor(rows[:1], [np.full(5, np.nan)])

@@ -274,6 +274,64 @@ def test_freeze_backbone_trains_only_the_value_head(critic_setup):
                       warmup_steps=2))
 
 
+def _head_loss_and_gradient(checkpoint: Path, root: Path, seed: int = 0):
+    """The training loss that --freeze-backbone minimises, computed here from the checkpoint's model rollout by
+    rollout (soft_label_bce per labelled step, each rollout weighted by its class-balanced sampling weight, the
+    training split of split_by_prompt), and its gradient with respect to the value head's parameters."""
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    model = AutoModelForTokenClassification.from_pretrained(checkpoint, trust_remote_code=False).double()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=False)
+    train_frame, _ = split_by_prompt(read_labels([str(root / "labels")]), 0.2, seed)
+    examples, _ = encode_labels(train_frame, tokenizer, max_length=256)
+    weights = class_balanced_weights(examples)
+    total, count = 0.0, 0.0
+    for example, weight in zip(examples, weights):
+        logits = model(input_ids=torch.tensor([example.input_ids])).logits[0, :, 0]
+        for position, target in zip(example.positions, example.targets):
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits[position], torch.tensor(float(target),
+                                                                        dtype=torch.float64))
+            total = total + weight * loss
+            count += weight
+    loss = total / count
+    gradient = torch.autograd.grad(loss, [model.score.weight, model.score.bias])
+    return float(loss.detach()), max(float(g.abs().max()) for g in gradient)
+
+
+def test_head_fit_newton_sets_the_head_at_the_optimum_of_the_frozen_features(critic_setup):
+    """--head-fit newton: the backbone is untouched, the head's gradient of the (independently computed) training
+    loss vanishes, its loss is below what Adam's sampled steps reach on the same features, a rerun does not
+    refit, and it is refused without --freeze-backbone or with AdamW's weight decay."""
+    root, _, _ = critic_setup
+    base = train(_config(root, "newton_init", max_steps=40, warmup_steps=4))
+    frozen = dict(init=base["checkpoint"], init_config=None, tokenizer=None, freeze_backbone=True)
+    adam = train(_config(root, "newton_adam", max_steps=60, warmup_steps=2, **frozen))
+    fitted = train(_config(root, "newton_run", max_steps=200, head_fit="newton", **frozen))
+    before = load_file(Path(base["checkpoint"]) / "model.safetensors")
+    after = load_file(Path(fitted["checkpoint"]) / "model.safetensors")
+    assert all(torch.equal(before[k], after[k]) for k in before if not k.startswith("score."))
+    log = [json.loads(line) for line in (root / "newton_run" / "metrics.jsonl").read_text().splitlines()]
+    fit_record = next(r for r in log if r.get("head_fit") == "newton")
+    assert fit_record["head_fit_converged"] and fit_record["step"] == 200
+    newton_loss, newton_gradient = _head_loss_and_gradient(Path(fitted["checkpoint"]), root)
+    adam_loss, adam_gradient = _head_loss_and_gradient(Path(adam["checkpoint"]), root)
+    assert newton_gradient < 1e-3 < adam_gradient
+    assert newton_loss < adam_loss
+    assert newton_loss == pytest.approx(fit_record["loss"], rel=1e-4)  # float32 features vs the float64 model here
+    assert "eval/mse" in fitted["metrics"]
+    rerun = train(_config(root, "newton_run", max_steps=200, head_fit="newton", **frozen))
+    assert rerun["start_step"] == 200 and rerun["metrics"] == fitted["metrics"]
+    assert sum(r.get("head_fit") == "newton" for r in
+               map(json.loads, (root / "newton_run" / "metrics.jsonl").read_text().splitlines())) == 1
+    with pytest.raises(ValueError, match=re.escape("head_fit newton (--head-fit newton) fits the value head on frozen "
+                                                   "features: it needs --freeze-backbone")):
+        _config(root, "refused", head_fit="newton", init=base["checkpoint"], init_config=None, tokenizer=None)
+    with pytest.raises(ValueError, match=re.escape("weight_decay (--weight-decay 0.01) is AdamW's")):
+        _config(root, "refused", head_fit="newton", weight_decay=0.01, **frozen)
+    with pytest.raises(ValueError, match=re.escape("head_fit (--head-fit) must be one of adam, newton, got 'lbfgs'")):
+        _config(root, "refused", head_fit="lbfgs", **frozen)
+
+
 def test_label_train_score_cli_end_to_end(tmp_path, bpe_small):
     """`verl-prm label` (tiny causal LM) -> `verl-prm train --init` that LM -> ProverCritic scores."""
     from transformers import Qwen2Config, Qwen2ForCausalLM

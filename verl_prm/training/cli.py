@@ -50,6 +50,9 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prompt-value", action="store_true", help="do not train V(prompt) at the prompt's end")
     p.add_argument("--freeze-backbone", action="store_true", help="train only the value head (a linear read-out of "
                    "the --init model's features, e.g. a backbone taught to check steps beforehand)")
+    p.add_argument("--head-fit", choices=("adam", "newton"), default="adam", help="how the value head is fitted: "
+                   "adam (--max-steps sampled AdamW steps) or, with --freeze-backbone, newton (the head's convex loss "
+                   "minimised on all training labels at once by Newton's method, --max-steps iterations at most)")
     p.add_argument("--eval-every", type=int, default=0, help="0 = only at the end")
     p.add_argument("--eval-batch-size", type=int, default=16)
     p.add_argument("--save-every", type=int, default=0, help="0 = only at the end")
@@ -76,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_steps=args.max_steps, lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps,
         weight_decay=args.weight_decay, grad_clip=args.grad_clip, balance=not args.no_balance,
         best_of_k=args.best_of_k, use_prompt_value=not args.no_prompt_value,
-        freeze_backbone=args.freeze_backbone, eval_every=args.eval_every,
+        freeze_backbone=args.freeze_backbone, head_fit=args.head_fit, eval_every=args.eval_every,
         eval_batch_size=args.eval_batch_size, save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
         resume=not args.no_resume, seed=args.seed, mixed_precision=args.mixed_precision,
         gradient_checkpointing=args.gradient_checkpointing, cpu=args.cpu, log_every=args.log_every,

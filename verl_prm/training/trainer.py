@@ -75,6 +75,7 @@ _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 _RESUME_FREE_KEYS = ("output_dir", "resume", "progress", "log_every", "eval_every", "eval_batch_size", "save_every",
                      "keep_checkpoints", "gradient_checkpointing", "calibration")
 DEFAULT_EVAL_FRACTION = 0.1
+HEAD_FITS = ("adam", "newton")
 
 
 class NonFiniteLossError(ValueError):
@@ -105,6 +106,10 @@ class TrainConfig:
     use_prompt_value: bool = True
     # train only the value head; the backbone keeps the --init weights
     freeze_backbone: bool = False
+    # how the head is fitted: "adam" (max_steps sampled AdamW steps, the schedule above) or, with
+    # freeze_backbone, "newton" (the convex head loss minimised on the full training set by Newton's method,
+    # max_steps iterations at most; verl_prm.training.head_fit)
+    head_fit: str = "adam"
     eval_every: int = 0
     eval_batch_size: int = 16
     save_every: int = 0
@@ -132,6 +137,14 @@ class TrainConfig:
             raise ValueError("freeze_backbone (--freeze-backbone) with init_config (--init-config) trains a value head "
                              "on a random backbone that never learns: pass --init with a trained model, or drop "
                              "--freeze-backbone")
+        if self.head_fit not in HEAD_FITS:
+            raise ValueError(f"head_fit (--head-fit) must be one of {', '.join(HEAD_FITS)}, got {self.head_fit!r}")
+        if self.head_fit == "newton" and not self.freeze_backbone:
+            raise ValueError("head_fit newton (--head-fit newton) fits the value head on frozen features: it needs "
+                             "--freeze-backbone (a whole model trains with --head-fit adam)")
+        if self.head_fit == "newton" and self.weight_decay != 0:
+            raise ValueError(f"weight_decay (--weight-decay {self.weight_decay}) is AdamW's; --head-fit newton fits the "
+                             "head without it: pass --weight-decay 0, or --head-fit adam")
         if self.eval_labels and self.eval_fraction is not None:
             raise ValueError("eval_fraction (--eval-fraction) splits --labels when there are no eval_labels; with "
                              "--eval-labels nothing is split: drop one of the two")
@@ -524,8 +537,17 @@ def _train(config: TrainConfig, on_step: Callable[[int, dict], None] | None) -> 
     metrics: dict = {}
     last_checkpoint = checkpoint
     bar = tqdm(total=config.max_steps, initial=start_step, desc="training PAV", unit="step",
-               disable=not (config.progress and accelerator.is_main_process))
-    for step in range(start_step, config.max_steps):
+               disable=not (config.progress and accelerator.is_main_process) or config.head_fit == "newton")
+    if config.head_fit == "newton" and start_step < config.max_steps:
+        # one fit to the optimum; its checkpoint is the run's only one (a rerun finds it and skips the fit)
+        record = _fit_head(run)
+        _log(run, record)
+        metrics = _evaluate(run, config.max_steps)
+        record.update(metrics)
+        last_checkpoint = _save(run, config.max_steps)
+        if on_step is not None:
+            on_step(config.max_steps, record)
+    for step in range(start_step if config.head_fit == "adam" else config.max_steps, config.max_steps):
         record = _optimizer_step(run, step, last_checkpoint)
         completed = step + 1
         if completed % config.log_every == 0 or completed == config.max_steps:
@@ -792,6 +814,71 @@ def _optimizer_step(run: _Run, step: int, last_checkpoint: Path | None) -> dict:
     if grad_norm is not None:
         record["grad_norm"] = float(grad_norm)
     return record
+
+
+@torch.no_grad()
+def _head_inputs(run: _Run) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The value head's input at every labelled training step, with its target and its weight (the rollout's
+    sampling weight, so that the full-batch loss is the expectation of the sampled batches' loss): [N, d], [N],
+    [N]."""
+    from tqdm.auto import tqdm
+
+    model = run.accelerator.unwrap_model(run.model)
+    head = value_head_of(model)
+    captured: list[torch.Tensor] = []
+    hook = head.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+    was_training = model.training
+    model.eval()
+    features, targets, weights = [], [], []
+    size = run.config.eval_batch_size
+    try:
+        for begin in tqdm(range(0, len(run.train_examples), size), desc="head features", unit="batch",
+                          disable=not (run.config.progress and run.accelerator.is_main_process)):
+            examples = run.train_examples[begin: begin + size]
+            batch = {k: v.to(run.accelerator.device) for k, v in collate(examples, run.pad_token_id).items()}
+            captured.clear()
+            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            if len(captured) != 1:
+                raise RuntimeError(f"--head-fit newton: the value head of {type(model).__name__} was called "
+                                   f"{len(captured)} times in one forward pass; fit it with --head-fit adam")
+            hidden = captured[0]
+            index = batch["positions"].unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+            at_steps = torch.gather(hidden, 1, index)[batch["step_mask"]]
+            features.append(at_steps.to("cpu", torch.float64))
+            targets.append(batch["targets"][batch["step_mask"]].to("cpu", torch.float64))
+            counts = batch["step_mask"].sum(1).cpu()
+            weights.append(torch.repeat_interleave(torch.as_tensor(run.weights[begin: begin + size]), counts))
+    finally:
+        hook.remove()
+        model.train(was_training)
+    return torch.cat(features), torch.cat(targets), torch.cat(weights).to(torch.float64)
+
+
+def _fit_head(run: _Run) -> dict:
+    """``--head-fit newton``: the value head set to the optimum of the training loss on the frozen features
+    (:func:`~verl_prm.training.head_fit.fit_logistic_head`); its log record."""
+    from verl_prm.training.head_fit import fit_logistic_head
+
+    features, targets, weights = _head_inputs(run)
+    head = value_head_of(run.accelerator.unwrap_model(run.model))
+    if not isinstance(head, torch.nn.Linear) or head.out_features != 1:
+        raise ValueError(f"--head-fit newton fits a linear one-logit head; {type(head).__name__} is not one: use "
+                         "--head-fit adam")
+    run.accelerator.print(f"verl-prm train: --head-fit newton on {features.shape[0]} labelled steps x "
+                          f"{features.shape[1]} features ({features.numel() * 8 / 2**20:.0f} MiB)")
+    fit = fit_logistic_head(features, targets, weights, max_iterations=run.config.max_steps,
+                            fit_bias=head.bias is not None)
+    with torch.no_grad():
+        head.weight.copy_(fit.weight.to(head.weight.dtype).view_as(head.weight))
+        if head.bias is not None:
+            head.bias.fill_(fit.bias)
+    if not fit.converged:
+        run.accelerator.print(f"verl-prm train: --head-fit newton stopped after {fit.iterations} iterations "
+                              f"(--max-steps) with gradient {fit.gradient_norm:.2e} (not yet at the optimum: "
+                              "raise --max-steps; labels that features separate exactly have no finite optimum)")
+    return {"step": run.config.max_steps, "loss": fit.loss, "head_fit": "newton", "head_fit_iterations": fit.iterations,
+            "head_fit_gradient_norm": fit.gradient_norm, "head_fit_converged": fit.converged,
+            "head_fit_labels": int(features.shape[0])}
 
 
 def _log(run: _Run, record: dict) -> None:

@@ -19,7 +19,8 @@ pav         ``pav/``: the learned PAV. With ``Scale.critic_init`` (the CPU and G
             choice)
 pav_refined ``pav_refined/``: with ``Scale.critic_refine`` and an arm that reads it (``pav_learned_refined``): the
             ``pav`` stage's backbone trained on at its check (``critic_refine``: heads drawn again, a fresh
-            warm-up; ``pav_refined/backbone/``), then the same value head training as ``pav`` on the same labels
+            warm-up; ``pav_refined/backbone/``), then a value head on it on the same labels, fitted to its optimum
+            (``Scale.refined_head_fit``: ``verl-prm train --head-fit newton``)
 rl          ``rl/<arm>_seed<seed>/``: every arm (GRPO, PAV-GRPO with the exact prover, PAV-GRPO with the learned
             PAV) with every seed through ``python -m verl.trainer.main_ppo`` (:mod:`.verl_rl`), the same prompts,
             seeds and budget; on CPU with the plugin's CPU platform, on GPU with vLLM
@@ -114,6 +115,10 @@ class Scale:
     # schedule: on an AVX512 machine its held-out AUROC was 0.915 after 3,000 steps, and the value head's size is
     # bounded by the check's quality, docs/arithmetic.md); None = no such stage
     critic_refine: Optional[CriticInitConfig] = None
+    # how the pav_refined stage fits its value head (verl-prm train --head-fit): "newton", the optimum of the head's
+    # loss on the frozen features (500 sampled Adam steps stopped short of it on the refined features: a converged
+    # head's values had 1.5x the size, docs/arithmetic.md), or "adam" as the pav stage
+    refined_head_fit: str = "newton"
     # verl-prm train
     pav_steps: int = 500
     pav_batch_size: int = 32
@@ -172,6 +177,10 @@ class Scale:
                              "must have been taught the check (with check_weight 0 it only recomputes results, and a "
                              "linear value head reads no check from that; docs/arithmetic.md)")
         from verl_prm.training.calibration import CALIBRATION_METHODS
+        from verl_prm.training.trainer import HEAD_FITS
+
+        if self.refined_head_fit not in HEAD_FITS:
+            raise ValueError(f"refined_head_fit must be one of {', '.join(HEAD_FITS)}, got {self.refined_head_fit!r}")
 
         if self.pav_calibration not in CALIBRATION_METHODS:
             raise ValueError(f"pav_calibration must be one of {', '.join(CALIBRATION_METHODS)}, got {self.pav_calibration!r}")
@@ -519,25 +528,27 @@ def label_prompts(prompts: Path, policy: Path, output: Path, scale: Scale, progr
 
 def train_pav(labels: Path, init: Path, output: Path, *, steps: int, batch_size: int, lr: float, warmup_steps: int,
               max_length: int, log_every: int, cpu: bool, freeze_backbone: bool = False, calibration: str = "none",
-              progress: bool = True) -> dict:
+              head_fit: str = "adam", progress: bool = True) -> dict:
     """``verl_prm.training.trainer.train`` (what ``verl-prm train`` runs) of a value-head PAV on ``labels``: 20% of
     the prompts held out, the Monte-Carlo values themselves (Best-of-1), seed 0, the post-hoc ``calibration``
-    fitted on the held-out labels (``--calibration``); resumes from ``output``. Returns the training settings
+    fitted on the held-out labels (``--calibration``), the head fitted by ``head_fit`` (``--head-fit``); resumes from
+    ``output``. Returns the training settings
     (``TrainConfig`` as a dict)."""
     from verl_prm.training.trainer import TrainConfig, train
 
     config = TrainConfig(labels=[str(labels)], output_dir=str(output), init=str(init), eval_fraction=0.2,
                          max_length=max_length, batch_size=batch_size, max_steps=steps, lr=lr,
-                         warmup_steps=warmup_steps, best_of_k=1, freeze_backbone=freeze_backbone, seed=0, cpu=cpu,
+                         warmup_steps=warmup_steps, best_of_k=1, freeze_backbone=freeze_backbone, head_fit=head_fit, seed=0, cpu=cpu,
                          log_every=log_every, progress=progress, calibration=calibration)
     train(config)
     return {k: v for k, v in asdict(config).items() if k != "progress"}
 
 
 def stage_pav(stage: Stage, scale: Scale, labels: Path, policy: Path, data_dir: Path, progress: bool, log,
-              critic_init: CriticInitConfig | None = None) -> dict:
+              critic_init: CriticInitConfig | None = None, head_fit: str = "adam") -> dict:
     """The learned PAV: with ``critic_init`` (default ``scale.critic_init``), the backbone at ``policy`` first
-    taught the check (``stage/backbone``), then a value head trained on it; else the whole ``policy`` fine-tuned."""
+    taught the check (``stage/backbone``), then a value head fitted on it (``head_fit``: ``--head-fit``); else the
+    whole ``policy`` fine-tuned."""
     from verl_prm.training.trainer import latest_checkpoint
 
     critic_init = critic_init or scale.critic_init
@@ -551,7 +562,7 @@ def stage_pav(stage: Stage, scale: Scale, labels: Path, policy: Path, data_dir: 
         labels, init, stage.path, steps=scale.pav_steps, batch_size=scale.pav_batch_size, lr=scale.pav_lr,
         warmup_steps=scale.pav_warmup, max_length=scale.model.max_position_embeddings, log_every=10,
         cpu=scale.device == "cpu", freeze_backbone=critic_init is not None, calibration=scale.pav_calibration,
-        progress=progress)
+        head_fit=head_fit, progress=progress)
     metrics = json.loads((stage.path / "eval_metrics.json").read_text())
     return {"checkpoint": str(latest_checkpoint(stage.path)), "eval_metrics": metrics, **outputs}
 
@@ -720,7 +731,8 @@ def stages_of(scale: Scale, root: Path) -> dict[str, Stage]:
                               "critic_init": asdict(scale.critic_init) if scale.critic_init else None,
                               **({"data": d.settings} if scale.critic_init else {})})
     refined = Stage(root, "pav_refined", {"pav": pav.settings, "data": d.settings,
-                                          "critic_refine": asdict(scale.critic_refine) if scale.critic_refine else None})
+                                          "critic_refine": asdict(scale.critic_refine) if scale.critic_refine else None,
+                                          "head_fit": scale.refined_head_fit})
     rl_settings = {"policy": s.settings, "prover": prover.settings, "pav": pav.settings,
                    "pav_refined": refined.settings, "rl": scale.rl, "max_new_tokens": scale.max_new_tokens,
                    "device": scale.device}
@@ -815,7 +827,7 @@ def _run(scale: Scale, root: Path, stages: Sequence[str], progress: bool, log, o
         # the pav stage's backbone taught on: its own critic_init round from there, then the same head training
         ("pav_refined", lambda: stage_pav(named["pav_refined"], scale, named["label"].path,
                                           named["pav"].path / "backbone", d.path, progress, log,
-                                          critic_init=scale.critic_refine)),
+                                          critic_init=scale.critic_refine, head_fit=scale.refined_head_fit)),
         ("rl", lambda: stage_rl(named["rl"], scale, d.path, s.path,
                                 {kind: out[stage]["checkpoint"] for kind, stage in CRITIC_STAGES.items() if stage in out},
                                 out["prover"]["step_accuracy"], log)),

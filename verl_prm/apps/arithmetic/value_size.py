@@ -38,7 +38,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["backbone_features", "fit_logistic_head", "head_fits", "measure", "size_statistics", "size_table"]
+__all__ = ["backbone_features", "fitted_head_predictor", "head_fits", "measure", "size_statistics", "size_table"]
 
 # the share of the appended prefix truth flipped at random in head_fits (0: a perfect check)
 TRUTH_FLIPS = (0.0, 0.02, 0.05, 0.1)
@@ -150,40 +150,23 @@ def backbone_features(critic, frame) -> list[np.ndarray]:
     return features
 
 
-def fit_logistic_head(features: Sequence[np.ndarray], targets: Sequence[np.ndarray], *, iterations: int = 500,
-                      weight_decay: float = 0.0):
-    """A linear value head ``sigmoid(w . x + b)`` fitted to convergence (L-BFGS, binary cross-entropy against the
-    soft ``targets`` in [0, 1]; features standardised), on the finite targets of every row. Returns a function
-    from a list of ``[n, d]`` feature arrays to the list of predicted values."""
+def fitted_head_predictor(features: Sequence[np.ndarray], targets: Sequence[np.ndarray]):
+    """A linear value head ``sigmoid(w . x + b)`` fitted to convergence on the finite targets of every row, by the
+    fit ``verl-prm train --head-fit newton`` uses (:func:`verl_prm.training.head_fit.fit_logistic_head`, unweighted).
+    Returns a function from a list of ``[n, d]`` feature arrays to the list of predicted values."""
     import torch
+
+    from verl_prm.training.head_fit import fit_logistic_head
 
     x = torch.from_numpy(np.concatenate(features)).double()
     y = torch.from_numpy(np.concatenate(targets)).double()
     keep = torch.isfinite(y)
     if not keep.any():
-        raise ValueError("fit_logistic_head: no finite target")
-    x, y = x[keep], y[keep]
-    if not bool(((y >= 0) & (y <= 1)).all()):
-        raise ValueError("fit_logistic_head: targets must be in [0, 1]")
-    mean, std = x.mean(0), x.std(0).clamp_min(1e-6)
-    weight = torch.zeros(x.shape[1], dtype=torch.float64, requires_grad=True)
-    bias = torch.zeros((), dtype=torch.float64, requires_grad=True)
-    optimizer = torch.optim.LBFGS([weight, bias], lr=1.0, max_iter=iterations, history_size=50,
-                                  line_search_fn="strong_wolfe", tolerance_grad=1e-9, tolerance_change=1e-12)
-    z = (x - mean) / std
-
-    def closure():
-        optimizer.zero_grad()
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(z @ weight + bias, y)
-        loss = loss + weight_decay * (weight ** 2).sum()
-        loss.backward()
-        return loss
-
-    optimizer.step(closure)
-    weight, bias = weight.detach(), bias.detach()
+        raise ValueError("fitted_head_predictor: no finite target")
+    fit = fit_logistic_head(x[keep], y[keep])
 
     def predict(rows: Sequence[np.ndarray]) -> list[np.ndarray]:
-        return [torch.sigmoid(((torch.from_numpy(np.asarray(r, dtype=np.float64)) - mean) / std) @ weight + bias).numpy()
+        return [torch.sigmoid(torch.from_numpy(np.asarray(r, dtype=np.float64)) @ fit.weight + fit.bias).numpy()
                 for r in rows]
 
     return predict
@@ -208,7 +191,7 @@ def head_fits(work_dir: str | Path, *, best_of_k: int, checkpoint: str | None = 
     log(f"[value_size] head fits on {len(features['train'])} training rows' features of {checkpoint}")
     results: dict = {"checkpoint": checkpoint, "step_accuracy": step_accuracy, "best_of_k": best_of_k, "fits": {}}
     for name, targets in (("converged_mc_labels", labels), ("converged_exact_values", exact)):
-        predict = fit_logistic_head(features["train"], targets["train"])
+        predict = fitted_head_predictor(features["train"], targets["train"])
         results["fits"][name] = size_statistics(predict(features["held_out"]), exact["held_out"], best_of_k=best_of_k)
     rng = np.random.default_rng(0)
     for flip in TRUTH_FLIPS:
@@ -219,7 +202,7 @@ def head_fits(work_dir: str | Path, *, best_of_k: int, checkpoint: str | None = 
             appended[split] = [np.concatenate([x, n[:, None]], axis=1) for x, n in zip(features[split], noisy)]
             if split == "held_out":
                 check_auroc = auroc(np.concatenate([n[1:] for n in noisy]), np.concatenate([t[1:] for t in truth]))
-        predict = fit_logistic_head(appended["train"], labels["train"])
+        predict = fitted_head_predictor(appended["train"], labels["train"])
         stats = size_statistics(predict(appended["held_out"]), exact["held_out"], best_of_k=best_of_k)
         results["fits"][f"mc_labels_with_truth_flipped_{flip:g}"] = {**stats, "truth_auroc": float(check_auroc)}
     return results

@@ -683,6 +683,19 @@ def test_value_head_init_reports_only_unexpected_keys(micro_run, tmp_path, capfd
         value_head_from_init(str(broken))
 
 
+def test_search_study_gives_the_evaluate_stages_search_without_the_rl_stage(micro_run):
+    """search_study runs the evaluate stage's search sweep from the critics alone: the same rows, critic by critic."""
+    from verl_prm.apps.arithmetic.pipeline import SCALES
+    from verl_prm.apps.arithmetic.search_study import run_search
+
+    work, _ = micro_run
+    study = run_search(work, SCALES["micro"], log=lambda *_: None)
+    evaluated = json.loads((work / "results" / "results.json").read_text())["search"]
+    assert set(study["search"]) == set(evaluated) == {"learned", "exact"}
+    assert study["search"] == evaluated
+    assert study["critics"]["learned"].endswith("uncalibrated")
+
+
 def test_value_size_reads_the_micro_runs_critic_and_its_backbone_features(micro_run):
     """value_size on a finished recipe: the exact values measured against themselves have slope 1 and MSE 0; the
     backbone features it reads are the value head's input (the head applied to them gives the critic's values);

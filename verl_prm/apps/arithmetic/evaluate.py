@@ -235,6 +235,17 @@ def search_sweep(model, tokenizer, prefix_critic, prompt_texts: Sequence[str], p
     return rows
 
 
+def search_table(search: dict[str, list[dict]]) -> list[str]:
+    """The markdown lines of :func:`search_sweep`'s rows of each critic (``{critic name: rows}``)."""
+    lines = ["| search (base policy) | critic | N | accuracy | generated tokens / problem | critic tokens / problem |",
+             "|---|---|---:|---:|---:|---:|"]
+    for critic_name, rows in search.items():
+        for row in rows:
+            lines.append(f"| {row['method']} | {critic_name} | {row['n']} | {_pm(row['accuracy'], row.get('accuracy_se'))} | "
+                         f"{row['generated_tokens']:.1f} | {row['critic_tokens']:.1f} |")
+    return lines
+
+
 def _arm_label(arm: str) -> str:
     return ARMS[arm].label if arm in ARMS else arm
 
@@ -332,15 +343,7 @@ def write_table(results: dict, path_md: str | Path, path_json: str | Path) -> st
         lines += ["", f"Learned PAV on the refined check (pav_refined): held-out label AUROC {refined['label_auroc']:.3f}, "
                       f"MSE {refined['label_mse']:.3f}; step AUROC {refined['step_auroc']:.3f}; mean value drop at the "
                       f"first wrong step {refined['mean_value_drop_at_first_wrong_step']:.3f}."]
-    lines += [
-        "",
-        "| search (base policy) | critic | N | accuracy | generated tokens / problem | critic tokens / problem |",
-        "|---|---|---:|---:|---:|---:|",
-    ]
-    for critic_name, rows in results["search"].items():
-        for row in rows:
-            lines.append(f"| {row['method']} | {critic_name} | {row['n']} | {_pm(row['accuracy'], row.get('accuracy_se'))} | "
-                         f"{row['generated_tokens']:.1f} | {row['critic_tokens']:.1f} |")
+    lines += ["", *search_table(results["search"])]
     text = "\n".join(lines) + "\n"
     Path(path_md).write_text(text)
     return text

@@ -639,6 +639,26 @@ def stage_rl(stage: Stage, scale: Scale, data_dir: Path, policy: Path, learned_c
     return {f"{arm}_seed{seed}": run_stage.outputs() for (arm, seed), run_stage in runs.items()}
 
 
+def search_with_critics(scale: Scale, model, tokenizer, critics: dict, step_accuracy: float, *,
+                        seed: int = 12345) -> dict[str, list[dict]]:
+    """The test-time search sweep (``evaluate.search_sweep``: Best-of-N and PAV beam search with the base policy
+    ``model``) on the first ``scale.search_problems`` test problems, with each of ``critics`` (``{name:
+    ProverCritic}``) and with the exact prover of ``step_accuracy`` (``"exact"``); the same seed for every critic."""
+    from verl_prm.apps.arithmetic import evaluate as ev
+    from verl_prm.apps.arithmetic.model import render
+    from verl_prm.apps.arithmetic.prover import ArithmeticProver
+
+    search_set = split_problems(scale)[3][: scale.search_problems]
+    texts = [render(tokenizer, p.prompt_text) for p in search_set]
+    prefix_critics = {name: ev.learned_prefix_critic(critic, texts) for name, critic in critics.items()}
+    prefix_critics["exact"] = ev.exact_prefix_critic(ArithmeticProver(step_accuracy=step_accuracy), texts)
+    return {name: ev.search_sweep(model, tokenizer, prefix_critic, texts, search_set, best_of_n=scale.best_of_n,
+                                  beam_widths=scale.beam_widths, samples_per_beam=scale.samples_per_beam,
+                                  alpha=scale.search_alpha, best_of_k=scale.rl.best_of_k,
+                                  max_new_tokens=scale.max_new_tokens, max_steps=scale.rl_task.max_ops + 2, seed=seed)
+            for name, prefix_critic in prefix_critics.items()}
+
+
 def stage_evaluate(stage: Stage, scale: Scale, policy: Path, critic: str, pav_metrics: dict, prover: dict,
                    rl_runs: dict, refined: dict | None = None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -646,7 +666,6 @@ def stage_evaluate(stage: Stage, scale: Scale, policy: Path, critic: str, pav_me
     from verl_prm.critic import ProverCritic
     from verl_prm.apps.arithmetic import evaluate as ev
     from verl_prm.apps.arithmetic.model import render
-    from verl_prm.apps.arithmetic.prover import ArithmeticProver
 
     sft, rl, label, test = split_problems(scale)
     stage.path.mkdir(parents=True, exist_ok=True)
@@ -692,18 +711,7 @@ def stage_evaluate(stage: Stage, scale: Scale, policy: Path, critic: str, pav_me
         critic_result["refined"] = {**refined_result,
                                     "label_auroc": float(refined["eval_metrics"].get("eval/auroc", float("nan"))),
                                     "label_mse": float(refined["eval_metrics"].get("eval/mse", float("nan")))}
-    search_set = test[: scale.search_problems]
-    search = {}
-    prefix_critics = {name: ev.learned_prefix_critic(model_, texts_of(tokenizer, search_set))
-                      for name, model_ in critic_models.items()}
-    prefix_critics["exact"] = ev.exact_prefix_critic(ArithmeticProver(step_accuracy=prover["step_accuracy"]),
-                                                     texts_of(tokenizer, search_set))
-    for critic_name, prefix_critic in prefix_critics.items():
-        search[critic_name] = ev.search_sweep(
-            model, tokenizer, prefix_critic, texts_of(tokenizer, search_set), search_set,
-            best_of_n=scale.best_of_n, beam_widths=scale.beam_widths, samples_per_beam=scale.samples_per_beam,
-            alpha=scale.search_alpha, best_of_k=scale.rl.best_of_k, max_new_tokens=scale.max_new_tokens,
-            max_steps=scale.rl_task.max_ops + 2, seed=seed)
+    search = search_with_critics(scale, model, tokenizer, critic_models, prover["step_accuracy"], seed=seed)
     arms = ev.summarise_arms(runs, budget=scale.rl.steps, reference="grpo", level_fraction=scale.level_fraction,
                              resamples=scale.bootstrap_resamples, seed=scale.bootstrap_seed)
     results = {"policies": policies, "runs": runs, "arms": arms,

@@ -696,6 +696,46 @@ def test_search_study_gives_the_evaluate_stages_search_without_the_rl_stage(micr
     assert study["critics"]["learned"].endswith("uncalibrated")
 
 
+def test_curves_export_merge_and_summarise_runs_apart_from_their_work_directory(micro_run, tmp_path):
+    """curves: a run exported and read back is the same run; seeds from two sources merge into one arm (the seed
+    mean is the mean of the seeds' curves); a seed with another setting, or one run twice with another curve, is
+    refused by name."""
+    import copy
+
+    from verl_prm.apps.arithmetic.curves import export_runs, read_runs, summary_table
+    from verl_prm.apps.arithmetic.pipeline import SCALES
+
+    work, _ = micro_run
+    runs = read_runs([work])
+    assert set(runs) == {"pav_exact"} and set(runs["pav_exact"]) == {0}
+    exported = export_runs(runs, tmp_path / "runs.json")
+    again = read_runs([exported])
+    assert again["pav_exact"][0]["outputs"]["curve"] == runs["pav_exact"][0]["outputs"]["curve"]
+    assert read_runs([work, exported])["pav_exact"].keys() == {0}  # the same run twice is one run
+    # a second seed in another file: the arm has two seeds, its seed-mean curve the mean of both
+    other = copy.deepcopy(again["pav_exact"][0])
+    other["settings"]["seed"] = 1
+    other["outputs"]["curve"] = [[s, n, a / 2] for s, n, a in other["outputs"]["curve"]]
+    export_runs({"pav_exact": {1: other}}, tmp_path / "seed1.json")
+    merged = read_runs([work, tmp_path / "seed1.json"])
+    lines, arms = summary_table(merged, SCALES["micro"])
+    assert arms["pav_exact"]["seeds"] == [0, 1]
+    for point, (_, _, accuracy) in zip(arms["pav_exact"]["curve"], runs["pav_exact"][0]["outputs"]["curve"]):
+        assert point[2] == pytest.approx(0.75 * accuracy)
+    assert any(line.startswith("| PAV-GRPO, exact prover | 2 |") for line in lines)
+    other["settings"]["rl"]["lr"] = 1.0
+    export_runs({"pav_exact": {1: other}}, tmp_path / "other_lr.json")
+    with pytest.raises(ValueError, match=r"pav_exact seed 1 .* was run with other settings than seed 0 \(rl.lr"):
+        read_runs([work, tmp_path / "other_lr.json"])
+    changed = copy.deepcopy(again["pav_exact"][0])
+    changed["outputs"]["curve"][0][2] += 0.5
+    export_runs({"pav_exact": {0: changed}}, tmp_path / "changed.json")
+    with pytest.raises(ValueError, match="pav_exact seed 0 is in more than one source"):
+        read_runs([work, tmp_path / "changed.json"])
+    with pytest.raises(ValueError, match="not an export of this module"):
+        read_runs([work / "pav" / "DONE.json"])
+
+
 def test_value_size_reads_the_micro_runs_critic_and_its_backbone_features(micro_run):
     """value_size on a finished recipe: the exact values measured against themselves have slope 1 and MSE 0; the
     backbone features it reads are the value head's input (the head applied to them gives the critic's values);

@@ -698,8 +698,8 @@ def test_search_study_gives_the_evaluate_stages_search_without_the_rl_stage(micr
 
 def test_curves_export_merge_and_summarise_runs_apart_from_their_work_directory(micro_run, tmp_path):
     """curves: a run exported and read back is the same run; seeds from two sources merge into one arm (the seed
-    mean is the mean of the seeds' curves); a seed with another setting, or one run twice with another curve, is
-    refused by name."""
+    mean is the mean of the seeds' curves); a seed with another setting, one run twice with another curve, or a run
+    on another machine kind is refused by name."""
     import copy
 
     from verl_prm.apps.arithmetic.curves import export_runs, read_runs, summary_table
@@ -732,6 +732,12 @@ def test_curves_export_merge_and_summarise_runs_apart_from_their_work_directory(
     export_runs({"pav_exact": {0: changed}}, tmp_path / "changed.json")
     with pytest.raises(ValueError, match="pav_exact seed 0 is in more than one source"):
         read_runs([work, tmp_path / "changed.json"])
+    elsewhere = copy.deepcopy(again["pav_exact"][0])
+    elsewhere["settings"]["seed"] = 2
+    elsewhere["environment"]["cpu_flags"] = ["avx512f"] if elsewhere["environment"]["cpu_flags"] != ["avx512f"] else []
+    export_runs({"pav_exact": {2: elsewhere}}, tmp_path / "elsewhere.json")
+    with pytest.raises(ValueError, match="one table holds runs of one machine kind"):
+        read_runs([work, tmp_path / "elsewhere.json"])
     with pytest.raises(ValueError, match="not an export of this module"):
         read_runs([work / "pav" / "DONE.json"])
 

@@ -41,10 +41,13 @@ def _records_of(source: Path) -> list[dict]:
 def read_runs(sources: Sequence[str | Path], arms: Sequence[str] | None = None) -> dict[str, dict[int, dict]]:
     """``{arm: {seed: record}}`` of every finished run in ``sources`` (work directories and exported files),
     restricted to ``arms`` when given. A run found twice must be the same run (same settings and curve); the seeds
-    of one arm must share every setting but the seed: otherwise an error names the setting."""
+    of one arm must share every setting but the seed, and every run the machine kind (``machine.machine_line``: the
+    numbers depend on the float kernels, so one table holds one kind): otherwise an error names the difference."""
+    from verl_prm.apps.arithmetic.machine import machine_line
     from verl_prm.apps.arithmetic.pipeline import settings_differences
 
     runs: dict[str, dict[int, dict]] = {}
+    first_machine: tuple[str, str] | None = None
     for source in map(Path, sources):
         if not source.exists():
             raise FileNotFoundError(f"{source} does not exist (a recipe work directory or an exported runs file)")
@@ -52,6 +55,12 @@ def read_runs(sources: Sequence[str | Path], arms: Sequence[str] | None = None) 
             arm, seed = record["settings"]["arm"], int(record["settings"]["seed"])
             if arms is not None and arm not in arms:
                 continue
+            machine = machine_line(record.get("environment") or {})
+            if first_machine is None:
+                first_machine = (machine, f"{arm} seed {seed} ({source})")
+            elif machine != first_machine[0]:
+                raise ValueError(f"{arm} seed {seed} ({source}) ran on {machine}, {first_machine[1]} on "
+                                 f"{first_machine[0]}: one table holds runs of one machine kind; summarise each apart")
             seeds = runs.setdefault(arm, {})
             if seed in seeds:
                 if seeds[seed]["settings"] != record["settings"] or seeds[seed]["outputs"]["curve"] != record["outputs"]["curve"]:

@@ -10,10 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
-__all__ = ["HeadFit", "fit_logistic_head", "weighted_soft_bce"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["HEAD_FITS", "HeadFit", "fit_logistic_head", "weighted_soft_bce"]
+
+# verl-prm train --head-fit: sampled AdamW steps, or this module's fit (torch is imported lazily: the recipe's
+# settings check these names without loading torch)
+HEAD_FITS = ("adam", "newton")
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,8 @@ def weighted_soft_bce(logits: torch.Tensor, targets: torch.Tensor, weights: torc
 
         L = - sum_n w_n [ q_n log sigmoid(z_n) + (1 - q_n) log(1 - sigmoid(z_n)) ] / sum_n w_n
     """
+    import torch.nn.functional as F
+
     per_step = F.binary_cross_entropy_with_logits(logits, targets, reduction="none")
     return (weights * per_step).sum() / weights.sum()
 
@@ -58,6 +66,8 @@ def fit_logistic_head(features: torch.Tensor, targets: torch.Tensor, weights: to
         fit_bias: fit b (False: b = 0, for a head without a bias).
         tolerance: the gradient's max-norm (standardised units) at which the fit stops as converged.
     """
+    import torch
+
     if features.dim() != 2 or targets.dim() != 1 or features.shape[0] != targets.shape[0]:
         raise ValueError(f"fit_logistic_head: features must be [N, d] and targets [N], got {tuple(features.shape)} "
                          f"and {tuple(targets.shape)}")

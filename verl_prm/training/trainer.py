@@ -52,6 +52,7 @@ from verl_prm.training.data import (
     sample_batch_indices,
     split_by_prompt,
 )
+from verl_prm.training.head_fit import HEAD_FITS
 from verl_prm.training.losses import gather_step_logits, soft_label_bce, warmup_cosine_factor
 from verl_prm.training.calibration import (
     CALIBRATION_FILE,
@@ -75,7 +76,6 @@ _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 _RESUME_FREE_KEYS = ("output_dir", "resume", "progress", "log_every", "eval_every", "eval_batch_size", "save_every",
                      "keep_checkpoints", "gradient_checkpointing", "calibration")
 DEFAULT_EVAL_FRACTION = 0.1
-HEAD_FITS = ("adam", "newton")
 
 
 class NonFiniteLossError(ValueError):

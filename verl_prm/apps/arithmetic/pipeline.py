@@ -177,7 +177,7 @@ class Scale:
                              "must have been taught the check (with check_weight 0 it only recomputes results, and a "
                              "linear value head reads no check from that; docs/arithmetic.md)")
         from verl_prm.training.calibration import CALIBRATION_METHODS
-        from verl_prm.training.trainer import HEAD_FITS
+        from verl_prm.training.head_fit import HEAD_FITS
 
         if self.refined_head_fit not in HEAD_FITS:
             raise ValueError(f"refined_head_fit must be one of {', '.join(HEAD_FITS)}, got {self.refined_head_fit!r}")

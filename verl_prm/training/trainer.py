@@ -547,7 +547,8 @@ def _train(config: TrainConfig, on_step: Callable[[int, dict], None] | None) -> 
         last_checkpoint = _save(run, config.max_steps)
         if on_step is not None:
             on_step(config.max_steps, record)
-    for step in range(start_step if config.head_fit == "adam" else config.max_steps, config.max_steps):
+    adam_steps = range(start_step, config.max_steps) if config.head_fit == "adam" else range(0)
+    for step in adam_steps:
         record = _optimizer_step(run, step, last_checkpoint)
         completed = step + 1
         if completed % config.log_every == 0 or completed == config.max_steps:

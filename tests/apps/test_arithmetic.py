@@ -272,6 +272,7 @@ def test_main_ppo_commands_of_every_arm_compose_and_differ_only_in_the_critic(tm
             assert hook.critic.calibration == ARMS[arm].calibration
             # the exact arm's prover is the learned arm's reference, for the diagnostics only
             assert hook.diagnostics.reference == exact_prover
+            assert hook.refresh.every == (5 if arm == "pav_learned_refresh" else 0)
         assert pav.normalize == (arm == "pav_learned_normalized")
         commands[arm] = set(command[3:])
     run_names = ("trainer.experiment_name=", "trainer.default_local_dir=")
@@ -282,6 +283,7 @@ def test_main_ppo_commands_of_every_arm_compose_and_differ_only_in_the_critic(tm
                           ("pav_learned", "pav_learned_calibrated", ("verl_prm.critic.calibration=",)),
                           ("pav_learned", "pav_learned_normalized", ("algorithm.pav.normalize=",)),
                           ("pav_learned", "pav_learned_refined", ("verl_prm.critic.path=",)),
+                          ("pav_learned_refined", "pav_learned_refresh", ("verl_prm.critic.mc_", "verl_prm.refresh.")),
                           ("pav_exact", "pav_mc", ("verl_prm.critic.", "+verl_prm.critic.",
                                                    "+verl_prm.diagnostics.reference."))):
         differing = sorted(commands[a] ^ commands[b])

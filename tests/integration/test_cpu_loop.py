@@ -307,10 +307,16 @@ def _step_metrics(result, step: int) -> dict:
     return records[step]
 
 
+REFRESH_OVERRIDES = ["verl_prm.refresh.every=1", "verl_prm.refresh.window=2", "verl_prm.critic.mc_n=2",
+                     "verl_prm.critic.mc_prefixes=fixed", "verl_prm.critic.mc_prefixes_per_response=2",
+                     "verl_prm.critic.mc_token_budget=1500"]
+
+
 @pytest.fixture(scope="module")
 def loop_runs(loop_dir):
-    """PAV-GRPO for 2 steps (checkpoint + validation at step 2), then GRPO resumed for step 3 (critic on its own
-    pool). Sequential: each run peaks at ~7 GiB."""
+    """PAV-GRPO for 2 steps (checkpoint + validation at step 2), then GRPO resumed for steps 3-4 (critic on its own
+    pool) with the learned PAV's refresh at both steps (2 continuations of 2 prefixes per response, a token
+    budget). Sequential: each run peaks at ~7 GiB."""
     from verl_prm.apps.cpu_loop import main_ppo_args, run_main_ppo
 
     runs = {}
@@ -319,8 +325,8 @@ def loop_runs(loop_dir):
         loop_dir / "pav_grpo.jsonl", loop_dir / "pav_grpo.log", timeout=600)
     if runs["pav_grpo"].returncode == 0:
         runs["grpo_resumed"] = run_main_ppo(
-            main_ppo_args(loop_dir, "grpo", steps=3, run_name="grpo_resumed", checkpoint_name="pav_grpo",
-                          resume=True, critic_pool="own"),
+            main_ppo_args(loop_dir, "grpo", steps=4, run_name="grpo_resumed", checkpoint_name="pav_grpo",
+                          resume=True, critic_pool="own", extra=REFRESH_OVERRIDES),
             loop_dir / "grpo_resumed.jsonl", loop_dir / "grpo_resumed.log", timeout=600)
     return runs
 
@@ -361,12 +367,40 @@ def test_main_ppo_checkpoint_resume_continues_at_the_next_step(loop_runs, loop_d
     assert "grpo_resumed" in loop_runs, "the PAV-GRPO run failed, nothing to resume"
     result = loop_runs["grpo_resumed"]
     assert result.returncode == 0, f"main_ppo grpo (resumed) exited {result.returncode}; log tail:\n{result.tail()}"
-    assert [record["step"] for record in result.metrics] == [3]
+    assert [record["step"] for record in result.metrics] == [3, 4]
     assert "Resuming from" in result.log_path.read_text() and "global_step_2" in result.log_path.read_text()
     metrics = _step_metrics(result, 3)
     # GRPO with the critic on its own pool: verl's advantages, the hook's pav/* metrics only
     assert math.isfinite(metrics["pav/v0_mean"]) and metrics["pav/steps_per_response"] > 0
     assert metrics["training/global_step"] == 3
+
+
+@pytest.mark.slow
+def test_main_ppo_refresh_refits_the_pav_to_the_sampled_values(loop_runs, loop_dir):
+    """verl_prm.refresh.every=1 on the resumed run: each step samples, writes labels that verl-prm train reads and
+    refits the head; step 4's PAV (refitted at step 3) is close to step 4's fresh samples, which the random
+    checkpoint head of step 3 was not (the untrained policy's labels are near 0, its values near 0.5)."""
+    from verl_prm.labeling.format import read_labels
+
+    result = loop_runs.get("grpo_resumed")
+    assert result is not None and result.returncode == 0, "the resumed run failed (see the resume test)"
+    first, second = _step_metrics(result, 3), _step_metrics(result, 4)
+    for step, metrics in ((3, first), (4, second)):
+        refresh = {key: value for key, value in metrics.items() if key.startswith("pav/refresh/")}
+        assert refresh["pav/refresh/labels"] > 0 and refresh["pav/refresh/fit_converged"] == 1.0, (step, refresh)
+        assert all(math.isfinite(v) for v in refresh.values()), (step, refresh)
+        assert 0 < metrics["pav/mc_tokens"] <= 1500 and metrics["timing_s/pav_refresh"] > 0, step
+    assert second["pav/refresh/window_labels"] == first["pav/refresh/labels"] + second["pav/refresh/labels"]
+    assert first["pav/refresh/mse"] > 0.01 and second["pav/refresh/mse"] < first["pav/refresh/mse"] / 10, \
+        (first["pav/refresh/mse"], second["pav/refresh/mse"])
+    directory = loop_dir / "checkpoints" / "pav_grpo" / "pav_refresh"
+    labels = read_labels(directory / "labels")
+    assert sorted(p.name for p in (directory / "labels").glob("*.parquet")) == ["step_000003.parquet",
+                                                                                  "step_000004.parquet"]
+    # one row per response (4 prompts x 4 responses a step), each labelled position counted once
+    assert len(labels) == 32
+    counted = sum(1 + sum(n > 0 for n in row.n_mc) + (len(row.n_mc) > 0) for row in labels.itertuples())
+    assert counted == first["pav/refresh/labels"] + second["pav/refresh/labels"]
 
 
 def test_launcher_runs_the_same_main_ppo_command_as_the_tests(tmp_path):

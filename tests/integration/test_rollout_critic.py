@@ -312,3 +312,94 @@ def test_main_ppo_two_steps_with_the_sampling_critic_on_cpu(rollout_loop_run):
         assert 0.0 < metrics["pav/v0_mean"] < 1.0, f"step {step}: v0 {metrics['pav/v0_mean']}"
         assert metrics["pav/process_term/std"] > 0, f"step {step}: constant process term"
         assert metrics["actor/grad_norm"] > 0, f"step {step}: actor grad norm {metrics['actor/grad_norm']}"
+
+
+# ---------------------------------------------------------------------------------------------- refresh of a PAV
+
+class LocalCriticGroup:
+    """A one-worker stand-in for the critic's RayWorkerGroup: the worker's methods, called in this process."""
+
+    world_size = 1
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def compute_step_values(self, data):
+        return self.worker.compute_step_values(data)
+
+    def set_value_head(self, weight, bias):
+        return self.worker.set_value_head(weight, bias)
+
+
+def _refresh_trainer(policy_dir, critic_dir, tokenizer, events, directory, global_steps, extra=()):
+    from verl_prm.integrations.verl.critic_worker import ProverCriticWorker
+    from verl_prm.integrations.verl.hook_trainer import critic_worker_kwargs
+
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    overrides = [o for o in ROLLOUT_OVERRIDES if not o.startswith("verl_prm.critic.format=")] + [
+        f"verl_prm.critic.path={critic_dir}", "verl_prm.critic.dtype=float32", "verl_prm.refresh.every=2",
+        "verl_prm.refresh.window=2", f"verl_prm.refresh.directory={directory}",
+        f"actor_rollout_ref.model.path={policy_dir}", *extra]
+    trainer = get_trainer_cls("pav_sync")(compose_verl(PLUGIN_OVERRIDES + overrides))
+    trainer.tokenizer = tokenizer
+    trainer.get_llm_client = lambda: ScriptedClient(tokenizer, events)
+    trainer.checkpoint_manager = CheckpointRecorder(events)
+    trainer.rollout_critic = trainer._init_rollout_critic()
+    worker = ProverCriticWorker(str(critic_dir), critic_worker_kwargs(trainer.hook_config))
+    worker.init_model()
+    trainer.prover_wg = LocalCriticGroup(worker)
+    trainer.refresh_store = trainer._open_refresh_store()
+    trainer.global_steps = global_steps
+    return trainer, worker
+
+
+@pytest.mark.ray
+def test_hook_refresh_refits_the_head_to_the_samples_and_a_resumed_run_starts_with_it(
+        transfer_queue, policy_dir, critic_dir, bpe_small, worker_env, tmp_path):
+    from transfer_queue import KVBatchMeta
+
+    from verl_prm.critic.refresh import refit_value_head
+    from verl_prm.labeling.format import read_labels
+
+    tokenizer, events = bpe_small, []
+    directory = tmp_path / "refresh"
+    trainer, worker = _refresh_trainer(policy_dir, critic_dir, tokenizer, events, directory, global_steps=2)
+    rows = _rows(tokenizer)
+    keys, tags = _put(transfer_queue, rows)
+    raw = transfer_queue.kv_batch_get(keys=keys, partition_id="train", select_fields=[
+        "uid", "response_mask", "rm_scores", "prompts", "responses", "data_source", "reward_model", "extra_info"])
+    before, _ = trainer._score_steps(raw, keys, torch.ones(len(rows), dtype=torch.bool))
+    # the refresh step's own values are the PAV's before its refit; its samples are the labels
+    metrics = before.pop("refresh_metrics")
+    labels = read_labels(directory / "labels")
+    assert len(labels) == len(rows) and metrics["pav/refresh/labels"] == len(rows) * (1 + (H - 1) + 1)
+    state_rows, weight, bias = trainer.refresh_store.read(2)
+    for b, row in enumerate(labels.itertuples()):
+        assert row.n_mc[: H - 1] == [N_MC] * (H - 1) and row.n_mc[H - 1] == 0
+        assert row.response == tokenizer.decode(rows[b][3], skip_special_tokens=True)
+    # the head on the worker is the maximum-likelihood refit of the stored labels
+    fit = refit_value_head([state_rows])
+    assert torch.allclose(fit.weight, weight) and fit.bias == pytest.approx(bias)
+    assert torch.allclose(worker.critic.adapter.head.weight[0].double(), weight, atol=1e-6)
+    after, _ = trainer._score_steps(raw, keys, torch.ones(len(rows), dtype=torch.bool))
+    assert "refresh_metrics" in after  # (still step 2: scored and refreshed again; the head stays the refit's)
+    expected = torch.sigmoid(state_rows.features.double() @ weight + bias)
+    got = torch.cat([after["prompt_values"][:, None], after["step_values"][:, :H]], dim=1).flatten()
+    assert torch.allclose(got.double(), expected, atol=2e-4)  # the head runs in fp32
+    _, weight, _ = trainer.refresh_store.read(2)  # the second refresh of step 2 replaced the first
+    assert torch.allclose(worker.critic.adapter.head.weight[0].double(), weight, atol=1e-6)
+
+    # a resumed run at step 3: a fresh worker from the checkpoint, the head of the refresh at step 2
+    trainer.refresh_store.close()
+    resumed, fresh = _refresh_trainer(policy_dir, critic_dir, tokenizer, events, directory, global_steps=3)
+    assert not torch.allclose(fresh.critic.adapter.head.weight[0].double(), weight, atol=1e-3)
+    metrics = {}
+    resumed._compute_advantage(KVBatchMeta(partition_id="train", keys=keys, tags=tags), metrics)
+    assert not any(key.startswith("pav/refresh/") for key in metrics)  # step 3 is no refresh step
+    assert torch.allclose(fresh.critic.adapter.head.weight[0].double(), weight, atol=1e-6)
+    resumed.refresh_store.close()
+    with pytest.raises(ConfigError, match=r"other settings \(window: 2 -> 3\)"):
+        _refresh_trainer(policy_dir, critic_dir, tokenizer, events, directory, global_steps=3,
+                         extra=["verl_prm.refresh.window=3"])
+    transfer_queue.kv_clear(keys=keys, partition_id="train")

@@ -957,3 +957,34 @@ def test_host_preparation_share_of_a_1024_response_batch(checkpoints, repo_data)
           f"micro-batches, prepare_batch {packed_prepare:.3f} s")
     assert all(torch.equal(a, b) for a, b in zip(values[True], values[False]))
     assert len(plan) > 10 and prepare > 0 and forward > 0
+
+
+def test_features_are_the_backbone_states_the_head_reads_and_a_new_head_gives_its_values(checkpoints, samples):
+    """``with_features``: what the value head reads, equal to the plain transformers backbone's last hidden state at
+    the prompt's and each step's last token; ``set_value_head`` then gives sigmoid(w . h + b) there."""
+    path = checkpoints["value_head"]
+    critic = load_critic("value_head", path, packing="padded", max_tokens_per_batch=400)
+    ids, prompt_ends, step_ends = _sequences(critic.tokenizer, samples, random.Random(2))
+    scores = critic.score_sequences(ids, prompt_ends, step_ends, with_features=True)
+    model = AutoModelForTokenClassification.from_pretrained(path).eval()
+    width = scores.step_values.shape[1]
+    assert scores.features.shape == (len(ids), width + 1, model.config.hidden_size)
+    weight = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    critic.set_value_head(weight, 0.25)
+    after = critic.score_sequences(ids, prompt_ends, step_ends)
+    for b in range(len(ids)):
+        positions = [prompt_ends[b]] + step_ends[b]
+        with torch.inference_mode():
+            hidden = model.base_model(torch.tensor([ids[b]])).last_hidden_state[0, positions]
+        assert torch.allclose(scores.features[b, : len(positions)], hidden, atol=1e-5)
+        assert not scores.features[b, len(positions):].any()
+        expected = torch.sigmoid(hidden @ weight + 0.25)
+        got = torch.cat([after.prompt_values[b : b + 1], after.step_values[b, : len(step_ends[b])]])
+        assert torch.allclose(got, expected, atol=1e-5)
+    with pytest.raises(ValueError, match="the head reads 32 features, the new weight has 5"):
+        critic.set_value_head(torch.zeros(5), 0.0)
+    with pytest.raises(ValueError, match="non-finite"):
+        critic.set_value_head(torch.full((model.config.hidden_size,), float("nan")), 0.0)
+    other = load_critic("qwen_prm", checkpoints["qwen_prm"])
+    with pytest.raises(ValueError, match="set_value_head needs a critic of format 'value_head'"):
+        other.set_value_head(weight, 0.0)

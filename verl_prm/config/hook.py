@@ -10,6 +10,7 @@ how responses are split into steps, and where the critic's worker group is place
       steps:     {delimiter, regex, max_tokens, max_steps, code_rule, code_depth}
       placement: {pool, n_gpus_per_node, nnodes}
       diagnostics: {reference, signal_threshold}
+      refresh:   {every, window, directory}
       score_outcome_estimators: true
 
 ``verl_prm.integrations.verl.run_config.validate_run_config(config)`` checks a composed verl config (DictConfig
@@ -44,6 +45,7 @@ __all__ = [
     "HookConfig",
     "PLACEMENT_POOLS",
     "PlacementSection",
+    "RefreshSection",
     "StepsSection",
     "read_hook_config",
 ]
@@ -111,8 +113,8 @@ class CriticSection:
     # checkpoint's calibration.json when it has one (`verl-prm train` writes it), "none" the raw values, a path
     # that calibration file (fitted for these weights). Unused with formats "exact" and "rollout".
     calibration: str = "auto"
-    # format "rollout" only (docs/step_values.md): continuations sampled per step prefix, through the run's rollout
-    # replicas with the rollout's sampling settings, scored by the run's reward function.
+    # format "rollout" and verl_prm.refresh (docs/step_values.md): continuations sampled per step prefix, through the
+    # run's rollout replicas with the rollout's sampling settings, scored by the run's reward function.
     mc_n: int = 4
     # ... which prefixes are sampled: "every" step but the last, "fixed" (mc_prefixes_per_response evenly spaced
     # steps), or "first_pit" (bisection for the first step whose value is 0 in each failed response, ~log2(H)).
@@ -194,6 +196,22 @@ class DiagnosticsSection:
 
 
 @dataclass
+class RefreshSection:
+    """``verl_prm.refresh``: the learned PAV's value head refitted during the run to values sampled from the
+    rollout replicas (``verl_prm.critic.refresh``; docs/step_values.md). Off by default."""
+
+    # Refresh every this many training steps (0: never): on such a step the batch's step values are also sampled
+    # with the verl_prm.critic.mc_* settings (as format "rollout" samples them), written as labels, and the
+    # value head is refitted; the step's advantages use the values the PAV gave before the refit.
+    every: int = 0
+    # The head is fitted to the labels of the last this many refreshes.
+    window: int = 4
+    # Where the labels (the label format `verl-prm train` reads) and the state a resume needs are written;
+    # null: <trainer.default_local_dir>/pav_refresh.
+    directory: Optional[str] = None
+
+
+@dataclass
 class HookConfig:
     """``verl_prm``: everything the trainer hook needs besides the estimator knobs (``algorithm.pav``)."""
 
@@ -201,6 +219,7 @@ class HookConfig:
     steps: StepsSection = field(default_factory=StepsSection)
     placement: PlacementSection = field(default_factory=PlacementSection)
     diagnostics: DiagnosticsSection = field(default_factory=DiagnosticsSection)
+    refresh: RefreshSection = field(default_factory=RefreshSection)
     # With an outcome-only estimator (e.g. the grpo baseline) the hook still scores the steps and logs the
     # pav/* metrics (advantages stay verl's own); false skips the critic for such runs.
     score_outcome_estimators: bool = True
@@ -232,6 +251,7 @@ def read_hook_config(section: Any) -> HookConfig:
                 "steps": _known_keys(StepsSection),
                 "placement": _known_keys(PlacementSection),
                 "diagnostics": _known_keys(DiagnosticsSection),
+                "refresh": _known_keys(RefreshSection),
             }
             parent = key.split(".")[0] if "." in key else ""
             raise ConfigError(
@@ -347,6 +367,32 @@ def _check_ranges(config: HookConfig) -> None:
             f"{placement.n_gpus_per_node} x {placement.nnodes}"
         )
     _check_diagnostics_section(config.diagnostics)
+    _check_refresh_section(config.refresh, critic, placement)
+
+
+def _check_refresh_section(refresh: RefreshSection, critic: CriticSection, placement: PlacementSection) -> None:
+    """A refresh refits a value head: a learned PAV of format value_head, one replica per worker, no calibration
+    file for the old head; the sampling knobs are format rollout's (checked as there)."""
+    if refresh.every < 0:
+        raise ConfigError(f"verl_prm.refresh.every must be >= 0 (0: no refresh), got {refresh.every}")
+    if refresh.window < 1:
+        raise ConfigError(f"verl_prm.refresh.window must be >= 1, got {refresh.window}")
+    if not refresh.every:
+        return
+    if critic.format != "value_head":
+        raise ConfigError(
+            f"verl_prm.refresh.every={refresh.every} refits the value head of a learned PAV (verl_prm.critic.format="
+            f"value_head), got verl_prm.critic.format={critic.format}: set verl_prm.refresh.every=0"
+        )
+    if placement.shard != "none":
+        raise ConfigError("verl_prm.refresh sets the value head on every critic worker's replica: set "
+                          "verl_prm.placement.shard=none, or verl_prm.refresh.every=0")
+    if critic.calibration not in ("auto", "none"):
+        raise ConfigError(
+            f"verl_prm.critic.calibration={critic.calibration!r} maps the values of the checkpoint's head, which "
+            "verl_prm.refresh refits to the sampled values: set verl_prm.critic.calibration=none"
+        )
+    _check_rollout_sampling(critic)
 
 
 def _check_diagnostics_section(diagnostics: DiagnosticsSection) -> None:
@@ -377,6 +423,11 @@ def _check_rollout_critic_section(critic: CriticSection, placement: PlacementSec
             "verl_prm.placement.pool=own is unused with verl_prm.critic.format=rollout (no critic workers: the "
             "rollout replicas sample): set verl_prm.placement.pool=colocated"
         )
+    _check_rollout_sampling(critic)
+
+
+def _check_rollout_sampling(critic: CriticSection) -> None:
+    """The mc_* knobs of format "rollout" and of verl_prm.refresh."""
     if critic.mc_n < 1:
         raise ConfigError(f"verl_prm.critic.mc_n (continuations per step prefix) must be >= 1, got {critic.mc_n}")
     if critic.mc_prefixes not in MC_PREFIX_RULES:

@@ -63,14 +63,20 @@ class CriticScores:
         prompt_values: [B] v_0 per response.
         step_values: [B, S] v_1..v_H per response; entries at h >= num_steps[b] are 0 and must be ignored.
         num_steps: [B] int64, H per response (0 allowed).
+        features: [B, S + 1, d] fp32 or None: what the value head read at the prompt (position 0) and after each
+            step (positions 1..H; zeros beyond), only when asked for (``with_features=True``).
     """
 
     prompt_values: torch.Tensor
     step_values: torch.Tensor
     num_steps: torch.Tensor
+    features: torch.Tensor | None = None
 
     def as_dict(self) -> dict[str, torch.Tensor]:
-        return {"prompt_values": self.prompt_values, "step_values": self.step_values, "num_steps": self.num_steps}
+        out = {"prompt_values": self.prompt_values, "step_values": self.step_values, "num_steps": self.num_steps}
+        if self.features is not None:
+            out["features"] = self.features
+        return out
 
 
 class ProverCritic:
@@ -268,6 +274,7 @@ class ProverCritic:
         *,
         num_step_slots: int | None = None,
         sample_offset: int = 0,
+        with_features: bool = False,
     ) -> CriticScores:
         """Score critic-tokenised sequences (the tensor-level entry point).
 
@@ -278,6 +285,7 @@ class ProverCritic:
                 prompt); the adapter inserts its markers after these positions itself.
             num_step_slots: width S of ``step_values`` (default: the largest H); must be >= every H.
             sample_offset: added to sample indices in error messages (a data-parallel shard's first sample).
+            with_features: also return what the head read (``CriticScores.features``).
 
         Returns:
             CriticScores; results are in input order.
@@ -287,8 +295,9 @@ class ProverCritic:
                 f"score_sequences: {len(input_ids)} sequences, {len(prompt_ends)} prompt_ends, {len(step_ends)} step_ends"
             )
         inputs = self.build_inputs(input_ids, prompt_ends, step_ends, sample_offset=sample_offset)
-        values = self.forward_values(inputs, sample_offset=sample_offset)
-        return self._assemble(values, num_step_slots)
+        features = [None] * len(inputs) if with_features else None
+        values = self.forward_values(inputs, sample_offset=sample_offset, features=features)
+        return self._assemble(values, num_step_slots, features)
 
     def score_policy_batch(
         self,
@@ -300,6 +309,7 @@ class ProverCritic:
         *,
         prompt_texts: Sequence[str] | None = None,
         sample_offset: int = 0,
+        with_features: bool = False,
     ) -> CriticScores:
         """Score a verl rollout batch.
 
@@ -339,13 +349,15 @@ class ProverCritic:
                 for b, text in enumerate(step_split.texts):
                     ends = [int(e) for e in step_split.step_char_ends[b, : int(step_split.num_steps[b])].tolist()]
                     step_texts.append([text[a:e] for a, e in zip([0] + ends[:-1], ends)])
-                return self._score_step_texts(list(prompt_texts), step_texts, num_slots, sample_offset)
+                return self._score_step_texts(list(prompt_texts), step_texts, num_slots, sample_offset,
+                                              with_features=with_features)
             aligned = align_to_critic(
                 responses, response_mask, policy_tokenizer, self.tokenizer, step_split, prompts=list(prompt_texts)
             )
             input_ids, prompt_ends, step_ends = _aligned_sequences(aligned)
         return self.score_sequences(
-            input_ids, prompt_ends, step_ends, num_step_slots=num_slots, sample_offset=sample_offset
+            input_ids, prompt_ends, step_ends, num_step_slots=num_slots, sample_offset=sample_offset,
+            with_features=with_features,
         )
 
     # ------------------------------------------------------------------ internals (public for the benchmark)
@@ -384,11 +396,13 @@ class ProverCritic:
             raise ValueError(f"sample {sample}: {error}") from None
 
     def _score_step_texts(self, prompts: Sequence[str], step_texts: Sequence[Sequence[str]],
-                          num_step_slots: int | None, sample_offset: int) -> CriticScores:
+                          num_step_slots: int | None, sample_offset: int, with_features: bool = False) -> CriticScores:
         """Text formats: prompts and their step texts (with delimiters) -> the authors' inputs -> values."""
         built = [self._text_input(sample_offset + i, p, s) for i, (p, s) in enumerate(zip(prompts, step_texts))]
         inputs = self._fit(built, sample_offset)
-        return self._assemble(self.forward_values(inputs, sample_offset=sample_offset), num_step_slots)
+        features = [None] * len(inputs) if with_features else None
+        values = self.forward_values(inputs, sample_offset=sample_offset, features=features)
+        return self._assemble(values, num_step_slots, features)
 
     def _fit(self, built: Sequence[tuple[list[int], list[int], int]], sample_offset: int) -> list[CriticInput]:
         inputs = [fit_context(sample_offset + i, ids, reads, prompt_last, self.max_length, self.truncation)
@@ -428,8 +442,12 @@ class ProverCritic:
         mode: Literal["varlen", "padded"] | None = None,
         *,
         sample_offset: int = 0,
+        features: list | None = None,
     ) -> list[torch.Tensor]:
         """Values [H_i + 1] per input (fp32, CPU), in input order: one forward pass per micro-batch.
+
+        ``features``: a list of ``len(inputs)`` slots, filled with what the head read for each input ([H_i + 1, d]
+        fp32, CPU: the backbone's last hidden state at the read positions).
 
         ``batches`` defaults to :meth:`plan` (length-sorted, token budget); the benchmark passes naive plans.
         With ``prefetch`` (default on an accelerator, off on CPU), micro-batch k + 1's host tensors are built in a background thread while
@@ -469,6 +487,12 @@ class ProverCritic:
                     current = pending().to(self.device, non_blocking=non_blocking)
                     pending = ahead(k + 2) if k + 2 < len(batches) else None
                 self._collect(inputs, batch, values.cpu(), finite.cpu(), results, sample_offset)
+                if features is not None:
+                    start = 0
+                    for i in batch.indices:
+                        count = len(inputs[i].read_positions)
+                        features[i] = gathered[start : start + count].cpu()
+                        start += count
                 if bar is not None:
                     bar.update(1)
         if bar is not None:
@@ -503,7 +527,28 @@ class ProverCritic:
     def __repr__(self) -> str:
         return f"ProverCritic({self.describe()}, device={self.device})"
 
-    def _assemble(self, values: Sequence[torch.Tensor], num_step_slots: int | None) -> CriticScores:
+    def set_value_head(self, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        """Replace the value head's parameters (format ``value_head``: ``v = sigmoid(w . h + b)``): ``weight`` [d] or
+        [1, d], ``bias`` [] or [1], finite. Values computed afterwards use the new head (e.g. a head refitted to
+        fresh labels, ``verl_prm.critic.refresh``)."""
+        head = self.adapter.head
+        if getattr(self.adapter, "name", None) != "value_head" or not isinstance(head, torch.nn.Linear) \
+                or head.out_features != 1 or head.bias is None:
+            raise ValueError(f"set_value_head needs a critic of format 'value_head' with a linear one-logit head and a "
+                             f"bias, got {type(self.adapter).__name__} with {head}")
+        weight = torch.as_tensor(weight, dtype=torch.float32).reshape(1, -1)
+        bias = torch.as_tensor(bias, dtype=torch.float32).reshape(1)
+        if weight.shape[1] != head.in_features:
+            raise ValueError(f"set_value_head: the head reads {head.in_features} features, the new weight has "
+                             f"{weight.shape[1]}")
+        if not (torch.isfinite(weight).all() and torch.isfinite(bias).all()):
+            raise ValueError("set_value_head: the new head has non-finite parameters")
+        with torch.no_grad():
+            head.weight.copy_(weight.to(head.weight.device, head.weight.dtype))
+            head.bias.copy_(bias.to(head.bias.device, head.bias.dtype))
+
+    def _assemble(self, values: Sequence[torch.Tensor], num_step_slots: int | None,
+                  features: Sequence[torch.Tensor] | None = None) -> CriticScores:
         if self.calibration is not None and values:  # the one place values are calibrated
             flat = torch.cat(list(values)).numpy()
             calibrated = torch.from_numpy(self.calibration(flat).astype("float32"))
@@ -521,7 +566,13 @@ class ProverCritic:
         if self.best_of_k > 1:
             prompt_values = best_of_k_transform(prompt_values, self.best_of_k)
             step_values = best_of_k_transform(step_values, self.best_of_k)  # padding stays 0: 1 - (1 - 0)^K = 0
-        return CriticScores(prompt_values.float(), step_values, num_steps)
+        read = None
+        if features is not None:
+            dim = int(features[0].shape[-1]) if features else int(getattr(self.adapter.head, "in_features", 0))
+            read = torch.zeros(len(values), width + 1, dim, dtype=torch.float32)
+            for row, f in enumerate(features):
+                read[row, : len(f)] = f
+        return CriticScores(prompt_values.float(), step_values, num_steps, read)
 
 
 def _adds_bos(tokenizer) -> bool:

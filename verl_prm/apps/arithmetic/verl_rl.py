@@ -87,15 +87,18 @@ class RLConfig:
 class Arm:
     """One RL arm: verl's estimator, the plugin's critic (``exact``; ``learned``: the ``pav`` stage's PAV;
     ``refined``: the ``pav_refined`` stage's; ``rollout``), the learned critic's calibration
-    (``verl_prm.critic.calibration``) and further ``algorithm.pav`` overrides."""
+    (``verl_prm.critic.calibration``), further ``algorithm.pav`` overrides, the sampling settings
+    (``verl_prm.critic.mc_*``) of the rollout critic or of a learned PAV's refresh (``verl_prm.refresh.*``)."""
 
     estimator: str
     critic: str
     label: str
     calibration: str = "none"
     pav_overrides: tuple[str, ...] = ()
-    # format=rollout: verl_prm.critic.mc_* overrides
+    # format=rollout, or a learned PAV's refresh: verl_prm.critic.mc_* overrides
     mc_overrides: tuple[str, ...] = ()
+    # a learned PAV refitted to sampled values during the run: verl_prm.refresh.* overrides
+    refresh_overrides: tuple[str, ...] = ()
 
 
 # continuations per step prefix of the pav_mc arm (n of the Monte-Carlo estimate; the labels' n_mc is 2)
@@ -111,6 +114,10 @@ ARMS: dict[str, Arm] = {
     "pav_learned_refined": Arm("pav_grpo", "refined", "PAV-GRPO, learned PAV on the refined check (raw values)"),
     "pav_mc": Arm("pav_grpo", "rollout", f"PAV-GRPO, Monte-Carlo values (n={MC_N})",
                   mc_overrides=(f"mc_n={MC_N}", "mc_prefixes=every")),
+    # the refined PAV's head refitted every 5 steps to the samples of pav_mc's settings (all refreshes in the window)
+    "pav_learned_refresh": Arm("pav_grpo", "refined", f"PAV-GRPO, refined PAV refreshed from samples (n={MC_N}, every 5 steps)",
+                               mc_overrides=(f"mc_n={MC_N}", "mc_prefixes=every"),
+                               refresh_overrides=("every=5", "window=6")),
 }
 # the arms whose critic is a learned PAV, and the stage that trains it (their runs depend on that stage)
 CRITIC_STAGES = {"learned": "pav", "refined": "pav_refined"}
@@ -150,7 +157,9 @@ def main_ppo_command(scale, arm_name: str, seed: int, paths: RunPaths, run_dir: 
             raise ValueError(f"arm {arm_name} needs the learned PAV checkpoint of the recipe's "
                              f"{CRITIC_STAGES[arm.critic]} stage")
         critic = [f"verl_prm.critic.path={paths.learned_critics[arm.critic]}", "verl_prm.critic.format=value_head",
-                  f"verl_prm.critic.calibration={arm.calibration}", *reference]
+                  f"verl_prm.critic.calibration={arm.calibration}", *reference,
+                  *(f"verl_prm.critic.{override}" for override in arm.mc_overrides),
+                  *(f"verl_prm.refresh.{override}" for override in arm.refresh_overrides)]
     elif arm.critic == "rollout":
         critic = ["verl_prm.critic.format=rollout", "verl_prm.critic.path=null",
                   *(f"verl_prm.critic.{override}" for override in arm.mc_overrides), *reference]

@@ -115,7 +115,8 @@ class ProverCriticWorker(Worker):
 
             self.policy_tokenizer = AutoTokenizer.from_pretrained(self.policy_tokenizer_path, trust_remote_code=False)
         return {"rank": self.rank, "world_size": self.world_size, "device": str(self.critic.device),
-                "packing": self.critic.packing, "offload": self.offload}
+                "packing": self.critic.packing, "offload": self.offload,
+                "calibration": self.critic.calibration.describe() if getattr(self.critic, "calibration", None) else None}
 
     def _load_critic(self, kwargs: dict[str, Any]):
         """The checkpoint critic of this worker (a full replica; ``ShardedProverCriticWorker``: its shard)."""
@@ -123,9 +124,16 @@ class ProverCriticWorker(Worker):
 
         return ProverCritic.from_pretrained(self.model_path, **kwargs)
 
-    def _score(self, prompts, responses, attention_mask, split, prompt_texts):
+    def _score(self, prompts, responses, attention_mask, split, prompt_texts, with_features: bool = False):
         return self.critic.score_policy_batch(prompts, responses, attention_mask, split, self.policy_tokenizer,
-                                              prompt_texts=prompt_texts, sample_offset=0)
+                                              prompt_texts=prompt_texts, sample_offset=0, with_features=with_features)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def set_value_head(self, weight: list[float], bias: float) -> None:
+        """Replace the value head of this worker's replica (``ProverCritic.set_value_head``; the refresh's refit)."""
+        if self.critic is None:
+            raise RuntimeError("ProverCriticWorker: call init_model() on the worker group before set_value_head")
+        self.critic.set_value_head(torch.tensor(weight, dtype=torch.float32), torch.tensor(float(bias)))
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_step_values(self, data: DataProto) -> DataProto:
@@ -133,7 +141,8 @@ class ProverCriticWorker(Worker):
 
         Input ``data.batch``: ``INPUT_KEYS`` (see module). Output ``batch``: ``prompt_values`` [b] fp32,
         ``step_values`` [b, S] fp32 (S = the input's ``step_ends.shape[1]``, so shards concatenate),
-        ``num_steps`` [b] int64.
+        ``num_steps`` [b] int64; with ``data.meta_info["with_features"]`` also ``features`` [b, S + 1, d] fp32 (what
+        the value head read: ``CriticScores.features``).
         """
         if self.critic is None:
             raise RuntimeError("ProverCriticWorker: call init_model() on the worker group before compute_step_values")
@@ -175,7 +184,8 @@ class ProverCriticWorker(Worker):
         offloads = self.offload == "cpu" and hasattr(self.critic, "adapter")
         offload_seconds = move_critic(self.critic.adapter, self.critic.device) if offloads else 0.0
         try:
-            scores = self._score(prompts, responses, attention_mask, split, prompt_texts)
+            scores = self._score(prompts, responses, attention_mask, split, prompt_texts,
+                                 with_features=bool(data.meta_info.get("with_features", False)))
         except (ValueError, FloatingPointError) as error:
             # say which rows of the whole batch this shard holds (messages of verl_prm.steps use shard indices)
             raise type(error)(

@@ -14,7 +14,10 @@ verl's ``PPOTrainerSync`` it changes two things:
    estimators (e.g. the grpo baseline) go through verl's own function unchanged. The KL-in-reward and
    rollout-correction steps and the write-back are verl 0.9.1's, in the same order. ``pav/*`` metrics are
    added to the step's metrics, which verl's tracker logs; with ``verl_prm.diagnostics.reference`` the steps
-   are also scored by that exact prover, for the metrics only (``diagnostics_metrics``).
+   are also scored by that exact prover, for the metrics only (``diagnostics_metrics``);
+3. with ``verl_prm.refresh.every = k`` (a learned PAV of format value_head), every k-th step the batch's step
+   values are also sampled from the rollout replicas (as format "rollout" samples them), written as labels, and
+   the PAV's value head is refitted to them on every critic worker (``verl_prm.critic.refresh``; ``_refresh``).
 
 verl compares ``self.trainer_mode == "sync"`` in several places (replay-buffer class, dataloader refill,
 checkpoint save/load of TransferQueue, re-issuing in-flight prompts, prompt persistence). ``trainer_mode`` is
@@ -47,6 +50,7 @@ from verl.workers.utils.padding import response_to_nested
 
 from verl_prm.config.hook import (
     EXACT_CRITIC_FORMAT,
+    ConfigError,
     HOOK_TRAINER_NAME,
     ROLLOUT_CRITIC_FORMAT,
     HookConfig,
@@ -238,12 +242,14 @@ class PavSyncTrainer(PPOTrainerSync):
     def __init__(self, config):
         # Startup validation before verl builds anything (no model is loaded before init()).
         self.hook_config, self.pav_config = validate_run_config(config)
-        if self._samples_values():
+        if self._samples_values() or self.hook_config.refresh.every:
             from verl_prm.integrations.verl.rollout_critic import check_rollout_critic_run
 
             check_rollout_critic_run(config)
         self.prover_wg = None
         self.rollout_critic = None
+        self.refresh_store = None
+        self._refresh_restored = False
         # verl_prm.diagnostics.reference: the exact prover of the diagnostics, in the driver (it reads text)
         reference = self.hook_config.diagnostics.reference
         self.reference_critic = (build_exact_critic(reference, "verl_prm.diagnostics.reference")
@@ -275,6 +281,9 @@ class PavSyncTrainer(PPOTrainerSync):
                 self.rollout_critic = self._init_rollout_critic()
             else:
                 self.prover_wg = self._init_prover_critic()
+                if self.hook_config.refresh.every:
+                    self.rollout_critic = self._init_rollout_critic()
+                    self.refresh_store = self._open_refresh_store()
 
     def _runs_critic(self) -> bool:
         estimator = self.config.algorithm.adv_estimator
@@ -339,7 +348,90 @@ class PavSyncTrainer(PPOTrainerSync):
         )
         info = group.init_model()
         logger.info("prover critic worker group ready: %s", info)
+        calibrations = {str(worker.get("calibration")) for worker in info if worker.get("calibration")}
+        if self.hook_config.refresh.every and calibrations:
+            raise ConfigError(
+                f"verl_prm.refresh refits the value head of {self.hook_config.critic.path}, but its values are "
+                f"calibrated ({', '.join(sorted(calibrations))}) by a map fitted for the checkpoint's head: set "
+                "verl_prm.critic.calibration=none"
+            )
         return group
+
+    # ------------------------------------------------------------------ refresh of the learned PAV
+    def _open_refresh_store(self):
+        """The run's refresh directory (``verl_prm.refresh.directory``, default under trainer.default_local_dir),
+        locked for the run; a resume must have the same refresh and sampling settings."""
+        from verl_prm.critic.refresh import RefreshStore
+
+        refresh, critic = self.hook_config.refresh, self.hook_config.critic
+        directory = refresh.directory or os.path.join(self.config.trainer.default_local_dir, "pav_refresh")
+        settings = {"critic_path": str(critic.path), "every": refresh.every, "window": refresh.window,
+                    "mc_n": critic.mc_n, "mc_prefixes": critic.mc_prefixes,
+                    "mc_prefixes_per_response": critic.mc_prefixes_per_response,
+                    "mc_token_budget": critic.mc_token_budget, "mc_success_threshold": critic.mc_success_threshold}
+        try:
+            return RefreshStore(directory, settings)
+        except ValueError as error:
+            raise ConfigError(f"verl_prm.refresh.directory: {error}") from None
+
+    def _refreshes_now(self) -> bool:
+        every = self.hook_config.refresh.every
+        return bool(every) and self.refresh_store is not None and self.global_steps % every == 0
+
+    def _restore_refresh(self) -> None:
+        """Once, at the run's first advantage phase: a resumed run sets the head its last refresh before this step
+        fitted (the checkpoint holds the actor, not the critic's refitted head)."""
+        if self._refresh_restored or self.refresh_store is None:
+            return
+        self._refresh_restored = True
+        done = self.refresh_store.steps(self.global_steps - 1)
+        if done:
+            _, weight, bias = self.refresh_store.read(done[-1])
+            self.prover_wg.set_value_head(weight.tolist(), bias)
+            logger.info("verl_prm.refresh: resumed with the value head refitted at step %d", done[-1])
+
+    def _refresh(self, data, split, scores, real_rows, prompts, prompt_mask) -> dict[str, float]:
+        """Sample the batch's step values, compare the PAV's values (as it scored the batch) with them, write them
+        as labels, refit the value head to the labels of the last ``window`` refreshes and set it on every worker
+        (``verl_prm.critic.refresh``). Returns the ``pav/refresh/*`` metrics."""
+        from verl_prm.critic.refresh import labelled_rows, refit_value_head, refresh_label_rows, refresh_metrics, \
+            refresh_targets
+        from verl_prm.integrations.verl.rollout_critic import mc_metrics
+
+        refresh, critic = self.hook_config.refresh, self.hook_config.critic
+        step = int(self.global_steps)
+        values = self._sample_step_values(data, split, real_rows)
+        successes, groups, outcomes = self._outcomes(data)
+        real = real_rows.tolist() if real_rows is not None else [True] * len(groups)
+        targets, trials = refresh_targets(values, groups, real)
+        critic_values = torch.cat([scores.batch["prompt_values"].float()[:, None],
+                                   scores.batch["step_values"].float()], dim=1)
+        metrics = refresh_metrics(critic_values, targets.float(), trials)
+        metrics.update(mc_metrics(values, data["response_mask"], real_rows if real_rows is not None and real_rows.any()
+                                  else None))
+        rows = labelled_rows(step, scores.batch["features"].float(), targets, trials)
+        window = self.refresh_store.window(step - 1, refresh.window - 1) + [rows] if refresh.window > 1 else [rows]
+        if not len(rows.targets):
+            return metrics  # nothing labelled (every response empty): the head stays
+        fit = refit_value_head(window)
+        prompt_texts = [self.tokenizer.decode(row[mask.bool()].tolist(), skip_special_tokens=False)
+                        for row, mask in zip(prompts, prompt_mask)]
+        reward_models = _row_list(data["reward_model"])
+        label_rows = refresh_label_rows(
+            values, groups, successes, step, prompts=prompt_texts, responses=split.texts,
+            step_char_ends=split.step_char_ends, outcome_scores=outcomes.tolist(),
+            finished=(~truncated_responses(data["responses"].to_padded_tensor(padding=0),
+                                           data["responses"].offsets().diff(), self._eos_token_ids())).tolist(),
+            data_sources=_row_list(data["data_source"]), ground_truths=[row.get("ground_truth") for row in reward_models],
+            strategy=critic.mc_prefixes, source=f"verl-prm refresh: the policy at step {step}", real_rows=real)
+        self.refresh_store.write(rows, label_rows, fit.weight, fit.bias)
+        self.prover_wg.set_value_head(fit.weight.tolist(), fit.bias)
+        metrics.update({
+            "pav/refresh/window_labels": float(sum(len(r.targets) for r in window)),
+            "pav/refresh/fit_loss": float(fit.loss), "pav/refresh/fit_iterations": float(fit.iterations),
+            "pav/refresh/fit_converged": float(fit.converged),
+        })
+        return metrics
 
     # ------------------------------------------------------------------ advantage phase
     def _score_steps(self, data, batch_keys, real_rows: torch.Tensor | None = None) -> tuple[dict[str, Any], float]:
@@ -400,6 +492,9 @@ class PavSyncTrainer(PPOTrainerSync):
                 "step_text_mask": response_mask.long(),
             }
         )
+        refreshing = self._refreshes_now()
+        if refreshing:
+            critic_input.meta_info["with_features"] = True
         start = time.perf_counter()
         scores = compute_step_values(self.prover_wg, critic_input)
         seconds = time.perf_counter() - start
@@ -424,19 +519,30 @@ class PavSyncTrainer(PPOTrainerSync):
         }
         if reference is not None:
             tensors["reference"] = reference
+        if refreshing:
+            timing_raw = getattr(self, "timing_raw", None)
+            timing = (marked_timer("pav_refresh", timing_raw, color="purple") if timing_raw is not None
+                      else contextlib.nullcontext())
+            with timing:
+                tensors["refresh_metrics"] = self._refresh(data, split, scores, real_rows, prompts, prompt_mask)
         return tensors, seconds
+
+    def _outcomes(self, data) -> tuple[list[bool], list[str], torch.Tensor]:
+        """(each response's success by ``verl_prm.critic.mc_success_threshold``, its prompt group (uid), its
+        outcome reward [B]) of a TransferQueue batch."""
+        scores = data["rm_scores"]
+        outcomes = (scores.to_padded_tensor(padding=0.0) if scores.is_nested else scores).float().sum(dim=-1)
+        successes = [bool(value > self.hook_config.critic.mc_success_threshold) for value in outcomes.tolist()]
+        uids = data["uid"]
+        groups = [str(uid) for uid in (uids.tolist() if hasattr(uids, "tolist") else list(uids))]
+        return successes, groups, outcomes
 
     def _sample_step_values(self, data, split, real_rows: torch.Tensor | None):
         """Monte-Carlo values of the batch's steps from the rollout replicas (``rollout_critic``), between a wake-up
         with the actor's weights (not yet updated in this step: those that generated the batch) and a sleep."""
-        critic = self.hook_config.critic
         prompts = [row.tolist() for row in data["prompts"].unbind()]
         responses = [row.tolist() for row in data["responses"].unbind()]
-        scores = data["rm_scores"]
-        outcomes = (scores.to_padded_tensor(padding=0.0) if scores.is_nested else scores).float().sum(dim=-1)
-        successes = [bool(value > critic.mc_success_threshold) for value in outcomes.tolist()]
-        uids = data["uid"]
-        groups = [str(uid) for uid in (uids.tolist() if hasattr(uids, "tolist") else list(uids))]
+        successes, groups, _ = self._outcomes(data)
         reward_models = _row_list(data["reward_model"])
         timing_raw = getattr(self, "timing_raw", None)
         timing = (marked_timer("pav_mc", timing_raw, color="purple") if timing_raw is not None
@@ -483,10 +589,11 @@ class PavSyncTrainer(PPOTrainerSync):
         if step_estimator:
             _check_single_output_sessions(batch.keys)
 
-        hook_fields = _HOOK_FIELDS + (_MC_FIELDS if self._samples_values() else [])
+        hook_fields = _HOOK_FIELDS + (_MC_FIELDS if self._samples_values() or self.hook_config.refresh.every else [])
         fields = _VERL_ADV_FIELDS + hook_fields
         raw = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
         real_rows = torch.tensor([not tag.get("is_padding", False) for tag in batch.tags], dtype=torch.bool)
+        self._restore_refresh()
         timing_raw = getattr(self, "timing_raw", None)
         if timing_raw is not None:
             with marked_timer("pav_critic", timing_raw, color="purple"):
@@ -511,6 +618,7 @@ class PavSyncTrainer(PPOTrainerSync):
             step_tensors["step_values"], step_tensors["prompt_values"], step_tensors["num_steps"], raw["rm_scores"],
             raw["uid"], real_rows, self.hook_config.diagnostics.signal_threshold, step_tensors.pop("reference", None),
         ))
+        metrics.update(step_tensors.pop("refresh_metrics", {}))
         if not step_estimator:
             # outcome-only estimator (the grpo baseline): verl's advantages, unchanged; metrics only
             return super()._compute_advantage(batch, metrics)

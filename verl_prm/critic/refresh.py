@@ -1,0 +1,295 @@
+"""Online refresh of a learned PAV's value head from the Monte-Carlo values sampled during RL.
+
+Every ``every`` training steps the trainer hook samples the batch's step values from the run's rollout replicas
+(``verl_prm.critic.sampled``) besides scoring the steps with the learned PAV. The samples are labels of the
+current policy's values (the prover is the policy, as in ``verl-prm label``):
+
+    prompt of response b:      y_{b,0} = V(x_b), its group's success rate,    t_{b,0} = the group's size;
+    step h < H_b - 1, sampled: y_{b,h+1} = s_{b,h} / n,                       t_{b,h+1} = n continuations;
+    the last step H_b:         y_{b,H_b} = R_b, the response's own outcome,   t_{b,H_b} = 1;
+    any other step (held by the budget or the prefix rule, or inferred 0 after a first pit): no label, t = 0.
+
+The PAV's value head ``v = sigmoid(w . f + c)`` on its frozen features f (what the head reads, the backbone's
+last hidden state at the read position) is then refitted to the labels of the last ``window`` refreshes: the
+weighted logistic regression
+
+    (w, c) = argmin - sum t [ y log v + (1 - y) log(1 - v) ] / sum t
+
+(``verl_prm.training.head_fit.fit_logistic_head``, Newton's method to the optimum), whose weights t make it the
+maximum-likelihood fit of the sampled successes (t trials, t y successes per label). The backbone is not
+trained: for a PAV made by ``verl-prm train --freeze-backbone --head-fit newton`` this is the same fit on newer
+labels. Before the refit the PAV's values are compared with the fresh labels, which it has not seen
+(:func:`refresh_metrics`).
+
+:class:`RefreshStore` keeps what a resumed run needs in one directory: per refresh the labels in the label
+format ``verl-prm train`` reads (``labels/step_XXXXXX.parquet``), and the rows and the head it fitted
+(``state/step_XXXXXX.safetensors``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from verl_prm.critic.sampled import SampledValues
+from verl_prm.locking import DirectoryLock
+
+__all__ = ["PROMPT_INDEX_STRIDE", "RefreshRows", "RefreshStore", "labelled_rows", "refit_value_head",
+           "refresh_label_rows", "refresh_metrics", "refresh_targets"]
+
+# prompt_index of a refresh label row: step x PROMPT_INDEX_STRIDE + the prompt's group in the batch, unique in the
+# store's label directory (verl_prm.labeling.format identifies a rollout by (prompt_index, rollout_index))
+PROMPT_INDEX_STRIDE = 1_000_000
+
+
+@dataclass
+class RefreshRows:
+    """The labelled positions of one refresh: the head's inputs ``features`` [N, d] fp32, ``targets`` [N] in
+    [0, 1], ``trials`` [N] > 0 (module docstring), and the step that sampled them."""
+
+    step: int
+    features: torch.Tensor
+    targets: torch.Tensor
+    trials: torch.Tensor
+
+
+def _group_sizes(groups: Sequence, real: Sequence[bool]) -> tuple[list[int], list[int]]:
+    """Per row: its group's number among the real rows' groups (in order of appearance; -1 for a padding row) and
+    the group's size (real rows only)."""
+    number: dict = {}
+    sizes: dict = {}
+    for group, keep in zip(groups, real):
+        if keep:
+            number.setdefault(group, len(number))
+            sizes[group] = sizes.get(group, 0) + 1
+    return ([number[g] if keep else -1 for g, keep in zip(groups, real)],
+            [sizes[g] if keep else 0 for g, keep in zip(groups, real)])
+
+
+def refresh_targets(values: SampledValues, groups: Sequence, real_rows: Sequence[bool] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(targets [B, S + 1], trials [B, S + 1]) of a batch's sampled values (module docstring): position 0 is the
+    prompt, position h + 1 the value after step h. ``groups``: each row's prompt group; rows with ``real_rows``
+    False (padding) get no label."""
+    batch, width = values.step_values.shape
+    real = [True] * batch if real_rows is None else [bool(r) for r in real_rows]
+    if len(groups) != batch or len(real) != batch:
+        raise ValueError(f"refresh_targets: {batch} rows of values, {len(groups)} groups, {len(real)} real_rows")
+    _, sizes = _group_sizes(groups, real)
+    targets = torch.zeros(batch, width + 1, dtype=torch.float64)
+    trials = torch.zeros(batch, width + 1, dtype=torch.float64)
+    for b in range(batch):
+        if not real[b]:
+            continue
+        steps = int(values.num_steps[b])
+        targets[b, 0], trials[b, 0] = float(values.prompt_values[b]), sizes[b]
+        for h in range(steps - 1):
+            count = values.counts.get((b, h))
+            if count is not None:
+                targets[b, h + 1], trials[b, h + 1] = count.successes / count.continuations, count.continuations
+        if steps:
+            targets[b, steps], trials[b, steps] = float(values.step_values[b, steps - 1]), 1.0
+    return targets, trials
+
+
+def refresh_metrics(critic_values: torch.Tensor, targets: torch.Tensor, trials: torch.Tensor) -> dict[str, float]:
+    """The PAV's values ``critic_values`` [B, S + 1] (prompt first, as it scored the batch before the refit)
+    against the fresh labels, over the labelled positions (trials > 0):
+
+    - ``pav/refresh/labels``: labelled positions;
+    - ``pav/refresh/mse``: mean (v - y)^2; ``pav/refresh/mse_constant``: the same for the labels' mean;
+    - ``pav/refresh/auroc``: AUROC of v for y >= 0.5 (``verl_prm.training.metrics``), left out when the labels
+      have one class only.
+    """
+    from verl_prm.training.metrics import value_metrics
+
+    labelled = trials > 0
+    if critic_values.shape != targets.shape:
+        raise ValueError(f"refresh_metrics: values {tuple(critic_values.shape)} but targets {tuple(targets.shape)}")
+    count = int(labelled.sum())
+    if not count:
+        return {"pav/refresh/labels": 0.0}
+    metrics = value_metrics(critic_values[labelled].double().numpy(), targets[labelled].double().numpy())
+    out = {"pav/refresh/labels": float(count), "pav/refresh/mse": metrics["mse"],
+           "pav/refresh/mse_constant": metrics["mse_constant"]}
+    if math.isfinite(metrics["auroc"]):
+        out["pav/refresh/auroc"] = metrics["auroc"]
+    return out
+
+
+def refit_value_head(window: Sequence[RefreshRows], max_iterations: int = 100):
+    """``fit_logistic_head`` on the rows of ``window`` (the last refreshes), each label weighted by its trials:
+    returns the ``HeadFit`` (``logit = features @ weight + bias``)."""
+    from verl_prm.training.head_fit import fit_logistic_head
+
+    if not window or not any(len(rows.targets) for rows in window):
+        raise ValueError("refit_value_head: no labelled position in the refresh window")
+    features = torch.cat([rows.features for rows in window]).double()
+    targets = torch.cat([rows.targets for rows in window]).double()
+    trials = torch.cat([rows.trials for rows in window]).double()
+    return fit_logistic_head(features, targets, trials, max_iterations=max_iterations)
+
+
+def refresh_label_rows(values: SampledValues, groups: Sequence, successes: Sequence[bool], step: int, *,
+                       prompts: Sequence[str],
+                       responses: Sequence[str], step_char_ends: torch.Tensor, outcome_scores: Sequence[float],
+                       finished: Sequence[bool], data_sources: Sequence, ground_truths: Sequence, strategy: str,
+                       source: str, real_rows: Sequence[bool] | None = None) -> list[dict]:
+    """The batch's sampled values as label rows (``verl_prm.labeling.format``), one per real response.
+
+    ``prompts``/``responses``: the texts (the prompt as the policy read it; the response as the step split decoded
+    it, whose steps end at ``step_char_ends`` [B, S] characters); ``successes``: the responses' outcomes. ``q`` is n_success / n_mc for a sampled step, the
+    outcome for the last step (n_mc = 0: exact), 0 at and after a first pit (n_mc = 0: inferred) and NaN for a step
+    held by the budget or the prefix rule (not labelled); the prompt value is the group's success rate, its
+    counts the group's successes and size. ``prompt_index`` = step x ``PROMPT_INDEX_STRIDE`` + the group's number.
+    """
+    batch = values.step_values.shape[0]
+    real = [True] * batch if real_rows is None else [bool(r) for r in real_rows]
+    numbers, sizes = _group_sizes(groups, real)
+    if max(numbers, default=-1) >= PROMPT_INDEX_STRIDE:
+        raise ValueError(f"refresh_label_rows: {max(numbers) + 1} prompt groups in one batch, more than "
+                         f"{PROMPT_INDEX_STRIDE} (the prompt_index stride)")
+    group_successes: dict = {}
+    for b in range(batch):
+        if real[b]:
+            group_successes[groups[b]] = group_successes.get(groups[b], 0) + int(bool(successes[b]))
+    rows, within = [], {}
+    for b in range(batch):
+        if not real[b]:
+            continue
+        steps = int(values.num_steps[b])
+        ends = [int(e) for e in step_char_ends[b, :steps].tolist()]
+        starts = [0] + ends[:-1]
+        pit = values.first_pits[b]
+        q, n_success, n_mc = [], [], []
+        for h in range(steps):
+            count = values.counts.get((b, h))
+            if count is not None:
+                q.append(count.successes / count.continuations)
+                n_success.append(count.successes)
+                n_mc.append(count.continuations)
+            elif h == steps - 1 or (pit >= 0 and h >= pit):
+                q.append(float(values.step_values[b, h]))  # the outcome, or 0 inferred after the pit
+                n_success.append(0)
+                n_mc.append(0)
+            else:
+                q.append(math.nan)
+                n_success.append(0)
+                n_mc.append(0)
+        outcome = 1.0 if successes[b] else 0.0
+        truth = ground_truths[b]
+        rollout = within.get(groups[b], 0)
+        within[groups[b]] = rollout + 1
+        rows.append({
+            "prompt_index": step * PROMPT_INDEX_STRIDE + numbers[b], "rollout_index": rollout,
+            "data_source": str(data_sources[b]), "prompt": prompts[b],
+            "ground_truth": truth if isinstance(truth, str) else json.dumps(truth),
+            "response": responses[b], "step_starts": starts, "step_ends": ends, "q": q, "n_success": n_success,
+            "n_mc": n_mc, "first_pit": int(pit), "prompt_value": group_successes[groups[b]] / sizes[b],
+            "prompt_n_success": group_successes[groups[b]], "prompt_n_mc": sizes[b], "outcome": outcome,
+            "score": float(outcome_scores[b]), "finished": bool(finished[b]), "strategy": strategy,
+            "source": source,
+        })
+    return rows
+
+
+class RefreshStore:
+    """The refresh directory of a run: locked while the run writes it; ``settings.json`` (what the refresh was
+    started with; a resume with other settings is an error naming them); per refresh step t the label shard
+    ``labels/step_{t:06d}.parquet`` and ``state/step_{t:06d}.safetensors`` (the rows the head was fitted on and
+    the head itself). A resumed run reads the states of the steps it has done; later ones (of a run that died
+    after its last checkpoint) are ignored and overwritten when those steps run again."""
+
+    def __init__(self, directory: str | os.PathLike, settings: dict) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.lock = DirectoryLock(self.directory, "verl-prm refresh of the PAV").acquire()
+        (self.directory / "labels").mkdir(exist_ok=True)
+        (self.directory / "state").mkdir(exist_ok=True)
+        path = self.directory / "settings.json"
+        settings = json.loads(json.dumps(settings))
+        if path.exists():
+            stored = json.loads(path.read_text())
+            changed = [f"{key}: {stored.get(key)!r} -> {settings.get(key)!r}" for key in sorted(set(stored) | set(settings))
+                       if stored.get(key) != settings.get(key)]
+            if changed:
+                self.lock.release()
+                raise ValueError(f"{self.directory} holds the refresh of a run with other settings ({'; '.join(changed)}): "
+                                 "resume with the same settings, or set verl_prm.refresh.directory to a new directory")
+        else:
+            path.write_text(json.dumps(settings, indent=2, sort_keys=True))
+
+    def close(self) -> None:
+        self.lock.release()
+
+    def _state_path(self, step: int) -> Path:
+        return self.directory / "state" / f"step_{step:06d}.safetensors"
+
+    def write(self, rows: RefreshRows, label_rows: Sequence[dict], weight: torch.Tensor, bias: float) -> None:
+        """Write one refresh (the label shard first, validated by the label format; then the state), each
+        atomically (a temporary file renamed)."""
+        import pyarrow.parquet as pq
+        from safetensors.torch import save_file
+
+        from verl_prm.labeling.format import rows_to_table
+
+        table = rows_to_table(label_rows)
+        labels = self.directory / "labels" / f"step_{rows.step:06d}.parquet"
+        temporary = labels.with_suffix(".parquet.tmp")
+        pq.write_table(table, temporary)
+        os.replace(temporary, labels)
+        state = self._state_path(rows.step)
+        temporary = state.with_suffix(".tmp")
+        save_file({"features": rows.features.float().contiguous(), "targets": rows.targets.double().contiguous(),
+                   "trials": rows.trials.double().contiguous(), "weight": weight.double().reshape(-1).contiguous(),
+                   "bias": torch.tensor([float(bias)], dtype=torch.float64)}, str(temporary),
+                  metadata={"step": str(rows.step)})
+        os.replace(temporary, state)
+
+    def steps(self, up_to: int) -> list[int]:
+        """The refresh steps stored, <= ``up_to``, in order."""
+        found = []
+        for path in (self.directory / "state").glob("step_*.safetensors"):
+            step = int(path.stem.split("_")[1])
+            if step <= up_to:
+                found.append(step)
+        return sorted(found)
+
+    def read(self, step: int) -> tuple[RefreshRows, torch.Tensor, float]:
+        """(rows, head weight [d], head bias) of the refresh at ``step``; a damaged state names its file."""
+        from safetensors.torch import load_file
+
+        path = self._state_path(step)
+        try:
+            tensors = load_file(str(path))
+            rows = RefreshRows(step, tensors["features"], tensors["targets"], tensors["trials"])
+            weight, bias = tensors["weight"], float(tensors["bias"][0])
+        except Exception as error:  # safetensors raises its own error types for a damaged file
+            raise ValueError(f"{path} is not a readable refresh state ({error}): delete it and the steps after it, "
+                             "or resume from an earlier checkpoint") from error
+        n = rows.features.shape[0]
+        if rows.targets.shape != (n,) or rows.trials.shape != (n,) or weight.shape != (rows.features.shape[1],) \
+                or not all(bool(torch.isfinite(t).all()) for t in (rows.features, rows.targets, rows.trials, weight)) \
+                or not math.isfinite(bias):
+            raise ValueError(f"{path}: the refresh state has inconsistent or non-finite tensors")
+        return rows, weight, bias
+
+    def window(self, up_to: int, size: int) -> list[RefreshRows]:
+        """The rows of the last ``size`` refreshes at steps <= ``up_to``."""
+        return [self.read(step)[0] for step in self.steps(up_to)[-size:]]
+
+
+def labelled_rows(step: int, features: torch.Tensor, targets: torch.Tensor, trials: torch.Tensor) -> RefreshRows:
+    """The labelled positions (trials > 0) of a batch: ``features`` [B, S + 1, d], ``targets``/``trials`` [B, S + 1]."""
+    if features.shape[:2] != targets.shape or trials.shape != targets.shape:
+        raise ValueError(f"labelled_rows: features {tuple(features.shape)}, targets {tuple(targets.shape)}, trials "
+                         f"{tuple(trials.shape)}")
+    labelled = trials > 0
+    return RefreshRows(step, features[labelled].float(), targets[labelled].double(), trials[labelled].double())
+

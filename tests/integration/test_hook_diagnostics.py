@@ -145,6 +145,7 @@ def hook_trainer(config, tokenizer, critic_dir, policy_tokenizer_path=None):
         prover_wg=SimpleNamespace(world_size=1, compute_step_values=worker.compute_step_values),
         reference_critic=build_exact_critic(reference, "verl_prm.diagnostics.reference") if reference else None,
         _eos_token_ids=lambda: [tokenizer.eos_token_id], _samples_values=lambda: False, _runs_critic=lambda: True,
+        _restore_refresh=lambda: None, _refreshes_now=lambda: False,
     )
     trainer._score_steps = functools.partial(PavSyncTrainer._score_steps, trainer)
     return trainer

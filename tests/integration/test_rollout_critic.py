@@ -369,7 +369,8 @@ def test_hook_refresh_refits_the_head_to_the_samples_and_a_resumed_run_starts_wi
     keys, tags = _put(transfer_queue, rows)
     raw = transfer_queue.kv_batch_get(keys=keys, partition_id="train", select_fields=[
         "uid", "response_mask", "rm_scores", "prompts", "responses", "data_source", "reward_model", "extra_info"])
-    before, _ = trainer._score_steps(raw, keys, torch.ones(len(rows), dtype=torch.bool))
+    before, _ = trainer._score_steps(raw, keys, torch.ones(len(rows), dtype=torch.bool),
+                                  refresh=trainer._refreshes_now())
     # the refresh step's own values are the PAV's before its refit; its samples are the labels
     metrics = before.pop("refresh_metrics")
     labels = read_labels(directory / "labels")
@@ -382,7 +383,8 @@ def test_hook_refresh_refits_the_head_to_the_samples_and_a_resumed_run_starts_wi
     fit = refit_value_head([state_rows])
     assert torch.allclose(fit.weight, weight) and fit.bias == pytest.approx(bias)
     assert torch.allclose(worker.critic.adapter.head.weight[0].double(), weight, atol=1e-6)
-    after, _ = trainer._score_steps(raw, keys, torch.ones(len(rows), dtype=torch.bool))
+    after, _ = trainer._score_steps(raw, keys, torch.ones(len(rows), dtype=torch.bool),
+                                  refresh=trainer._refreshes_now())
     assert "refresh_metrics" in after  # (still step 2: scored and refreshed again; the head stays the refit's)
     expected = torch.sigmoid(state_rows.features.double() @ weight + bias)
     got = torch.cat([after["prompt_values"][:, None], after["step_values"][:, :H]], dim=1).flatten()

@@ -97,9 +97,9 @@ def test_offload_moves_weights_around_each_scoring_and_keeps_values(monkeypatch,
 
     real_score = ProverCriticWorker._score
 
-    def recording_score(self, *args):
+    def recording_score(self, *args, **kwargs):
         moves.append("score")
-        return real_score(self, *args)
+        return real_score(self, *args, **kwargs)
 
     monkeypatch.setattr(critic_worker, "move_critic", recording_move)
     monkeypatch.setattr(ProverCriticWorker, "_score", recording_score)

@@ -125,8 +125,10 @@ class ProverCriticWorker(Worker):
         return ProverCritic.from_pretrained(self.model_path, **kwargs)
 
     def _score(self, prompts, responses, attention_mask, split, prompt_texts, with_features: bool = False):
+        # only a checkpoint critic has features (the refresh asks for them; ExactCritic has no value head)
+        extra = {"with_features": True} if with_features else {}
         return self.critic.score_policy_batch(prompts, responses, attention_mask, split, self.policy_tokenizer,
-                                              prompt_texts=prompt_texts, sample_offset=0, with_features=with_features)
+                                              prompt_texts=prompt_texts, sample_offset=0, **extra)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def set_value_head(self, weight: list[float], bias: float) -> None:

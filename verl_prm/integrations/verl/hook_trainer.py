@@ -390,7 +390,7 @@ class PavSyncTrainer(PPOTrainerSync):
             self.prover_wg.set_value_head(weight.tolist(), bias)
             logger.info("verl_prm.refresh: resumed with the value head refitted at step %d", done[-1])
 
-    def _refresh(self, data, split, scores, real_rows, prompts, prompt_mask) -> dict[str, float]:
+    def _refresh(self, data, split, scores, real_rows, prompts, prompt_mask, truncated) -> dict[str, float]:
         """Sample the batch's step values, compare the PAV's values (as it scored the batch) with them, write them
         as labels, refit the value head to the labels of the last ``window`` refreshes and set it on every worker
         (``verl_prm.critic.refresh``). Returns the ``pav/refresh/*`` metrics."""
@@ -420,8 +420,7 @@ class PavSyncTrainer(PPOTrainerSync):
         label_rows = refresh_label_rows(
             values, groups, successes, step, prompts=prompt_texts, responses=split.texts,
             step_char_ends=split.step_char_ends, outcome_scores=outcomes.tolist(),
-            finished=(~truncated_responses(data["responses"].to_padded_tensor(padding=0),
-                                           data["responses"].offsets().diff(), self._eos_token_ids())).tolist(),
+            finished=(~truncated).tolist(),
             data_sources=_row_list(data["data_source"]), ground_truths=[row.get("ground_truth") for row in reward_models],
             strategy=critic.mc_prefixes, source=f"verl-prm refresh: the policy at step {step}", real_rows=real)
         self.refresh_store.write(rows, label_rows, fit.weight, fit.bias)
@@ -434,8 +433,10 @@ class PavSyncTrainer(PPOTrainerSync):
         return metrics
 
     # ------------------------------------------------------------------ advantage phase
-    def _score_steps(self, data, batch_keys, real_rows: torch.Tensor | None = None) -> tuple[dict[str, Any], float]:
-        """Split the responses into steps and score them with the critic group (format "rollout": sample them).
+    def _score_steps(self, data, batch_keys, real_rows: torch.Tensor | None = None,
+                     refresh: bool = False) -> tuple[dict[str, Any], float]:
+        """Split the responses into steps and score them with the critic group (format "rollout": sample them);
+        with ``refresh`` also sample them and refit the value head (``_refresh``; its metrics: ``refresh_metrics``).
 
         ``data.batch`` holds ``prompts`` (jagged), ``responses`` (jagged) and ``response_mask`` [B, T].
         Returns the step tensors of the contract plus ``truncated`` (and, when sampling, ``mc``: the
@@ -492,8 +493,7 @@ class PavSyncTrainer(PPOTrainerSync):
                 "step_text_mask": response_mask.long(),
             }
         )
-        refreshing = self._refreshes_now()
-        if refreshing:
+        if refresh:
             critic_input.meta_info["with_features"] = True
         start = time.perf_counter()
         scores = compute_step_values(self.prover_wg, critic_input)
@@ -519,12 +519,13 @@ class PavSyncTrainer(PPOTrainerSync):
         }
         if reference is not None:
             tensors["reference"] = reference
-        if refreshing:
+        if refresh:
             timing_raw = getattr(self, "timing_raw", None)
             timing = (marked_timer("pav_refresh", timing_raw, color="purple") if timing_raw is not None
                       else contextlib.nullcontext())
             with timing:
-                tensors["refresh_metrics"] = self._refresh(data, split, scores, real_rows, prompts, prompt_mask)
+                tensors["refresh_metrics"] = self._refresh(data, split, scores, real_rows, prompts, prompt_mask,
+                                                           tensors["truncated"])
         return tensors, seconds
 
     def _outcomes(self, data) -> tuple[list[bool], list[str], torch.Tensor]:
@@ -594,12 +595,13 @@ class PavSyncTrainer(PPOTrainerSync):
         raw = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
         real_rows = torch.tensor([not tag.get("is_padding", False) for tag in batch.tags], dtype=torch.bool)
         self._restore_refresh()
+        refresh = self._refreshes_now()
         timing_raw = getattr(self, "timing_raw", None)
         if timing_raw is not None:
             with marked_timer("pav_critic", timing_raw, color="purple"):
-                step_tensors, critic_seconds = self._score_steps(raw, batch.keys, real_rows)
+                step_tensors, critic_seconds = self._score_steps(raw, batch.keys, real_rows, refresh)
         else:
-            step_tensors, critic_seconds = self._score_steps(raw, batch.keys, real_rows)
+            step_tensors, critic_seconds = self._score_steps(raw, batch.keys, real_rows, refresh)
         if "mc" in step_tensors:
             from verl_prm.integrations.verl.rollout_critic import mc_metrics
 

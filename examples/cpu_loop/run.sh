@@ -70,6 +70,8 @@ for ADV_ESTIMATOR in grpo pav_grpo; do
         +actor_rollout_ref.model.override_config.attn_implementation=sdpa \
         actor_rollout_ref.actor.fsdp_config.param_offload=False \
         actor_rollout_ref.actor.fsdp_config.optimizer_offload=False \
+        ++actor_rollout_ref.actor.fsdp_config.mixed_precision='{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}' \
+        ++actor_rollout_ref.ref.fsdp_config.mixed_precision='{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}' \
         `# --- the run ---` \
         trainer.critic_warmup=0 \
         trainer.logger='[console,file]' \

@@ -273,6 +273,36 @@ def test_cpu_startup_check_passes_a_cpu_run_and_leaves_gpu_runs_alone():
         check_cpu_run(config.trainer, config.actor_rollout_ref, config.ray_kwargs, accelerator=False)
 
 
+def test_cpu_startup_check_warns_of_bf16_fsdp_and_not_of_the_loop_settings():
+    from omegaconf import OmegaConf
+
+    from verl_prm.apps.cpu_loop import cpu_overrides
+    from verl_prm.integrations.verl.platform.checks import cpu_run_warnings
+
+    config = _good_cpu_config()
+    for role in ("actor", "ref"):
+        OmegaConf.update(config, f"actor_rollout_ref.{role}.fsdp_config", {"param_offload": False})
+    warnings = cpu_run_warnings(config.trainer, config.actor_rollout_ref)
+    assert len(warnings) == 2 and all("computes in bf16" in warning for warning in warnings)
+    assert ("set ++actor_rollout_ref.actor.fsdp_config.mixed_precision='{param_dtype:fp32,reduce_dtype:fp32,"
+            "buffer_dtype:fp32}'") in warnings[0]
+    # the CPU loop's settings, as Hydra parses them: no warning
+    overrides = [o.removeprefix("++") for o in cpu_overrides() if ".fsdp_config.mixed_precision=" in o]
+    assert len(overrides) == 2
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    for override in OverridesParser.create().parse_overrides(overrides):
+        OmegaConf.update(config, override.key_or_group, override.value(), merge=False)
+    assert config.actor_rollout_ref.actor.fsdp_config.mixed_precision == {
+        "param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+    assert cpu_run_warnings(config.trainer, config.actor_rollout_ref) == []
+    config.actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype = "bf16"
+    assert [w.split(":")[1].split(" computes")[0].strip() for w in cpu_run_warnings(
+        config.trainer, config.actor_rollout_ref)] == ["actor_rollout_ref.ref"]
+    config.trainer.device = "cuda"  # a GPU run: bf16 is its default and its fast path
+    assert cpu_run_warnings(config.trainer, config.actor_rollout_ref) == []
+
+
 @pytest.mark.slow
 def test_main_ppo_with_a_gpu_only_setting_on_cpu_fails_before_ray(loop_dir):
     from verl_prm.apps.cpu_loop import main_ppo_args
@@ -336,6 +366,7 @@ def test_main_ppo_pav_grpo_two_steps_on_cpu(loop_runs):
     result = loop_runs["pav_grpo"]
     assert result.returncode == 0, f"main_ppo pav_grpo exited {result.returncode}; log tail:\n{result.tail()}"
     assert [record["step"] for record in result.metrics] == [1, 2]
+    assert "computes in bf16" not in result.log_path.read_text(errors="replace")  # fp32 FSDP reached verl
     for step in (1, 2):
         metrics = _step_metrics(result, step)
         pav = {key: value for key, value in metrics.items() if key.startswith("pav/")}

@@ -69,7 +69,7 @@ from verl_prm.apps.arithmetic.critic_init import CriticInitConfig, critic_init_f
 from verl_prm.apps.arithmetic.machine import cpu_info, gpu_names
 from verl_prm.apps.arithmetic.model import ModelConfig, SFTConfig
 from verl_prm.apps.arithmetic.task import STEP_REGEX, TaskConfig
-from verl_prm.apps.arithmetic.verl_rl import ARMS, CRITIC_STAGES, LEARNED_ARMS, SCORE_FILE, RLConfig
+from verl_prm.apps.arithmetic.verl_rl import ARMS, CRITIC_STAGES, LEARNED_ARMS, SCORE_FILE, RLConfig, device_overrides
 
 __all__ = ["Scale", "SCALES", "STAGES", "environment", "run", "main", "scale_from_json", "seed_everything",
            "split_problems", "stage_process_command", "stages_in_own_process"]
@@ -598,7 +598,9 @@ def rl_run_stages(scale: Scale, root: Path, settings: dict) -> dict[tuple[str, i
                 "policy": settings["policy"], "critic": critic, "rl": scale.rl, "arm": arm, "seed": seed,
                 # what the arm runs (its estimator, critic and overrides): a changed arm is a changed run
                 "arm_settings": ARMS[arm],
-                "max_new_tokens": scale.max_new_tokens, "device": scale.device})
+                "max_new_tokens": scale.max_new_tokens, "device": scale.device,
+                # the device's main_ppo settings (the CPU platform's fp32 FSDP, ...): they change the numbers
+                "device_overrides": device_overrides(scale, "cpu" if scale.device == "cpu" else "cuda")})
     return out
 
 

@@ -47,7 +47,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["ARMS", "Arm", "CRITIC_STAGES", "LEARNED_ARMS", "MC_N", "DIAGNOSTIC_METRICS", "RLConfig", "RunPaths", "SCORE_FILE", "main_ppo_command", "merge_final_policy", "read_run",
+__all__ = ["ARMS", "Arm", "CRITIC_STAGES", "LEARNED_ARMS", "MC_N", "DIAGNOSTIC_METRICS", "RLConfig", "RunPaths", "SCORE_FILE", "device_overrides", "main_ppo_command", "merge_final_policy", "read_run",
            "run_arms", "start_run"]
 
 # the task's verl score function, in a file that verl (and the label stage) load by path
@@ -140,6 +140,42 @@ def _validation_key(samples: int) -> str:
     return f"val-core/arithmetic_mod/acc/mean@{samples}"
 
 
+def device_overrides(scale, device: str) -> list[str]:
+    """The ``main_ppo`` overrides of a run that depend on the device (``cpu``: the plugin's CPU platform, fp32
+    FSDP; ``cuda``: vLLM). Part of every RL run's settings: the numbers depend on them."""
+    rl = scale.rl
+    batch = rl.prompts_per_step
+    if device == "cpu":
+        tokens = batch * rl.group_size * (scale.max_prompt_tokens + scale.max_new_tokens)
+        from verl_prm.apps.cpu_loop import cpu_overrides
+
+        # the plugin's CPU platform (docs/cpu_loop.md explains each setting), one training process
+        return cpu_overrides(n_procs=1) + [
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={batch * rl.group_size}",
+            f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={batch * rl.group_size}",
+            f"actor_rollout_ref.rollout.max_num_seqs={max(256, batch * rl.group_size)}",
+            f"actor_rollout_ref.rollout.max_num_batched_tokens={max(8192, tokens)}",
+            "data.dataloader_num_workers=0",
+            "verl_prm.critic.dtype=float32",
+        ]
+    if device == "cuda":
+        return [
+            "trainer.n_gpus_per_node=1",
+            "trainer.nnodes=1",
+            # flash-attn installed: flash_attention_2 + remove-padding, else sdpa (verl_prm.integrations.verl.attention)
+            "actor_rollout_ref.model.use_remove_padding=${verl_prm.flash_attn:}",
+            "+actor_rollout_ref.model.override_config.attn_implementation=${verl_prm.attn_implementation:}",
+            "actor_rollout_ref.actor.use_dynamic_bsz=True",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=32768",
+            "actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+            "actor_rollout_ref.rollout.gpu_memory_utilization=0.4",
+            "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768",
+        ]
+    raise ValueError(f"device must be cpu or cuda, got {device!r}")
+
+
 def main_ppo_command(scale, arm_name: str, seed: int, paths: RunPaths, run_dir: Path, device: str = "cpu",
                      python: str = sys.executable) -> list[str]:
     """``python -m verl.trainer.main_ppo`` with every override of one run (see the module docstring)."""
@@ -214,37 +250,7 @@ def main_ppo_command(scale, arm_name: str, seed: int, paths: RunPaths, run_dir: 
         f"trainer.total_training_steps={rl.steps}",
         "trainer.total_epochs=1000",
     ]
-    if device == "cpu":
-        tokens = batch * rl.group_size * (scale.max_prompt_tokens + scale.max_new_tokens)
-        from verl_prm.apps.cpu_loop import cpu_overrides
-
-        # the plugin's CPU platform (docs/cpu_loop.md explains each setting), one training process
-        device_block = cpu_overrides(n_procs=1) + [
-            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={batch * rl.group_size}",
-            f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={batch * rl.group_size}",
-            f"actor_rollout_ref.rollout.max_num_seqs={max(256, batch * rl.group_size)}",
-            f"actor_rollout_ref.rollout.max_num_batched_tokens={max(8192, tokens)}",
-            "data.dataloader_num_workers=0",
-            "verl_prm.critic.dtype=float32",
-        ]
-    elif device == "cuda":
-        device_block = [
-            "trainer.n_gpus_per_node=1",
-            "trainer.nnodes=1",
-            # flash-attn installed: flash_attention_2 + remove-padding, else sdpa (verl_prm.integrations.verl.attention)
-            "actor_rollout_ref.model.use_remove_padding=${verl_prm.flash_attn:}",
-            "+actor_rollout_ref.model.override_config.attn_implementation=${verl_prm.attn_implementation:}",
-            "actor_rollout_ref.actor.use_dynamic_bsz=True",
-            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=32768",
-            "actor_rollout_ref.rollout.name=vllm",
-            "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-            "actor_rollout_ref.rollout.gpu_memory_utilization=0.4",
-            "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
-            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768",
-        ]
-    else:
-        raise ValueError(f"device must be cpu or cuda, got {device!r}")
-    return [python, "-m", "verl.trainer.main_ppo", *run, *device_block]
+    return [python, "-m", "verl.trainer.main_ppo", *run, *device_overrides(scale, device)]
 
 
 def _metric_parts(run_dir: Path) -> list[Path]:

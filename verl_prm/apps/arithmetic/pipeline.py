@@ -780,6 +780,23 @@ def run(scale: Scale, work_dir: str | Path, stages: Sequence[str] = STAGES, *, p
         torch.set_num_threads(previous_threads)
 
 
+def needed_stages(scale: Scale, stages: Sequence[str]) -> set[str]:
+    """The stages a request runs or reads: every stage up to the last requested one, less those no requested stage
+    reads (the PAVs when no arm and no evaluation reads them, the labels when no PAV stage is needed). A needed
+    stage that was not requested must be complete."""
+    needed = set(STAGES[: max(STAGES.index(x) for x in stages) + 1])
+    # the rl stage reads a learned PAV in the arms of its critic only; the evaluation reads the pav stage's always,
+    # the pav_refined stage's when an arm reads it
+    critic_kinds = {ARMS[arm].critic for arm in scale.rl_arms}
+    if "pav" not in stages and "evaluate" not in needed and not critic_kinds & set(CRITIC_STAGES):
+        needed.discard("pav")
+    if scale.critic_refine is None or ("pav_refined" not in stages and "refined" not in critic_kinds):
+        needed.discard("pav_refined")  # a scale without critic_refine has no such stage
+    if "label" not in stages and not {"pav", "pav_refined"} & needed:
+        needed.discard("label")  # only the PAVs read the labels: GRPO and the exact prover's runs start without them
+    return needed
+
+
 def _run(scale: Scale, root: Path, stages: Sequence[str], progress: bool, log, own_process: Sequence[str]) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     env = environment()
@@ -817,15 +834,7 @@ def _run(scale: Scale, root: Path, stages: Sequence[str], progress: bool, log, o
         log(f"[arithmetic] {name}: done in {records[name]['seconds']} s")
         return outputs
 
-    # Every stage up to the last requested one runs in order; one that was not requested must be complete.
-    needed = set(STAGES[: max(STAGES.index(x) for x in stages) + 1])
-    # the rl stage reads a learned PAV in the arms of its critic only; the evaluation reads the pav stage's always,
-    # the pav_refined stage's when an arm reads it
-    critic_kinds = {ARMS[arm].critic for arm in scale.rl_arms}
-    if "pav" not in stages and "evaluate" not in needed and not critic_kinds & set(CRITIC_STAGES):
-        needed.discard("pav")
-    if scale.critic_refine is None or ("pav_refined" not in stages and "refined" not in critic_kinds):
-        needed.discard("pav_refined")  # a scale without critic_refine has no such stage
+    needed = needed_stages(scale, stages)
     d, s = named["data"], named["sft"]
     out: dict = {}
     for name, fn in (

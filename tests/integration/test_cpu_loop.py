@@ -108,6 +108,9 @@ import verl.models.transformers.monkey_patch as monkey_patch  # the TRL import f
 from verl_prm.integrations.verl.trl_fix import trl_fix_installed, trl_has_value_head
 print("TRL_FIX", monkey_patch.is_trl_available() is False or trl_has_value_head())
 print("TRL_FIX_INSTALLED", trl_fix_installed())
+import verl.trainer.ppo.metric_utils as metric_utils
+print("BOOTSTRAP_FIXED", hasattr(metric_utils.bootstrap_metric, "loop_bootstrap_metric"))
+print("FIXES", list(installed_fixes()))
 """
 
 
@@ -124,13 +127,66 @@ def test_nothing_of_the_cpu_platform_is_active_on_a_gpu_platform():
 
     from verl_prm.integrations.verl.trl_fix import trl_has_value_head
 
-    assert "FIXES []" in result.stdout
+    assert "FIXES []" in result.stdout and "BOOTSTRAP_FIXED False" in result.stdout
     # The fix that is not about the CPU: verl's TRL import, needed on any device when TRL lacks the class.
     trl_fix = importlib.util.find_spec("trl") is not None and not trl_has_value_head()
     assert f"TRL_FIX_INSTALLED {trl_fix}" in result.stdout
     assert "DEFAULTS (None, None)" in result.stdout
     assert "CPU_ENGINE False" in result.stdout
     assert "TRL_FIX True" in result.stdout
+
+
+@pytest.mark.slow
+def test_cpu_platform_process_gets_every_cpu_fix():
+    """The same script on the CPU platform: each fix is installed once its module is imported."""
+    env = dict(os.environ, VERL_PLATFORM="cpu")
+    result = subprocess.run([sys.executable, "-c", GPU_PLATFORM_SCRIPT], env=env, capture_output=True, text=True,
+                            timeout=240, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "PLATFORM cpu" in result.stdout
+    assert "BOOTSTRAP_FIXED True" in result.stdout
+    assert result.stdout.strip().splitlines()[-1] == (
+        "FIXES ['process_group_backend', 'engine_registry', 'validation_bootstrap']")
+
+
+def test_vectorised_validation_bootstrap_gives_verls_numbers():
+    """The CPU fix 0007 against verl's own bootstrap_metric (the reference: verl 0.9.1's loop), on numbers of
+    every kind verl's validation passes (ints, floats, bools) and through process_validation_metrics."""
+    from functools import partial
+
+    import numpy as np
+    import verl.trainer.ppo.metric_utils as metric_utils
+
+    from verl_prm.integrations.verl.platform.fixes import vectorised_bootstrap_metric
+
+    loop = getattr(metric_utils.bootstrap_metric, "loop_bootstrap_metric", metric_utils.bootstrap_metric)
+    fast = vectorised_bootstrap_metric(loop)
+    rng = np.random.default_rng(0)
+    for data in (rng.integers(0, 2, 4).astype(float).tolist(), rng.integers(1, 9, 8).tolist(),
+                 rng.normal(size=16).tolist(), [True, False, False, True], [3]):
+        for subset in (1, 2, 4, 16):
+            for seed in (42, 7):
+                assert fast(data, subset, [np.max, np.min], seed=seed) == loop(data, subset, [np.max, np.min], seed=seed)
+    # majority voting and other reductions go to verl's loop
+    votes = [{"val": 1.0, "pred": "a"}, {"val": 0.0, "pred": "b"}, {"val": 1.0, "pred": "a"}]
+    maj = [partial(metric_utils.calc_maj_val, vote_key="pred", val_key="val")]
+    assert fast(votes, 2, maj) == loop(votes, 2, maj)
+    assert fast([1.0, 2.0, 4.0], 2, [np.mean]) == loop([1.0, 2.0, 4.0], 2, [np.mean])
+    # a whole validation batch of the pav reward manager's keys (4 prompts x 4 samples), with and without
+    sources = ["arithmetic_mod"] * 16
+    uids = [f"u{i // 4}" for i in range(16)]
+    infos = {"acc": rng.integers(0, 2, 16).astype(float).tolist(), "pav_num_steps": rng.integers(1, 8, 16).tolist(),
+             "pav_truncated": rng.integers(0, 2, 16).astype(float).tolist(), "pav_step_spans": ["[]"] * 16,
+             "pred": [str(v) for v in rng.integers(0, 3, 16)]}
+    original = metric_utils.bootstrap_metric
+    try:
+        metric_utils.bootstrap_metric = loop
+        reference = metric_utils.process_validation_metrics(sources, uids, infos)
+        metric_utils.bootstrap_metric = fast
+        assert metric_utils.process_validation_metrics(sources, uids, infos) == reference
+    finally:
+        metric_utils.bootstrap_metric = original
+    assert "best@4/mean" in reference["arithmetic_mod"]["acc"] and "maj@4/mean" in reference["arithmetic_mod"]["acc"]
 
 
 def test_flops_counter_runs_on_the_cpu_platform(monkeypatch):

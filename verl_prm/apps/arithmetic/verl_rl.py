@@ -405,7 +405,7 @@ def _schedule(scale, pending, active, failures, paths, parallel, log, on_done) -
     while pending or active:
         while pending and len(active) < max(1, parallel):
             arm, seed, run_dir = pending.pop(0)
-            command = main_ppo_command(scale, arm, seed, paths, run_dir, device="cpu" if scale.device == "cpu" else "cuda")
+            command = main_ppo_command(scale, arm, seed, paths, run_dir, device=scale.trainer_device)
             log(f"[arithmetic] rl {arm} seed {seed}: main_ppo -> {run_dir} (log: {run_dir / 'main_ppo.log'})")
             active.append((arm, seed, run_dir, start_run(command, run_dir, threads=scale.threads), time.time()))
         time.sleep(2.0)

@@ -457,13 +457,12 @@ class PavSyncTrainer(PPOTrainerSync):
         # the contract's step tensors, whoever gives the values
         tensors = {"step_ids": split.step_ids, "num_steps": split.num_steps, "merged_steps": split.merged_steps,
                    "truncated": truncated_responses(responses, response_lengths, self._eos_token_ids())}
-        reference = None
         if self.hook_config.diagnostics.reference is not None:
             # the exact reference of the diagnostics reads the split's texts, as a format=exact critic worker does
             attention = torch.cat([prompt_mask, response_attention], dim=1)
             try:
-                reference = self.reference_critic.score_policy_batch(prompts, responses, attention, split,
-                                                                     self.tokenizer)
+                tensors["reference"] = self.reference_critic.score_policy_batch(prompts, responses, attention,
+                                                                                split, self.tokenizer)
             except ValueError as error:
                 raise ValueError(f"verl_prm.diagnostics.reference: {error}") from error
         if self._samples_values():
@@ -471,8 +470,6 @@ class PavSyncTrainer(PPOTrainerSync):
             values = self._sample_step_values(data, split, real_rows)
             tensors.update(step_values=values.step_values.float(), prompt_values=values.prompt_values.float(),
                            mc=values)
-            if reference is not None:
-                tensors["reference"] = reference
             return tensors, time.perf_counter() - start
         critic_input = DataProto.from_dict(
             tensors={
@@ -506,8 +503,6 @@ class PavSyncTrainer(PPOTrainerSync):
                 f"(keys {[batch_keys[i] for i in bad[:8]]}): critic and step split disagree"
             )
         tensors.update(step_values=scores.batch["step_values"].float(), prompt_values=scores.batch["prompt_values"].float())
-        if reference is not None:
-            tensors["reference"] = reference
         if refresh:
             timing_raw = getattr(self, "timing_raw", None)
             timing = (marked_timer("pav_refresh", timing_raw, color="purple") if timing_raw is not None

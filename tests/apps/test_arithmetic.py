@@ -249,7 +249,8 @@ def test_main_ppo_commands_of_every_arm_compose_and_differ_only_in_the_critic(tm
         hook, pav = validate_run_config(config)
         assert hook.steps.regex == STEP_REGEX
         assert config.algorithm.adv_estimator == ARMS[arm].estimator
-        assert (pav.alpha, pav.best_of_k) == (scale.rl.alpha, scale.rl.best_of_k)
+        assert (pav.alpha, pav.best_of_k) == (1.0 if arm == "pav_learned_refined_alpha1" else scale.rl.alpha,
+                                               scale.rl.best_of_k)
         assert config.data.train_batch_size == scale.rl.prompts_per_step
         assert config.actor_rollout_ref.rollout.n == scale.rl.group_size
         assert config.actor_rollout_ref.rollout.val_kwargs.n == scale.rl.eval_samples >= 4
@@ -273,7 +274,7 @@ def test_main_ppo_commands_of_every_arm_compose_and_differ_only_in_the_critic(tm
             # the exact arm's prover is the learned arm's reference, for the diagnostics only
             assert hook.diagnostics.reference == exact_prover
             assert hook.refresh.every == (5 if arm == "pav_learned_refresh" else 0)
-        assert pav.normalize == (arm == "pav_learned_normalized")
+        assert pav.normalize == (arm == "pav_learned_refined_normalized")
         commands[arm] = set(command[3:])
     run_names = ("trainer.experiment_name=", "trainer.default_local_dir=")
     # each arm differs from the one it is compared with only where its row in verl_rl's table says
@@ -281,13 +282,24 @@ def test_main_ppo_commands_of_every_arm_compose_and_differ_only_in_the_critic(tm
                           ("pav_exact", "pav_learned", ("verl_prm.critic.", "+verl_prm.critic.",
                                                         "+verl_prm.diagnostics.reference.")),
                           ("pav_learned", "pav_learned_calibrated", ("verl_prm.critic.calibration=",)),
-                          ("pav_learned", "pav_learned_normalized", ("algorithm.pav.normalize=",)),
                           ("pav_learned", "pav_learned_refined", ("verl_prm.critic.path=",)),
+                          ("pav_learned_refined", "pav_learned_refined_normalized", ("algorithm.pav.normalize=",)),
+                          ("pav_learned_refined", "pav_learned_refined_alpha1", ("algorithm.pav.alpha=",)),
                           ("pav_learned_refined", "pav_learned_refresh", ("verl_prm.critic.mc_", "verl_prm.refresh.")),
                           ("pav_exact", "pav_mc", ("verl_prm.critic.", "+verl_prm.critic.",
                                                    "+verl_prm.diagnostics.reference."))):
         differing = sorted(commands[a] ^ commands[b])
         assert differing and all(x.startswith(allowed + run_names) for x in differing), (a, b, differing)
+
+
+def test_an_arms_alpha_must_be_finite_and_non_negative():
+    """An arm's own ``algorithm.pav.alpha`` is checked where the arm is declared, not when verl starts."""
+    from verl_prm.apps.arithmetic.verl_rl import Arm
+
+    for alpha in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match=r"Arm\.alpha must be finite and >= 0"):
+            Arm("pav_grpo", "refined", "bad", alpha=alpha)
+    assert Arm("pav_grpo", "refined", "ok", alpha=0.0).alpha == 0.0
 
 
 def test_a_run_stops_with_every_process_of_its_session(tmp_path):

@@ -11,11 +11,13 @@ arm                         estimator       prover critic (``verl_prm.critic``)
                                             values (``critic.calibration=none``)
 ``pav_learned_calibrated``  ``pav_grpo``    the same PAV with its post-hoc calibration (``calibration=auto``:
                                             the checkpoint's ``calibration.json``)
-``pav_learned_normalized``  ``pav_grpo``    the raw PAV, its process term divided by its batch std
-                                            (``algorithm.pav.normalize=true``)
 ``pav_learned_refined``     ``pav_grpo``    the PAV of the ``pav_refined`` stage, raw values: the same labels and
                                             value head on a backbone whose check was trained on
                                             (``Scale.critic_refine``)
+``pav_learned_refined_      ``pav_grpo``    the refined PAV, its process term divided by its batch std
+normalized``                                (``algorithm.pav.normalize=true``)
+``pav_learned_refined_      ``pav_grpo``    the refined PAV at ``algorithm.pav.alpha=1`` (the others: ``RLConfig.alpha``)
+alpha1``
 ``pav_mc``                  ``pav_grpo``    ``format=rollout``: Monte-Carlo values, ``MC_N`` continuations of every
                                             step prefix from the run's own rollout replicas
 ==========================  ==============  ==============================================================
@@ -99,6 +101,12 @@ class Arm:
     mc_overrides: tuple[str, ...] = ()
     # a learned PAV refitted to sampled values during the run: verl_prm.refresh.* overrides
     refresh_overrides: tuple[str, ...] = ()
+    # algorithm.pav.alpha of this arm where it is not the run's (RLConfig.alpha): the weight of a noisy process term
+    alpha: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.alpha is not None and (not np.isfinite(self.alpha) or self.alpha < 0):
+            raise ValueError(f"Arm.alpha must be finite and >= 0, got {self.alpha!r}")
 
 
 # continuations per step prefix of the pav_mc arm (n of the Monte-Carlo estimate; the labels' n_mc is 2)
@@ -109,9 +117,11 @@ ARMS: dict[str, Arm] = {
     "pav_exact": Arm("pav_grpo", "exact", "PAV-GRPO, exact prover"),
     "pav_learned": Arm("pav_grpo", "learned", "PAV-GRPO, learned PAV (raw values)"),
     "pav_learned_calibrated": Arm("pav_grpo", "learned", "PAV-GRPO, learned PAV, calibrated", calibration="auto"),
-    "pav_learned_normalized": Arm("pav_grpo", "learned", "PAV-GRPO, learned PAV, process term / batch std",
-                                  pav_overrides=("normalize=true",)),
     "pav_learned_refined": Arm("pav_grpo", "refined", "PAV-GRPO, learned PAV on the refined check (raw values)"),
+    # the estimator's own scale controls on the refined PAV: a noisy process term with less weight, or rescaled
+    "pav_learned_refined_normalized": Arm("pav_grpo", "refined", "PAV-GRPO, refined PAV, process term / batch std",
+                                          pav_overrides=("normalize=true",)),
+    "pav_learned_refined_alpha1": Arm("pav_grpo", "refined", "PAV-GRPO, refined PAV, alpha = 1", alpha=1.0),
     "pav_mc": Arm("pav_grpo", "rollout", f"PAV-GRPO, Monte-Carlo values (n={MC_N})",
                   mc_overrides=(f"mc_n={MC_N}", "mc_prefixes=every")),
     # the refined PAV's head refitted every 5 steps to the samples of pav_mc's settings (all refreshes in the window)
@@ -210,7 +220,7 @@ def main_ppo_command(scale, arm_name: str, seed: int, paths: RunPaths, run_dir: 
         f"verl_prm.steps.regex='{STEP_REGEX}'",
         "verl_prm.placement.pool=colocated",
         f"algorithm.adv_estimator={arm.estimator}",
-        f"algorithm.pav.alpha={rl.alpha}",
+        f"algorithm.pav.alpha={rl.alpha if arm.alpha is None else arm.alpha}",
         f"algorithm.pav.best_of_k={rl.best_of_k}",
         *(f"algorithm.pav.{override}" for override in arm.pav_overrides),
         "algorithm.use_kl_in_reward=False",

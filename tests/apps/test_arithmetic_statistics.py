@@ -250,3 +250,35 @@ def test_process_summary_averages_each_seeds_steps_then_the_seeds_and_prices_the
     assert mc["seconds_to_level"] == pytest.approx(mc["steps_to_level"] * 3.0)
     row = next(line for line in process_table(arms) if line.startswith("| PAV-GRPO, Monte-Carlo"))
     assert row.split(" | ")[1] == "0.750" and "600 (400)" in row, row
+
+
+def test_refresh_summary_means_each_refresh_step_over_the_seeds_that_refreshed_there():
+    """evaluate.refresh_summary: only the steps that logged pav/refresh/labels are refresh steps; each metric is
+    the mean over the seeds that logged it at that step (an AUROC left out for one-class labels is skipped, not
+    counted as 0); refresh_table prints a row per arm and refresh step, and nothing for arms that never refreshed."""
+    from verl_prm.apps.arithmetic.evaluate import refresh_summary, refresh_table, summarise_arms
+
+    nan = float("nan")
+
+    def step(s, labels=nan, mse=nan, constant=nan, auroc=nan, seconds=nan):
+        return {"step": s, "zero_signal_groups": 0.5, "refresh_labels": labels, "refresh_mse": mse,
+                "refresh_mse_constant": constant, "refresh_auroc": auroc, "refresh_seconds": seconds}
+
+    seed0 = [step(1), step(5, 600.0, 0.10, 0.20, 0.80, 90.0), step(6), step(10, 500.0, 0.05, 0.20, nan, 80.0)]
+    seed1 = [step(1), step(5, 400.0, 0.30, 0.25, 0.60, 70.0), step(6)]
+    rows = refresh_summary([seed0, seed1])
+    assert [r["step"] for r in rows] == [5, 10] and [r["seeds"] for r in rows] == [2, 1]
+    assert rows[0]["refresh_labels"] == pytest.approx(500.0)
+    assert rows[0]["refresh_mse"] == pytest.approx(0.20) and rows[0]["refresh_auroc"] == pytest.approx(0.70)
+    assert rows[1]["refresh_auroc"] is None and rows[1]["refresh_mse"] == pytest.approx(0.05)
+    assert refresh_summary([[step(1), step(2)]]) == []
+
+    runs = {"grpo": {s: {**_rl_run([0.2, 0.3, 0.4, 0.5]), "training": [step(1)]} for s in (0, 1)},
+            "pav_learned_refresh": {0: {**_rl_run([0.2, 0.4, 0.5, 0.6]), "training": seed0},
+                                    1: {**_rl_run([0.2, 0.4, 0.5, 0.6]), "training": seed1}}}
+    table = refresh_table(summarise_arms(runs, budget=30, resamples=20))
+    body = [line for line in table if line.startswith("| PAV-GRPO")]
+    assert len(body) == 2, table  # GRPO never refreshed: no row
+    assert body[0].split(" | ")[1:7] == ["5", "2", "500", "0.200", "0.225", "0.700"], body[0]
+    assert body[1].split(" | ")[6] == "n/a", body[1]
+    assert refresh_table(summarise_arms({"grpo": runs["grpo"]}, budget=30, resamples=20)) == []

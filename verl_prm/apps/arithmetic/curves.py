@@ -130,6 +130,8 @@ def summary_table(runs: dict[str, dict[int, dict]], scale) -> tuple[list[str], d
                      f"{ev._pm(s['curve'][-1][2], s['curve_se'][-1])} | {ev._pm(s['auc'], s['auc_se'])} | {to_level} | "
                      f"{speed} |")
     lines += ["", *ev.process_table(arms)]
+    refresh = ev.refresh_table(arms)
+    lines += ["", *refresh] if refresh else []
     return lines, arms
 
 

@@ -94,6 +94,30 @@ def process_summary(trainings: Sequence[Sequence[dict]]) -> dict:
     return out
 
 
+REFRESH_KEYS = ("refresh_labels", "refresh_mse", "refresh_mse_constant", "refresh_auroc", "refresh_seconds")
+
+
+def refresh_summary(trainings: Sequence[Sequence[dict]]) -> list[dict]:
+    """Per refresh step of a learned PAV's refresh (a step that logged ``refresh_labels``), the mean over the seeds
+    that refreshed at it of each of ``REFRESH_KEYS`` (a seed that did not log a metric at that step, e.g. the AUROC
+    of labels of one class, is skipped; None when no seed did) and ``seeds``, the number of seeds that refreshed
+    there. Empty for an arm that never refreshed."""
+    by_step: dict[int, list[dict]] = {}
+    for steps in trainings:
+        for t in steps:
+            if np.isfinite(t.get("refresh_labels", np.nan)):
+                by_step.setdefault(int(t["step"]), []).append(t)
+    out = []
+    for step in sorted(by_step):
+        rows = by_step[step]
+        entry = {"step": step, "seeds": len(rows)}
+        for key in REFRESH_KEYS:
+            finite = [r[key] for r in rows if np.isfinite(r.get(key, np.nan))]
+            entry[key] = float(np.mean(finite)) if finite else None
+        out.append(entry)
+    return out
+
+
 def summarise_arms(runs: dict, *, budget: int, reference: str = "grpo", level_fraction: float = 2 / 3,
                    resamples: int = 2000, seed: int = 0) -> dict:
     """Per arm over its seeds: the seed-mean held-out curve and its standard error per point, the final accuracy
@@ -154,6 +178,7 @@ def summarise_arms(runs: dict, *, budget: int, reference: str = "grpo", level_fr
                             "level_step": level_fraction * budget})
         summary.update({"budget": budget, "bootstrap": {"resamples": resamples, "seed": seed}})
         summary["process"] = process_summary([seeds[s]["training"] for s in sorted(seeds)])
+        summary["refresh"] = refresh_summary([seeds[s]["training"] for s in sorted(seeds)])
         steps = summary.get("steps_to_level")
         for name, per_step in (("tokens_to_level", "tokens_per_step"), ("seconds_to_level", "seconds_per_step")):
             cost = summary["process"][per_step]
@@ -327,6 +352,8 @@ def write_table(results: dict, path_md: str | Path, path_json: str | Path) -> st
         lines += ["", f"**Fewer than {MIN_REPORTED_SEEDS} seeds** ({', '.join(f'{a}: {n}' for a, n in few.items())}): "
                   "not a result to report; the bootstrap needs several seeds per arm."]
     lines += ["", *process_table(arms)]
+    refresh = refresh_table(arms)
+    lines += ["", *refresh] if refresh else []
     critic = results["critic"]
     lines += [
         "",
@@ -372,6 +399,28 @@ def process_table(arms: dict) -> list[str]:
               "over steps and seeds (A = the process term before alpha; right: steps whose exact value stays > 0, "
               "slipped: the step where it falls to 0). Tokens and seconds to L: steps to L times the arm's mean per "
               "step (verl's timing_s/step, the runs two at a time on the machine)."]
+    return lines
+
+
+def refresh_table(arms: dict) -> list[str]:
+    """Markdown lines for the arms whose learned PAV was refreshed from samples: per refresh step, how stale the PAV
+    was against the step's fresh labels before its refit (its MSE, the labels' own spread as the MSE of their mean,
+    its AUROC) and what the refresh cost. Empty when no arm refreshed."""
+    def num(value, digits=3):
+        return "n/a" if value is None or not np.isfinite(value) else f"{value:.{digits}f}"
+
+    refreshed = {arm: s["refresh"] for arm, s in arms.items() if s.get("refresh")}
+    if not refreshed:
+        return []
+    lines = ["| policy | refresh at step | seeds | labels | PAV's MSE before the refit | MSE of the labels' mean | "
+             "AUROC (labels >= 0.5) | s (sampling and refit) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for arm, rows in refreshed.items():
+        for r in rows:
+            lines.append(f"| {_arm_label(arm)} | {r['step']} | {r['seeds']} | {num(r['refresh_labels'], 0)} | "
+                         f"{num(r['refresh_mse'])} | {num(r['refresh_mse_constant'])} | {num(r['refresh_auroc'])} | "
+                         f"{num(r['refresh_seconds'], 1)} |")
+    lines += ["", "Refresh columns: the PAV as it scored the step (refitted at the previous refresh) against that "
+              "step's sampled labels, which it has not seen; mean over the seeds that refreshed at the step."]
     return lines
 
 

@@ -327,6 +327,13 @@ DIAGNOSTIC_METRICS = {
     "exact_abs_adv_slipped": "pav/exact_abs_adv_slipped",
     "zero_outcome_groups_with_signal": "pav/zero_outcome_groups_with_signal",
     "mc_seconds": "timing_s/pav_mc",
+    # a learned PAV's refresh (verl_prm.refresh.every=k), logged on its refresh steps only: the PAV before its refit
+    # against the step's fresh samples
+    "refresh_labels": "pav/refresh/labels",
+    "refresh_mse": "pav/refresh/mse",
+    "refresh_mse_constant": "pav/refresh/mse_constant",
+    "refresh_auroc": "pav/refresh/auroc",
+    "refresh_seconds": "timing_s/pav_refresh",
 }
 
 

@@ -450,6 +450,7 @@ class PavSyncTrainer(PPOTrainerSync):
         responses = data["responses"].to_padded_tensor(padding=pad_id)
         width = responses.shape[1]
         response_attention = (torch.arange(width)[None, :] < response_lengths[:, None]).long()
+        attention = torch.cat([prompt_mask, response_attention], dim=1)
         response_mask = data["response_mask"]
         if response_mask.is_nested:
             response_mask = response_mask.to_padded_tensor(padding=0)
@@ -459,7 +460,6 @@ class PavSyncTrainer(PPOTrainerSync):
                    "truncated": truncated_responses(responses, response_lengths, self._eos_token_ids())}
         if self.hook_config.diagnostics.reference is not None:
             # the exact reference of the diagnostics reads the split's texts, as a format=exact critic worker does
-            attention = torch.cat([prompt_mask, response_attention], dim=1)
             try:
                 tensors["reference"] = self.reference_critic.score_policy_batch(prompts, responses, attention,
                                                                                 split, self.tokenizer)
@@ -475,7 +475,7 @@ class PavSyncTrainer(PPOTrainerSync):
             tensors={
                 "prompts": prompts,
                 "responses": responses,
-                "attention_mask": torch.cat([prompt_mask, response_attention], dim=1),
+                "attention_mask": attention,
                 "step_ends": split.step_ends,
                 "num_steps": split.num_steps,
                 "step_ids": split.step_ids,

@@ -376,25 +376,27 @@ def write_table(results: dict, path_md: str | Path, path_json: str | Path) -> st
     return text
 
 
+def _num(value, digits: int = 3) -> str:
+    """A table cell: the value to ``digits`` decimals, n/a when it is missing or not finite."""
+    return "n/a" if value is None or not np.isfinite(value) else f"{value:.{digits}f}"
+
+
 def process_table(arms: dict) -> list[str]:
     """Markdown lines: per arm, its process term against the exact prover's on the same RL batches (the
     diagnostics; n/a where the arm has no reference) and what a step costs, with the steps to L turned into
     generated tokens and seconds."""
-    def num(value, digits=3):
-        return "n/a" if value is None or not np.isfinite(value) else f"{value:.{digits}f}"
-
     lines = ["| policy | corr(A, exact A) per step | mean abs A right / slipped steps | exact prover's | zero-outcome "
              "groups with a process signal | generated tokens / step (continuations) | s / step | tokens to L | "
              "s to L |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for arm, summary in arms.items():
         p = summary["process"]
-        mc = f" ({num(p['mc_tokens'], 0)})" if p["mc_tokens"] else ""
+        mc = f" ({_num(p['mc_tokens'], 0)})" if p["mc_tokens"] else ""
         lines.append(
-            f"| {_arm_label(arm)} | {num(p['process_corr'])} | {num(p['abs_adv_right'])} / {num(p['abs_adv_slipped'])} | "
-            f"{num(p['exact_abs_adv_right'])} / {num(p['exact_abs_adv_slipped'])} | "
-            f"{num(p['zero_outcome_groups_with_signal'])} | {num(p['tokens_per_step'], 0)}{mc} | "
-            f"{num(p['seconds_per_step'], 1)} | {num(summary.get('tokens_to_level'), 0)} | "
-            f"{num(summary.get('seconds_to_level'), 0)} |")
+            f"| {_arm_label(arm)} | {_num(p['process_corr'])} | {_num(p['abs_adv_right'])} / {_num(p['abs_adv_slipped'])} | "
+            f"{_num(p['exact_abs_adv_right'])} / {_num(p['exact_abs_adv_slipped'])} | "
+            f"{_num(p['zero_outcome_groups_with_signal'])} | {_num(p['tokens_per_step'], 0)}{mc} | "
+            f"{_num(p['seconds_per_step'], 1)} | {_num(summary.get('tokens_to_level'), 0)} | "
+            f"{_num(summary.get('seconds_to_level'), 0)} |")
     lines += ["", "Process columns: verl_prm.diagnostics against the exact prover on each arm's own RL batches, mean "
               "over steps and seeds (A = the process term before alpha; right: steps whose exact value stays > 0, "
               "slipped: the step where it falls to 0). Tokens and seconds to L: steps to L times the arm's mean per "
@@ -406,9 +408,6 @@ def refresh_table(arms: dict) -> list[str]:
     """Markdown lines for the arms whose learned PAV was refreshed from samples: per refresh step, how stale the PAV
     was against the step's fresh labels before its refit (its MSE, the labels' own spread as the MSE of their mean,
     its AUROC) and what the refresh cost. Empty when no arm refreshed."""
-    def num(value, digits=3):
-        return "n/a" if value is None or not np.isfinite(value) else f"{value:.{digits}f}"
-
     refreshed = {arm: s["refresh"] for arm, s in arms.items() if s.get("refresh")}
     if not refreshed:
         return []
@@ -416,9 +415,9 @@ def refresh_table(arms: dict) -> list[str]:
              "AUROC (labels >= 0.5) | s (sampling and refit) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for arm, rows in refreshed.items():
         for r in rows:
-            lines.append(f"| {_arm_label(arm)} | {r['step']} | {r['seeds']} | {num(r['refresh_labels'], 0)} | "
-                         f"{num(r['refresh_mse'])} | {num(r['refresh_mse_constant'])} | {num(r['refresh_auroc'])} | "
-                         f"{num(r['refresh_seconds'], 1)} |")
+            lines.append(f"| {_arm_label(arm)} | {r['step']} | {r['seeds']} | {_num(r['refresh_labels'], 0)} | "
+                         f"{_num(r['refresh_mse'])} | {_num(r['refresh_mse_constant'])} | {_num(r['refresh_auroc'])} | "
+                         f"{_num(r['refresh_seconds'], 1)} |")
     lines += ["", "Refresh columns: the PAV as it scored the step (refitted at the previous refresh) against that "
               "step's sampled labels, which it has not seen; mean over the seeds that refreshed at the step."]
     return lines

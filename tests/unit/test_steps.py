@@ -686,6 +686,23 @@ def test_alignment_with_max_tokens_steps(bpe_small, bpe_large):
         assert_critic_holds_step_ends(bpe_large, enc, split, b)
 
 
+def test_steps_the_critic_tokenizer_cannot_separate_are_a_clear_error(bpe_small, bpe_large):
+    """Fixed-size token steps of the policy's small vocabulary: bpe_large's one token " answer" holds the last
+    characters of two 4-token steps ("So the a" | "nswer" ...), so the critic cannot read them apart. The error
+    names the sample and what to do, instead of a packing invariant later."""
+    texts = ["First, 3 + 4 = 7.", "So the answer is seventeen thousand"]
+    ids, mask = batch(bpe_small, texts, eos=False)
+    split = split_steps(ids, mask, bpe_small, delimiter=None, max_tokens=4)
+    with pytest.raises(ValueError, match=r"sample 1: steps 0 and 1 end in the same critic token \(' answer'.*"
+                                         r"cannot separate these steps.*delimiter=.*policy's tokenizer"):
+        align_to_critic(ids, mask, bpe_small, bpe_large, split, prompts=["Q"] * 2)
+    # the same responses split at a text delimiter align
+    split = split_steps(ids, mask, bpe_small, delimiter=" ")
+    for b, enc in enumerate(align_to_critic(ids, mask, bpe_small, bpe_large, split, prompts=["Q"] * 2)):
+        assert_critic_holds_step_ends(bpe_large, enc, split, b)
+        assert all(a < b for a, b in zip(enc.step_ends, enc.step_ends[1:]))
+
+
 def test_same_tokenizer_fast_path_does_not_encode(bpe_large, monkeypatch):
     ids, mask = batch(bpe_large, CASES, left=True)  # left padding: positions shift, ranks do not
     split = split_steps(ids, mask, bpe_large)

@@ -47,6 +47,21 @@ def _end_tokens_from_offsets(offsets: list[tuple[int, int]], span_ends: list[int
     return (np.searchsorted(starts, np.asarray(span_ends, dtype=np.int64), "left") - 1).clip(min=0).tolist()
 
 
+def _check_separable(ends: list[int], response_ids: Sequence[int], tokenizer: Any, sample: Any) -> None:
+    """Each step must end in its own critic token: when one critic token holds the last characters of steps
+    h - 1 and h (a critic token longer than a step, e.g. fixed-size token steps of another vocabulary), the
+    critic has no position to read v_h apart from v_{h-1}."""
+    for h in range(1, len(ends)):
+        if ends[h] <= ends[h - 1]:
+            piece = tokenizer.decode([response_ids[ends[h]]]) if ends[h] < len(response_ids) else ""
+            raise ValueError(
+                f"sample {sample}: steps {h - 1} and {h} end in the same critic token ({piece!r}, response token "
+                f"{ends[h]}): the critic's tokenizer cannot separate these steps. Split steps at a text "
+                "delimiter (delimiter=, e.g. '\\n\\n', instead of max_tokens= or a regex ending inside a word) "
+                "or use a critic with the policy's tokenizer"
+            )
+
+
 def _response_char_ends(
     tokenizer: Any, responses: list[str], response_token_ids: list[list[int]]
 ) -> list[list[int] | None]:
@@ -95,6 +110,7 @@ def _encode_batch(
             if list(offsets["input_ids"]) != list(response_ids[b]):
                 raise ValueError(f"sample {sample}: the tokenizer encodes the response differently on a second call")
             ends = _end_tokens_from_offsets(list(offsets["offset_mapping"]), span_ends[b])
+        _check_separable(ends, response_ids[b], tokenizer, sample)
         prompt_length = len(prompt_ids[b])
         out.append(
             EncodedSteps(

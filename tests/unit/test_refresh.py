@@ -195,6 +195,58 @@ def test_store_refuses_other_settings_a_second_writer_and_a_damaged_state(tmp_pa
     store.close()
 
 
+def test_store_refuses_files_that_are_not_its_own_and_window_size_zero_is_empty(tmp_path):
+    """A copy of a state (or any other file in state/) would put its refresh twice into the refit's window: the
+    store refuses it by name, when opened and when listing its steps; a killed writer's temporary file is its
+    own. ``window(up_to, 0)`` holds no refresh (``[-0:]`` would have been all of them)."""
+    import shutil
+
+    values, groups, success, real, _ = _batch()
+    store = RefreshStore(tmp_path / "refresh", {"every": 1})
+    for step in (1, 2, 3):
+        store.write(_store_rows(step), _label_rows(values, groups, success, real, step=step), torch.zeros(3), 0.0)
+    store.close()
+    state = tmp_path / "refresh" / "state"
+    (state / "step_000004.tmp").write_bytes(b"half written")  # what a write killed before its rename leaves
+    store = RefreshStore(tmp_path / "refresh", {"every": 1})
+    assert store.steps(10) == [1, 2, 3]
+    assert [rows.step for rows in store.window(3, 2)] == [2, 3]
+    assert [rows.step for rows in store.window(3, 5)] == [1, 2, 3]
+    assert store.window(3, 0) == []
+    for size in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=f"size must be an int >= 0 .*got {size!r}"):
+            store.window(3, size)
+    for stray in ("step_000003_copy.safetensors", "step_latest.safetensors", "step_0000003.safetensors"):
+        shutil.copy(state / "step_000003.safetensors", state / stray)
+        with pytest.raises(ValueError, match=f"not the refresh store's own \\({stray}; .*move them out"):
+            store.steps(10)
+        store.close()
+        with pytest.raises(ValueError, match=f"not the refresh store's own \\({stray}; "):
+            RefreshStore(tmp_path / "refresh", {"every": 1})
+        (state / stray).unlink()
+        store = RefreshStore(tmp_path / "refresh", {"every": 1})  # the refusal released the lock
+    store.close()
+
+
+@pytest.mark.parametrize("content, problem", [
+    ("", "is empty"), ('{"every": ', "cannot be read as JSON"), ("[2]", r"its field|it is list"),
+    ('"every"', "it is str"), (b"\xff\xfe", "cannot be read as JSON")])
+def test_store_names_a_damaged_settings_file(tmp_path, content, problem):
+    directory = tmp_path / "refresh"
+    RefreshStore(directory, {"every": 2}).close()
+    settings = directory / "settings.json"
+    assert json.loads(settings.read_text()) == {"every": 2}
+    assert not [p.name for p in directory.iterdir() if p.name.startswith(".settings")]  # no temporary file left
+    if isinstance(content, bytes):
+        settings.write_bytes(content)
+    else:
+        settings.write_text(content)
+    with pytest.raises(ValueError, match=f"{settings} .*{problem}.*restore it, or set verl_prm.refresh.directory"):
+        RefreshStore(directory, {"every": 2})
+    settings.write_text('{"every": 2}')
+    RefreshStore(directory, {"every": 2}).close()  # the refusal released the lock
+
+
 def test_labelled_rows_keep_the_positions_with_trials():
     features = torch.arange(2 * 3 * 2, dtype=torch.float32).reshape(2, 3, 2)
     trials = torch.tensor([[2.0, 0.0, 1.0], [0.0, 3.0, 0.0]], dtype=torch.float64)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,11 @@ __all__ = ["PROMPT_INDEX_STRIDE", "RefreshRows", "RefreshStore", "labelled_rows"
 # prompt_index of a refresh label row: step x PROMPT_INDEX_STRIDE + the prompt's group in the batch, unique in the
 # store's label directory (verl_prm.labeling.format identifies a rollout by (prompt_index, rollout_index))
 PROMPT_INDEX_STRIDE = 1_000_000
+
+# the names of the store's state files (step_{t:06d}.safetensors, more digits past 999999) and of the temporary
+# file a write renames into one
+_STATE_FILE = re.compile(r"step_(\d{6,})\.safetensors")
+_STATE_TEMPORARY = re.compile(r"step_\d{6,}\.tmp")
 
 
 @dataclass
@@ -204,26 +210,36 @@ class RefreshStore:
     started with; a resume with other settings is an error naming them); per refresh step t the label shard
     ``labels/step_{t:06d}.parquet`` and ``state/step_{t:06d}.safetensors`` (the rows the head was fitted on and
     the head itself). A resumed run reads the states of the steps it has done; later ones (of a run that died
-    after its last checkpoint) are ignored and overwritten when those steps run again."""
+    after its last checkpoint) are ignored and overwritten when those steps run again.
+
+    Only the store's own files count: any other file in ``state/`` (a copy ``step_000003_copy.safetensors``, a
+    ``step_latest.safetensors``) is refused, naming it, when the store is opened and whenever it lists its
+    steps, since counting it could hold a refresh twice in the refit's window. A temporary file that a killed
+    writer left (``step_000003.tmp``) is the store's own and is overwritten by the next write of that step."""
+
+    _FIX = "set verl_prm.refresh.directory to a new directory"
 
     def __init__(self, directory: str | os.PathLike, settings: dict) -> None:
+        from verl_prm.resume import check_same_settings, jsonable, read_settings, write_settings
+
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.lock = DirectoryLock(self.directory, "verl-prm refresh of the PAV").acquire()
-        (self.directory / "labels").mkdir(exist_ok=True)
-        (self.directory / "state").mkdir(exist_ok=True)
-        path = self.directory / "settings.json"
-        settings = json.loads(json.dumps(settings))
-        if path.exists():
-            stored = json.loads(path.read_text())
-            changed = [f"{key}: {stored.get(key)!r} -> {settings.get(key)!r}" for key in sorted(set(stored) | set(settings))
-                       if stored.get(key) != settings.get(key)]
-            if changed:
-                self.lock.release()
-                raise ValueError(f"{self.directory} holds the refresh of a run with other settings ({'; '.join(changed)}): "
-                                 "resume with the same settings, or set verl_prm.refresh.directory to a new directory")
-        else:
-            path.write_text(json.dumps(settings, indent=2, sort_keys=True))
+        try:
+            (self.directory / "labels").mkdir(exist_ok=True)
+            (self.directory / "state").mkdir(exist_ok=True)
+            path = self.directory / "settings.json"
+            settings = jsonable(settings)
+            stored = read_settings(path, fix=self._FIX)
+            if stored is None:
+                write_settings(path, settings)
+            else:
+                check_same_settings(stored, settings, source=self.directory, what="the refresh of a run",
+                                    fix=self._FIX)
+            self._state_files()
+        except BaseException:
+            self.lock.release()
+            raise
 
     def close(self) -> None:
         self.lock.release()
@@ -252,14 +268,25 @@ class RefreshStore:
                   metadata={"step": str(rows.step)})
         os.replace(temporary, state)
 
+    def _state_files(self) -> dict[int, Path]:
+        """step -> state file of every refresh stored; any file in ``state/`` that is not the store's own is a
+        ValueError naming it (class docstring)."""
+        found, strays = {}, []
+        for path in sorted((self.directory / "state").iterdir()):
+            match = _STATE_FILE.fullmatch(path.name)
+            if match and path.is_file() and path.name == self._state_path(int(match.group(1))).name:
+                found[int(match.group(1))] = path
+            elif not (_STATE_TEMPORARY.fullmatch(path.name) and path.is_file()):
+                strays.append(path.name)
+        if strays:
+            raise ValueError(f"{self.directory / 'state'} holds files that are not the refresh store's own "
+                             f"({', '.join(strays)}; its states are named step_XXXXXX.safetensors): move them out of "
+                             "the directory, then resume")
+        return found
+
     def steps(self, up_to: int) -> list[int]:
         """The refresh steps stored, <= ``up_to``, in order."""
-        found = []
-        for path in (self.directory / "state").glob("step_*.safetensors"):
-            step = int(path.stem.split("_")[1])
-            if step <= up_to:
-                found.append(step)
-        return sorted(found)
+        return sorted(step for step in self._state_files() if step <= up_to)
 
     def read(self, step: int) -> tuple[RefreshRows, torch.Tensor, float]:
         """(rows, head weight [d], head bias) of the refresh at ``step``; a damaged state names its file."""
@@ -281,8 +308,11 @@ class RefreshStore:
         return rows, weight, bias
 
     def window(self, up_to: int, size: int) -> list[RefreshRows]:
-        """The rows of the last ``size`` refreshes at steps <= ``up_to``."""
-        return [self.read(step)[0] for step in self.steps(up_to)[-size:]]
+        """The rows of the last ``size`` refreshes at steps <= ``up_to`` (none for ``size`` 0)."""
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"RefreshStore.window: size must be an int >= 0 (the number of refreshes), got {size!r}")
+        steps = self.steps(up_to)
+        return [self.read(step)[0] for step in steps[max(len(steps) - size, 0):]] if size else []
 
 
 def labelled_rows(step: int, features: torch.Tensor, targets: torch.Tensor, trials: torch.Tensor) -> RefreshRows:

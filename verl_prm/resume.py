@@ -1,0 +1,90 @@
+"""Resume only with the same settings: the one check behind every resumable directory (the label store, the
+trainer's checkpoints, the refresh store, the recipe's stages).
+
+A directory records the settings it was started with (:func:`write_settings`, atomically); a later run reads
+them back (:func:`read_settings`, which names the file when it is empty, cut short or not a JSON object) and
+:func:`check_same_settings` refuses other settings, naming every differing setting with both values and how to
+start over instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["check_same_settings", "jsonable", "read_settings", "settings_differences", "write_settings"]
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` as it reads back from JSON (tuples become lists, dataclasses dicts, other objects their
+    ``str``): what a stored copy is compared with."""
+    return json.loads(json.dumps(value, default=lambda o: asdict(o) if is_dataclass(o) else str(o)))
+
+
+def settings_differences(saved: Any, current: Any, key: str = "", ignore: Sequence[str] = ()) -> list[str]:
+    """``key: saved -> current`` for every leaf setting that differs (dotted keys, list items by index), in key
+    order; top-level keys in ``ignore`` are left out (settings a resume may change)."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        out = []
+        for name in sorted(set(saved) | set(current), key=str):
+            if not key and name in ignore:
+                continue
+            out += settings_differences(saved.get(name), current.get(name), f"{key}.{name}" if key else str(name))
+        return out
+    if isinstance(saved, list) and isinstance(current, list) and len(saved) == len(current):
+        out = []
+        for i, (old, new) in enumerate(zip(saved, current)):
+            out += settings_differences(old, new, f"{key}[{i}]")
+        return out
+    return [] if saved == current else [f"{key or 'settings'}: {saved!r} -> {current!r}"]
+
+
+def check_same_settings(saved: dict, current: dict, *, source: Any, what: str, fix: str,
+                        ignore: Sequence[str] = ()) -> None:
+    """Refuse a resume whose ``current`` settings differ from the ``saved`` ones (outside ``ignore``): a
+    ValueError ``{source} holds {what} made with other settings (key: saved -> current; ...): resume with the
+    same settings, or {fix}``."""
+    differences = settings_differences(saved, current, ignore=ignore)
+    if differences:
+        raise ValueError(f"{source} holds {what} made with other settings ({'; '.join(differences)}): resume with "
+                         f"the same settings, or {fix}")
+
+
+def read_settings(path: str | os.PathLike, *, fix: str, field: str | None = None) -> dict | None:
+    """The settings stored at ``path`` (a JSON object; with ``field``, that field of the object), or None when
+    there is no such file. An empty, cut-short or wrongly typed file is a ValueError naming it and ``fix`` (how
+    to start over)."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    stored, problem = None, None
+    try:
+        text = path.read_text()
+        stored = json.loads(text) if text.strip() else None
+        problem = None if text.strip() else "is empty"
+    except (OSError, ValueError) as error:  # a directory, no permission, not UTF-8, not JSON (cut short)
+        problem = f"cannot be read as JSON ({type(error).__name__}: {error})"
+    if problem is None and field is not None:
+        stored = stored.get(field) if isinstance(stored, dict) else None
+    if problem is None and not isinstance(stored, dict):
+        where = f"its field {field!r}" if field is not None else "it"
+        problem = f"does not hold a JSON object of settings ({where} is {type(stored).__name__})"
+    if problem is not None:
+        raise ValueError(f"{path} {problem}: it is written atomically, so it was changed afterwards; restore it, "
+                         f"or {fix}")
+    return stored
+
+
+def write_settings(path: str | os.PathLike, settings: Any) -> None:
+    """Write ``settings`` as JSON to ``path`` atomically (a temporary file, flushed, then renamed), so that a
+    run killed at any moment leaves the old file or the new one."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(temporary, "w") as handle:
+        handle.write(json.dumps(settings, indent=2, sort_keys=True))
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)

@@ -21,12 +21,13 @@ __all__ = ["check_same_settings", "jsonable", "read_settings", "settings_differe
 def jsonable(value: Any) -> Any:
     """``value`` as it reads back from JSON (tuples become lists, dataclasses dicts, other objects their
     ``str``): what a stored copy is compared with."""
-    return json.loads(json.dumps(value, default=lambda o: asdict(o) if is_dataclass(o) else str(o)))
+    return json.loads(json.dumps(value, default=lambda o: asdict(o) if is_dataclass(o) and not isinstance(o, type) else str(o)))
 
 
 def settings_differences(saved: Any, current: Any, key: str = "", ignore: Sequence[str] = ()) -> list[str]:
     """``key: saved -> current`` for every leaf setting that differs (dotted keys, list items by index), in key
-    order; top-level keys in ``ignore`` are left out (settings a resume may change)."""
+    order; a key missing on one side reads as None; top-level keys in ``ignore`` are left out (settings a resume
+    may change)."""
     if isinstance(saved, dict) and isinstance(current, dict):
         out = []
         for name in sorted(set(saved) | set(current), key=str):

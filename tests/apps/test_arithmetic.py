@@ -197,15 +197,6 @@ def test_rl_stage_is_complete_only_when_every_run_is(tmp_path):
     assert more["evaluate"].settings != stages["evaluate"].settings
 
 
-def test_settings_differences_name_each_changed_leaf():
-    from verl_prm.apps.arithmetic.pipeline import settings_differences
-
-    recorded = {"rl": {"steps": 40, "lr": 2e-4}, "arms": ["grpo", "pav_exact"], "seed": 0}
-    current = {"rl": {"steps": 60, "lr": 2e-4}, "arms": ["grpo", "pav_learned"], "seed": 0, "new": 1}
-    assert settings_differences(recorded, current) == [
-        "arms[1]: 'pav_exact' -> 'pav_learned'", "new: None -> 1", "rl.steps: 40 -> 60"]
-
-
 # ------------------------------------------------------------------------------------------- verl commands
 
 
@@ -342,8 +333,9 @@ def test_the_gpu_scale_runs_each_gpu_stage_in_a_process_of_its_own(tmp_path, mon
 
     import verl_prm.labeling.cli as label_cli
     from verl_prm.apps.arithmetic.pipeline import (
-        SCALES, _jsonable, label_prompts, recipe_parser, scale_from_args, scale_from_json, stage_process_command,
+        SCALES, label_prompts, recipe_parser, scale_from_args, scale_from_json, stage_process_command,
         stages_in_own_process)
+    from verl_prm.resume import jsonable as _jsonable
     from verl_prm.apps.arithmetic.task import generate_problems, verl_row
 
     assert stages_in_own_process(SCALES["gpu"]) == ("sft", "label", "pav", "pav_refined", "evaluate")

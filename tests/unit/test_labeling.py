@@ -191,8 +191,15 @@ def test_store_refuses_other_settings_and_repeated_prompts(tmp_path):
     task = ScriptedStepTask(num_steps=2)
     rows = scripted_labeler(LabelSettings(n_cov=1, n_mc=2), 0.5, 0.5).label(scripted_items(task, 1), [task.prompt(0)])
     store.write_shard(rows)
-    with pytest.raises(ValueError, match="n_mc: 8 -> 16"):
-        store.check_config({"n_mc": 16, "shard_size": 4}, ignore=("shard_size",))
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path} holds labels made with other settings (n_mc: 8 -> 16; "
+                                                   "seed: None -> 1): resume with the same settings, or write to a "
+                                                   "new --output-dir")):
+        store.check_config({"n_mc": 16, "shard_size": 4, "seed": 1}, ignore=("shard_size",))
+    for damaged, problem in (("", "is empty"), ("[8]", "does not hold a JSON object of settings (it is list)"),
+                             ('{"n_mc": 8', "cannot be read as JSON")):
+        store.config_path.write_text(damaged)
+        with pytest.raises(ValueError, match=re.escape(f"{store.config_path} {problem}") + ".*write to a new --output"):
+            store.check_config({"n_mc": 8, "shard_size": 4}, ignore=("shard_size",))
     store.write_shard(rows)
     with pytest.raises(ValueError, match="repeats prompts"):
         store.finished_prompts()

@@ -590,8 +590,9 @@ def test_resume_refuses_changed_inputs_and_settings(critic_setup, tmp_path):
     with pytest.raises(RuntimeError, match="crash"):
         train(_config(root, "unused", **settings), on_step=crash_at_one)
     checkpoint = tmp_path / "run" / "checkpoint-0000001"
-    with pytest.raises(ValueError, match=re.escape(f"cannot resume from {checkpoint}: settings differ (grad_clip: 1.0 "
-                                                   "-> 0.5)")):
+    with pytest.raises(ValueError, match=re.escape(f"{checkpoint} holds a checkpoint made with other settings (grad_clip: "
+                                                   "1.0 -> 0.5): resume with the same settings, or start over with "
+                                                   "--no-resume or a new --output-dir")):
         train(_config(root, "unused", **settings, grad_clip=0.5))
     ShardStore(labels).write_shard(_label_rows(ScriptedStepTask(num_steps=NUM_STEPS), range(200, 201), n_cov=2, n_mc=2))
     with pytest.raises(ValueError, match=re.escape(f"cannot resume from {checkpoint}: inputs changed since it was "

@@ -15,7 +15,6 @@ and skips every prompt that a complete shard holds (read from the shards' ``prom
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Sequence
 import pyarrow.parquet as pq
 
 from verl_prm.labeling.format import rows_to_table
+from verl_prm.resume import check_same_settings, jsonable, read_settings, settings_differences, write_settings
 
 __all__ = ["ShardStore"]
 
@@ -46,29 +46,19 @@ class ShardStore:
         Settings bind only labels that exist: while the directory holds no shard (a run that failed before its
         first shard), other settings replace the stored ones, and the returned note says which changed.
         """
-        config = json.loads(json.dumps(config, default=str))
+        fix = "write to a new --output-dir"
+        config = jsonable(config)
+        stored = read_settings(self.config_path, fix=fix)
         note = None
-        if self.config_path.exists():
-            try:
-                stored = json.loads(self.config_path.read_text())
-            except ValueError as error:
-                raise ValueError(f"{self.config_path} is not valid JSON ({error}); it is written atomically, so it "
-                                 "was edited by hand: restore it or write to a new --output-dir") from None
-            differing = sorted(
-                key for key in set(stored) | set(config) if key not in ignore and stored.get(key) != config.get(key)
-            )
+        if stored is not None:
+            differing = settings_differences(stored, config, ignore=ignore)
             if not differing:
                 return None
-            details = ", ".join(f"{k}: {stored.get(k)!r} -> {config.get(k)!r}" for k in differing)
             if self.shard_paths():
-                raise ValueError(
-                    f"{self.directory} holds labels made with other settings ({details}); resume with the same "
-                    "settings or write to a new --output-dir"
-                )
-            note = f"{self.directory} holds no label shard yet: the new settings replace the stored ones ({details})"
-        temp = self.config_path.with_name(f".{self.config_path.name}.tmp")
-        temp.write_text(json.dumps(config, indent=2, sort_keys=True))
-        os.replace(temp, self.config_path)
+                check_same_settings(stored, config, source=self.directory, what="labels", fix=fix, ignore=ignore)
+            note = (f"{self.directory} holds no label shard yet: the new settings replace the stored ones "
+                    f"({'; '.join(differing)})")
+        write_settings(self.config_path, config)
         return note
 
     def shard_paths(self) -> list[Path]:

@@ -44,6 +44,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from verl_prm.resume import check_same_settings
 from verl_prm.training.data import (
     EncodedRollout,
     class_balanced_weights,
@@ -661,13 +662,8 @@ def _resume_point(config: TrainConfig, output_dir: Path, inputs: dict,
             raise ValueError(f"{output_dir} holds only damaged checkpoints ({', '.join(damaged)}; see the notes above): "
                              "rerun with --no-resume to set them aside and start over, or use a new --output-dir")
         return None, None
-    stored, current = state["config"], asdict(config)
-    differing = [k for k in sorted(set(stored) | set(current)) if k not in _RESUME_FREE_KEYS
-                 and stored.get(k) != current.get(k)]
-    if differing:
-        details = ", ".join(f"{k}: {stored.get(k)!r} -> {current.get(k)!r}" for k in differing)
-        raise ValueError(f"cannot resume from {checkpoint}: settings differ ({details}); use the same settings, "
-                         "or start over with --no-resume or a new --output-dir")
+    check_same_settings(state["config"], asdict(config), source=checkpoint, what="a checkpoint",
+                        fix="start over with --no-resume or a new --output-dir", ignore=_RESUME_FREE_KEYS)
     changes = _changed_inputs(state.get("inputs", {}), inputs)
     if changes:
         raise ValueError(f"cannot resume from {checkpoint}: inputs changed since it was written ({'; '.join(changes)}); "

@@ -44,7 +44,7 @@ def read_runs(sources: Sequence[str | Path], arms: Sequence[str] | None = None) 
     of one arm must share every setting but the seed, and every run the machine kind (``machine.machine_line``: the
     numbers depend on the float kernels, so one table holds one kind): otherwise an error names the difference."""
     from verl_prm.apps.arithmetic.machine import machine_line
-    from verl_prm.apps.arithmetic.pipeline import settings_differences
+    from verl_prm.resume import settings_differences
 
     runs: dict[str, dict[int, dict]] = {}
     first_machine: tuple[str, str] | None = None

@@ -70,6 +70,7 @@ from verl_prm.apps.arithmetic.machine import cpu_info, gpu_names
 from verl_prm.apps.arithmetic.model import ModelConfig, SFTConfig
 from verl_prm.apps.arithmetic.task import STEP_REGEX, TaskConfig
 from verl_prm.apps.arithmetic.verl_rl import ARMS, CRITIC_STAGES, LEARNED_ARMS, SCORE_FILE, RLConfig, device_overrides
+from verl_prm.resume import check_same_settings, jsonable, read_settings, write_settings
 
 __all__ = ["Scale", "SCALES", "STAGES", "environment", "run", "main", "scale_from_json", "seed_everything",
            "split_problems", "stage_process_command", "stages_in_own_process"]
@@ -358,32 +359,13 @@ def stage_seed(name: str) -> int:
     return zlib.crc32(f"arithmetic-stage-{name}".encode())
 
 
-def settings_differences(recorded, current, key: str = "") -> list[str]:
-    """``key: recorded -> current`` for every leaf setting that differs (dotted keys, list items by index)."""
-    if isinstance(recorded, dict) and isinstance(current, dict):
-        out = []
-        for name in sorted(set(recorded) | set(current), key=str):
-            out += settings_differences(recorded.get(name), current.get(name), f"{key}.{name}" if key else str(name))
-        return out
-    if isinstance(recorded, list) and isinstance(current, list) and len(recorded) == len(current):
-        out = []
-        for i, (old, new) in enumerate(zip(recorded, current)):
-            out += settings_differences(old, new, f"{key}[{i}]")
-        return out
-    return [] if recorded == current else [f"{key or 'settings'}: {recorded!r} -> {current!r}"]
-
-
-def _jsonable(value):
-    return json.loads(json.dumps(value, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)))
-
-
 class Stage:
     """A stage directory with a completion marker that records the stage's settings."""
 
     def __init__(self, root: Path, name: str, settings: dict, parts: Sequence["Stage"] = ()) -> None:
         self.path = root / name
         self.marker = self.path / "DONE.json"
-        self.settings = _jsonable(settings)
+        self.settings = jsonable(settings)
         # sub-stages with their own markers (the rl stage's runs): the stage is complete when every part is, so
         # a finished stage asked for more parts (another arm or seed) runs only the new ones
         self.parts = tuple(parts)
@@ -391,15 +373,13 @@ class Stage:
     def done(self) -> bool:
         if not self.marker.exists() or not all(part.done() for part in self.parts):
             return False
-        recorded = json.loads(self.marker.read_text())
-        if recorded.get("settings") != self.settings:
-            changed = "; ".join(settings_differences(recorded.get("settings"), self.settings)[:8])
-            raise ValueError(f"{self.path} was completed with other settings ({changed}); use another --work-dir "
-                             "or delete it")
+        fix = f"use another --work-dir or delete {self.path}"
+        recorded = read_settings(self.marker, fix=fix, field="settings")
+        check_same_settings(recorded, self.settings, source=self.path, what="a completed stage", fix=fix)
         return True
 
     def finish(self, outputs: dict, seconds: float, env: dict | None = None) -> dict:
-        record = {"settings": self.settings, "outputs": _jsonable(outputs), "seconds": round(seconds, 1),
+        record = {"settings": self.settings, "outputs": jsonable(outputs), "seconds": round(seconds, 1),
                   "environment": env if env is not None else environment()}
         tmp = self.marker.with_suffix(".tmp")
         tmp.write_text(json.dumps(record, indent=2))
@@ -628,13 +608,13 @@ def stage_rl(stage: Stage, scale: Scale, data_dir: Path, policy: Path, learned_c
             continue
         # an interrupted run resumes from its verl checkpoints only under the same settings
         started = run_stage.path / "SETTINGS.json"
-        if started.exists():
-            changed = settings_differences(json.loads(started.read_text()), run_stage.settings)
-            if changed:
-                raise ValueError(f"{run_stage.path} holds an interrupted run with other settings "
-                                 f"({'; '.join(changed[:8])}); delete it or use another --work-dir")
+        fix = f"delete {run_stage.path} or use another --work-dir"
+        recorded = read_settings(started, fix=fix)
+        if recorded is not None:
+            check_same_settings(recorded, run_stage.settings, source=run_stage.path, what="an interrupted run",
+                                fix=fix)
         run_stage.path.mkdir(parents=True, exist_ok=True)
-        started.write_text(json.dumps(run_stage.settings, indent=2))
+        write_settings(started, run_stage.settings)
         todo.append((arm, seed, run_stage.path.resolve()))
 
     def finished(arm: str, seed: int, run_dir: Path, seconds: float) -> None:
@@ -724,7 +704,7 @@ def stage_evaluate(stage: Stage, scale: Scale, policy: Path, critic: str, pav_me
                              resamples=scale.bootstrap_resamples, seed=scale.bootstrap_seed)
     results = {"policies": policies, "runs": runs, "arms": arms,
                "prover": prover, "critic": critic_result, "search": search,
-               "settings": _jsonable(scale), "environment": environment()}
+               "settings": jsonable(scale), "environment": environment()}
     table = ev.write_table(results, stage.path / "results.md", stage.path / "results.json")
     plots = ev.plot_all(results, stage.path)
     return {"table": table, "plots": plots, "results": str(stage.path / "results.json")}
@@ -875,7 +855,7 @@ def stages_in_own_process(scale: Scale) -> tuple[str, ...]:
 
 
 def scale_from_json(data: dict) -> Scale:
-    """The ``Scale`` whose ``_jsonable`` form is ``data`` (what ``WORK_DIR/scale.json`` holds)."""
+    """The ``Scale`` whose ``jsonable`` form is ``data`` (what ``WORK_DIR/scale.json`` holds)."""
     return _dataclass_from_json(Scale, data)
 
 
@@ -920,7 +900,7 @@ def run_stage_process(scale: Scale, root: Path, stage: str, progress: bool) -> N
 
     scale_file = root / "scale.json"
     tmp = scale_file.with_suffix(".tmp")
-    tmp.write_text(json.dumps(_jsonable(scale), indent=2))
+    tmp.write_text(json.dumps(jsonable(scale), indent=2))
     tmp.replace(scale_file)
     command = stage_process_command(scale_file, root, stage, progress)
     code = subprocess.run(command).returncode

@@ -29,25 +29,21 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import Literal
 
 import numpy as np
 import torch
 
-from verl_prm.choices import AGGREGATIONS
+from verl_prm.choices import AGGREGATIONS, COMPILE_MODES, MIN_FORM_BASELINES, PRIME_REWARD_MASKS, Aggregation
 
 __all__ = [
-    "AGGREGATIONS",
-    "COMPILE_MODES",
     "FUSED_MIN_TOKENS",
-    "MIN_FORM_BASELINES",
     "MIN_SOFTMIN_TEMPERATURE",
-    "PRIME_REWARD_MASKS",
     "aggregate_step_scores",
     "batch_baseline_outcome",
     "best_of_k",
     "check_softmin_temperature",
     "check_step_inputs",
+    "check_step_shapes",
     "group_ids",
     "group_normalized_outcome",
     "leave_one_out_outcome",
@@ -60,6 +56,8 @@ __all__ = [
     "min_form_advantage",
     "min_form_step_rewards",
     "process_advantage",
+    "process_advantage_and_bad_ids",
+    "bad_step_id_rows",
     "process_scores",
     "pure_whiten",
     "response_end_positions",
@@ -77,12 +75,6 @@ MIN_NORMALIZE_STD = 1e-3
 # compile="auto" fuses the per-token lookup for batches of at least this many tokens; below it an eager call
 # costs about a millisecond, and the one-time compilation (3-11 s on CPU) would not pay off.
 FUSED_MIN_TOKENS = 1 << 20
-COMPILE_MODES = ("auto", "always", "never")
-Aggregation = Literal["min", "max", "mean", "sum", "product", "last"]
-# PURE's baselines of the min-form step rewards (``min_form_advantage``) and PRIME's reward masks
-# (``leave_one_out_process_advantage``).
-MIN_FORM_BASELINES = ("token", "step", "none")
-PRIME_REWARD_MASKS = ("step_end", "response")
 # Smallest positive softmin temperature: the logits -p/T stay finite in float32 (max 3.4e38) for |p| <= 1000, the
 # bound of the estimators' process scores (progress or values in [-1, 1], divided by a std >= 1e-3 when
 # pav.normalize is on): 1000 / 1e-30 = 1e33.
@@ -386,6 +378,26 @@ def process_advantage(
     Returns:
         [B, T] advantages in the dtype of ``outcome_advantage``.
     """
+    return process_advantage_and_bad_ids(outcome_advantage, step_scores, step_ids, response_mask, alpha,
+                                         compile=compile)[0]
+
+
+def process_advantage_and_bad_ids(
+    outcome_advantage: torch.Tensor,
+    step_scores: torch.Tensor,
+    step_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    alpha: float,
+    *,
+    num_steps: torch.Tensor | None = None,
+    compile: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``process_advantage``, and with ``num_steps`` the responses whose step ids leave ``[-1, num_steps - 1]``.
+
+    Returns ``(advantages [B, T], bad_id_rows [B] bool or None)``. The fused kernel flags bad ids in the same
+    pass that reads ``step_ids`` for the lookup, so the estimators' input check of the largest input costs no
+    extra memory traffic (``check_step_inputs(bad_id_rows=...)``); the eager path makes one more pass.
+    """
     if compile not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
     _check_finite("alpha", alpha)
@@ -393,17 +405,25 @@ def process_advantage(
     table = torch.add(outcome_advantage[:, None], torch.nn.functional.pad(step_scores, (1, 0)), alpha=alpha)
     table = table.to(outcome_advantage.dtype)
     if compile == "always" or (compile == "auto" and step_ids.numel() >= FUSED_MIN_TOKENS):
-        return _fused_masked_lookup(table, step_ids, response_mask, fall_back=compile == "auto")
-    return _lookup(table, step_ids).mul_(response_mask)
+        limit = num_steps if num_steps is not None else torch.full(
+            (step_ids.shape[0],), step_scores.shape[1], dtype=torch.long, device=step_ids.device)
+        advantages, bad = _fused_masked_lookup(table, step_ids, response_mask, limit, fall_back=compile == "auto")
+        return advantages, (bad if num_steps is not None else None)
+    advantages = _lookup(table, step_ids).mul_(response_mask)
+    return advantages, (bad_step_id_rows(step_ids, num_steps) if num_steps is not None else None)
 
 
-def _masked_lookup(table: torch.Tensor, step_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """``out[i, t] = table[i, step_ids[i, t] + 1] * response_mask[i, t]``, written as one expression so that
-    ``torch.compile`` makes it a single pass that reads ``step_ids`` and the mask once and writes ``out``. Ids are
-    clamped as in ``_lookup`` (free inside the fused kernel; on CUDA an out-of-range gather would be a device-side
-    assert that ends the process)."""
+def _masked_lookup(table: torch.Tensor, step_ids: torch.Tensor, response_mask: torch.Tensor,
+                   num_steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out[i, t] = table[i, step_ids[i, t] + 1] * response_mask[i, t]`` and ``bad[i] = any_t step_ids[i, t]
+    outside [-1, num_steps[i] - 1]``, written as expressions over the same input so that ``torch.compile`` makes
+    them one pass that reads ``step_ids`` and the mask once and writes ``out``. Ids are clamped as in ``_lookup``
+    (free inside the fused kernel; on CUDA an out-of-range gather would be a device-side assert that ends the
+    process)."""
     columns = table.shape[1]
-    return torch.gather(table, 1, (step_ids.long() + 1).clamp(0, columns - 1)) * response_mask.to(table.dtype)
+    out = torch.gather(table, 1, (step_ids.long() + 1).clamp(0, columns - 1)) * response_mask.to(table.dtype)
+    bad = ((step_ids < -1) | (step_ids >= num_steps[:, None])).any(dim=1)
+    return out, bad
 
 
 _compiled_lookup = None
@@ -412,17 +432,17 @@ _compile_lock = threading.Lock()
 _log = logging.getLogger(__name__)
 
 
-def _fused_masked_lookup(table, step_ids, response_mask, *, fall_back: bool) -> torch.Tensor:
+def _fused_masked_lookup(table, step_ids, response_mask, num_steps, *, fall_back: bool):
     """The compiled ``_masked_lookup``; with ``fall_back``, a failed compilation warns once and runs eager."""
     global _compiled_lookup, _compile_failed
     if fall_back and _compile_failed is not None:
-        return _lookup(table, step_ids).mul_(response_mask)
+        return _lookup(table, step_ids).mul_(response_mask), bad_step_id_rows(step_ids, num_steps)
     with _compile_lock:
         if _compiled_lookup is None:
             # dynamic=True: one kernel for every batch size and response length (no recompiles as they change).
             _compiled_lookup = torch.compile(_masked_lookup, dynamic=True)
     try:
-        return _compiled_lookup(table, step_ids, response_mask)
+        return _compiled_lookup(table, step_ids, response_mask, num_steps)
     except torch._dynamo.exc.TorchDynamoException as error:  # compilation failed (no C++ compiler, no Triton)
         if not fall_back:
             raise
@@ -433,7 +453,7 @@ def _fused_masked_lookup(table, step_ids, response_mask, *, fall_back: bool) -> 
             "is about 1.5x slower on large CPU batches. Set algorithm.pav.compile=never to skip the attempt.",
             _compile_failed,
         )
-        return eager
+        return eager, bad_step_id_rows(step_ids, num_steps)
 
 
 def aggregate_step_scores(step_scores: torch.Tensor, num_steps: torch.Tensor, how: Aggregation) -> torch.Tensor:
@@ -470,24 +490,16 @@ def aggregate_step_scores(step_scores: torch.Tensor, num_steps: torch.Tensor, ho
     return torch.where(num_steps > 0, result, zeros)
 
 
-def check_step_inputs(
-    step_ids: torch.Tensor,
-    step_values: torch.Tensor,
-    prompt_values: torch.Tensor,
-    num_steps: torch.Tensor,
-    response_mask: torch.Tensor,
-    token_level_rewards: torch.Tensor | None = None,
-) -> None:
-    """Validate the step tensors (and ``token_level_rewards``, when given) against the contract; raise
-    ``ValueError`` naming the first bad sample.
+def bad_step_id_rows(step_ids: torch.Tensor, num_steps: torch.Tensor) -> torch.Tensor:
+    """[B] bool: responses holding a step id outside ``[-1, num_steps - 1]`` (one pass over ``step_ids``)."""
+    if not step_ids.numel():
+        return torch.zeros(step_ids.shape[0], dtype=torch.bool, device=step_ids.device)
+    lowest, highest = torch.aminmax(step_ids.detach(), dim=1)
+    return (lowest < -1) | (highest >= num_steps.detach().to(highest.device))
 
-    Shape checks are free. The value checks run on the tensors' own device and come to the host as one small
-    tensor of flags: one host read (one synchronisation on CUDA) per call, which is why the estimators run them
-    only while ``pav.check_inputs`` is on (the default). Only when a flag is set are the tensors read again, to
-    name the sample. Checked: ``0 <= num_steps <= S``; step ids in ``[-1, num_steps - 1]``; the values of the real
-    steps and of the prompt in [0, 1] (NaN fails); every entry of ``token_level_rewards`` finite (verl sums the
-    whole row, padding included, into the outcome).
-    """
+
+def check_step_shapes(step_ids, step_values, prompt_values, num_steps, response_mask, token_level_rewards=None) -> None:
+    """The shape and dtype part of ``check_step_inputs`` (free: reads no tensor values)."""
     batch, length = response_mask.shape
     if step_ids.shape != (batch, length):
         raise ValueError(
@@ -508,30 +520,58 @@ def check_step_inputs(
             f"token_level_rewards {tuple(token_level_rewards.shape)} and response_mask "
             f"{tuple(response_mask.shape)} must have the same shape"
         )
+
+
+def check_step_inputs(
+    step_ids: torch.Tensor,
+    step_values: torch.Tensor,
+    prompt_values: torch.Tensor,
+    num_steps: torch.Tensor,
+    response_mask: torch.Tensor,
+    token_level_rewards: torch.Tensor | None = None,
+    *,
+    outcome_rewards: torch.Tensor | None = None,
+    bad_id_rows: torch.Tensor | None = None,
+) -> None:
+    """Validate the step tensors (and ``token_level_rewards``, when given) against the contract; raise
+    ``ValueError`` naming the first bad sample.
+
+    Checked: ``0 <= num_steps <= S``; step ids in ``[-1, num_steps - 1]``; the values of the real steps and of
+    the prompt in [0, 1] (NaN fails); every entry of ``token_level_rewards`` finite (verl sums the whole row,
+    padding included, into the outcome).
+
+    Cost. Shape checks are free. The value checks run on the tensors' own device and come to the host as one
+    small tensor of flags: one host read (one synchronisation on CUDA) per call. Only the small tensors are read
+    element by element; the two [B, T] inputs are checked through what the estimator computes anyway:
+    the rewards through their row sums (``outcome_rewards`` [B], the outcome; a row holding NaN or +-inf sums to
+    NaN or +-inf), the step ids through ``bad_id_rows`` [B] (flagged by the fused per-token lookup in the same
+    pass that reads them, ``process_advantage_and_bad_ids``). Either is computed here when not given (one pass
+    over that tensor). Only when a flag is set are the tensors read again, to name the sample.
+    """
+    check_step_shapes(step_ids, step_values, prompt_values, num_steps, response_mask, token_level_rewards)
     max_steps = step_values.shape[1]
     device = step_values.device
     with torch.no_grad():
         num_steps_d = num_steps.detach().to(device)
         valid = valid_steps(num_steps_d, max_steps)
         bad_num_steps = (num_steps_d < 0) | (num_steps_d > max_steps)
-        if step_ids.numel():
-            lowest, highest = torch.aminmax(step_ids.detach(), dim=1)
-            bad_ids = (lowest < -1) | (highest >= num_steps.detach().to(highest.device))
-        else:
-            bad_ids = torch.zeros(batch, dtype=torch.bool, device=step_ids.device)
+        if bad_id_rows is None:
+            bad_id_rows = bad_step_id_rows(step_ids, num_steps)
         values = step_values.detach()
         bad_values = valid & ~((values >= 0) & (values <= 1))
         prompts = prompt_values.detach()
         bad_prompts = ~((prompts >= 0) & (prompts <= 1))
-        flags = [bad_num_steps.any(), bad_ids.any().to(device), bad_values.any(), bad_prompts.any().to(device)]
+        flags = [bad_num_steps.any(), bad_id_rows.any().to(device), bad_values.any(), bad_prompts.any().to(device)]
         if token_level_rewards is not None:
-            bad_rewards = ~torch.isfinite(token_level_rewards.detach())
-            flags.append(bad_rewards.any().to(device))
+            if outcome_rewards is None:
+                outcome_rewards = token_level_rewards.detach().sum(dim=-1)
+            flags.append((~torch.isfinite(outcome_rewards.detach())).any().to(device))
         # the one host read of a valid batch
         if not any(torch.stack(flags).tolist()):
             return
-    _raise_first_bad_input(step_ids, values, prompts, num_steps, bad_num_steps, bad_ids, bad_values, bad_prompts,
-                           None if token_level_rewards is None else token_level_rewards.detach(), max_steps)
+    _raise_first_bad_input(step_ids, values, prompts, num_steps, bad_num_steps, bad_id_rows.to(device), bad_values,
+                           bad_prompts, None if token_level_rewards is None else token_level_rewards.detach(),
+                           max_steps)
 
 
 def _raise_first_bad_input(step_ids, values, prompts, num_steps, bad_num_steps, bad_ids, bad_values, bad_prompts,
@@ -570,6 +610,13 @@ def _raise_first_bad_input(step_ids, values, prompts, num_steps, bad_num_steps, 
             "critic's raw value of the prompt"
         )
     bad = ~torch.isfinite(token_level_rewards)
+    if not bad.any():  # every entry finite, but a row's sum overflows
+        i = first(~torch.isfinite(token_level_rewards.sum(dim=-1)))
+        raise ValueError(
+            f"sample {i}: the sum of token_level_rewards[{i}] overflows to "
+            f"{float(token_level_rewards[i].sum())}; the reward function must return finite scores of a "
+            "representable size (verl sums the row into the response's outcome)"
+        )
     i, t = (int(x) for x in torch.nonzero(bad.cpu())[0])
     raise ValueError(
         f"sample {i}: token_level_rewards[{i}, {t}] = {float(token_level_rewards[i, t])} is not finite; the reward "
@@ -781,8 +828,8 @@ def pure_whiten(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.
     With Z the response tokens whose advantage is exactly 0 (step separators, EOS when zeroed) and
     ``n = |response tokens| - |Z|``: ``mean = sum(adv) / n``, ``var = sum_{response tokens} (adv - mean)^2 / n``
     (Z left out of the count but kept in the variance, as PURE does), ``out = (adv - mean) / sqrt(max(var, 1e-8))``
-    on the counted tokens, 0 on Z and outside the mask. With n = 0 everything stays 0. (PURE's zero test also runs
-    over its padding, which it subtracts from n as well; here n counts response tokens only.)
+    on the counted tokens, 0 on Z and outside the mask. With n = 0 everything stays 0. PURE whitens its replay
+    buffer's items after removing their padding, so its n also counts response tokens only.
     """
     weights = (response_mask != 0).to(advantages.dtype)
     counted = (response_mask != 0) & (advantages != 0)

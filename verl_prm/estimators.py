@@ -36,9 +36,13 @@ class MissingStepTensorsError(ValueError):
     """A PAV estimator was called without the step tensors."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class EstimatorInputs:
-    """What an estimator's rule reads: the checked tensors and the process scores of every step."""
+    """What an estimator's rule reads: the tensors and the process scores of every step.
+
+    The inputs are checked after the rule has run (the math clamps every index, so bad inputs cannot crash it):
+    ``outcome_rewards`` and ``bad_id_rows`` are what the check reads instead of the two [B, T] inputs.
+    """
 
     token_level_rewards: torch.Tensor
     response_mask: torch.Tensor
@@ -49,10 +53,10 @@ class EstimatorInputs:
     scores: torch.Tensor
     # keep [B] bool or None: the responses that get a process term (algorithm.pav.drop_truncated)
     keep: torch.Tensor | None
-
-    @property
-    def outcome_rewards(self) -> torch.Tensor:
-        return self.token_level_rewards.sum(dim=-1)
+    # R_i [B]: the row sums of token_level_rewards (verl's outcome), computed once
+    outcome_rewards: torch.Tensor
+    # [B] bool, set by rules whose fused lookup flags step ids outside [-1, num_steps - 1] as it reads them
+    bad_id_rows: torch.Tensor | None = None
 
 
 def _check(name: str, steps: dict[str, Any], token_level_rewards, response_mask, pav: PavConfig, extra: dict):
@@ -67,15 +71,9 @@ def _check(name: str, steps: dict[str, Any], token_level_rewards, response_mask,
             "verl_prm.integrations.verl.advantage.compute_advantage_with_steps on a DataProto that carries the "
             "step tensors (the verl-prm trainer hook does this after the prover critic has scored the steps)."
         )
-    if token_level_rewards.shape != response_mask.shape:
-        raise ValueError(
-            f"token_level_rewards {tuple(token_level_rewards.shape)} and response_mask "
-            f"{tuple(response_mask.shape)} must have the same shape"
-        )
-    if pav.check_inputs:
-        # one host read per batch (verl_prm.advantages.check_step_inputs); the estimators' math has none
-        adv.check_step_inputs(steps["step_ids"], steps["step_values"], steps["prompt_values"], steps["num_steps"],
-                              response_mask, token_level_rewards)
+    # shapes before the math (free); the values after it, in one host read (register_estimator)
+    adv.check_step_shapes(steps["step_ids"], steps["step_values"], steps["prompt_values"], steps["num_steps"],
+                          response_mask, token_level_rewards)
 
 
 def _keep(name: str, pav: PavConfig, truncated) -> torch.Tensor | None:
@@ -115,13 +113,16 @@ def register_estimator(name: str) -> Callable[[Callable[..., torch.Tensor]], Est
             _check(name, steps, token_level_rewards, response_mask, pav, verl_kwargs)
             with torch.no_grad():
                 keep = _keep(name, pav, truncated)
-                scores = adv.process_scores(
-                    step_values, prompt_values, num_steps, best_of_k_k=pav.best_of_k, use_values=pav.uses_values,
-                    clip=pav.clip, normalize=pav.normalize, keep=keep, epsilon=pav.epsilon,
-                )
+                scores = pav.process_scores(step_values, prompt_values, num_steps, keep)
                 inputs = EstimatorInputs(token_level_rewards, response_mask, index, step_ids, num_steps, scores,
-                                         keep)
+                                         keep, token_level_rewards.sum(dim=-1))
                 advantages = rule(name, inputs, pav, config)
+                if pav.check_inputs:
+                    # one host read per batch, after the math (which clamps every index): the [B, T] inputs are
+                    # checked through the outcome sums and the lookup's id flags (verl_prm.advantages)
+                    adv.check_step_inputs(step_ids, step_values, prompt_values, num_steps, response_mask,
+                                          token_level_rewards, outcome_rewards=inputs.outcome_rewards,
+                                          bad_id_rows=inputs.bad_id_rows)
             return advantages, advantages
 
         estimator.__name__ = estimator.__qualname__ = name
@@ -150,8 +151,10 @@ def _norm_by_std(config) -> bool:
 
 
 def _per_step(outcome: torch.Tensor, inputs: EstimatorInputs, pav: PavConfig) -> torch.Tensor:
-    return adv.process_advantage(outcome, inputs.scores, inputs.step_ids, inputs.response_mask, pav.alpha,
-                                 compile=pav.compile)
+    advantages, inputs.bad_id_rows = adv.process_advantage_and_bad_ids(
+        outcome, inputs.scores, inputs.step_ids, inputs.response_mask, pav.alpha,
+        num_steps=inputs.num_steps if pav.check_inputs else None, compile=pav.compile)
+    return advantages
 
 
 def _grpo_outcome(name: str, rewards: torch.Tensor, inputs: EstimatorInputs, pav: PavConfig, config) -> torch.Tensor:

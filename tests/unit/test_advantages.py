@@ -438,9 +438,9 @@ def test_auto_fuses_only_large_batches(monkeypatch):
     calls = []
     real = adv._fused_masked_lookup
 
-    def spy(table, step_ids, response_mask, *, fall_back):
+    def spy(table, step_ids, response_mask, num_steps, *, fall_back):
         calls.append((step_ids.numel(), fall_back))
-        return real(table, step_ids, response_mask, fall_back=fall_back)
+        return real(table, step_ids, response_mask, num_steps, fall_back=fall_back)
 
     monkeypatch.setattr(adv, "_fused_masked_lookup", spy)
     small = random_lookup_inputs(16, 64, 4)
@@ -518,8 +518,8 @@ def test_truncated_of_the_wrong_length_names_the_argument():
 
 def test_estimators_read_the_compile_knob(monkeypatch):
     modes = []
-    real = adv.process_advantage
-    monkeypatch.setattr(adv, "process_advantage", lambda *a, compile, **k: modes.append(compile) or real(
+    real = adv.process_advantage_and_bad_ids
+    monkeypatch.setattr(adv, "process_advantage_and_bad_ids", lambda *a, compile, **k: modes.append(compile) or real(
         *a, compile=compile, **k))
     t = small_batch()
     fused, _ = ESTIMATORS["pav_grpo"](**t, config=algo_config(compile="always"))
@@ -599,6 +599,40 @@ def test_bad_step_inputs_name_the_sample(change, message):
     t.update(change)
     with pytest.raises(ValueError, match=message):
         ESTIMATORS["pav_grpo"](**t, config=algo_config())
+
+
+@pytest.mark.parametrize("compile_mode", ["always", "never"])
+@pytest.mark.parametrize("name", list(ESTIMATORS))
+def test_the_large_inputs_are_checked_after_the_math(name, compile_mode):
+    """The check reads the [B, T] inputs through the outcome sums and the fused lookup's id flags (no pass of its
+    own): every bad entry is still an error naming the sample and the token, for every estimator and both
+    lookup paths. Reference: the contract in the docstring of ``check_step_inputs``, checked element by element."""
+    config = algo_config(compile=compile_mode)
+    cases = [
+        (dict(step_ids=torch.tensor([[0, 0, 1], [0, -1, 1]])), "sample 1: token 2 has step_id 1 but the response "
+                                                              "has num_steps=1"),
+        (dict(step_ids=torch.tensor([[0, 0, 5], [0, -1, -1]])), "sample 0: token 2 has step_id 5"),
+        (dict(token_level_rewards=torch.tensor([[0.0, 0.0, 1.0], [0.0, float("nan"), 0.0]])),
+         r"sample 1: token_level_rewards\[1, 1\] = nan is not finite"),
+        (dict(token_level_rewards=torch.tensor([[float("-inf"), 0.0, 1.0], [0.0, 0.0, 0.0]])),
+         r"sample 0: token_level_rewards\[0, 0\] = -inf is not finite"),
+        (dict(token_level_rewards=torch.tensor([[0.0, 0.0, 1.0], [3e38, 3e38, 0.0]])),
+         r"sample 1: the sum of token_level_rewards\[1\] overflows"),
+    ]
+    for change, message in cases:
+        t = dict(small_batch(), **change)
+        with pytest.raises(ValueError, match=message):
+            ESTIMATORS[name](**t, config=config)
+
+
+def test_the_fused_lookup_flags_bad_ids_as_a_loop_does():
+    inputs = random_lookup_inputs(64, 1000, 9, seed=3)
+    num_steps = torch.randint(0, 10, (64,), generator=torch.Generator().manual_seed(4))
+    for mode in ("always", "never"):
+        out, bad = adv.process_advantage_and_bad_ids(**inputs, alpha=0.7, num_steps=num_steps, compile=mode)
+        assert torch.equal(out, adv.process_advantage(**inputs, alpha=0.7, compile="never"))
+        expected = [any(not -1 <= int(x) < int(num_steps[i]) for x in inputs["step_ids"][i]) for i in range(64)]
+        assert bad.tolist() == expected and 0 < sum(expected) < 64
 
 
 def test_drop_truncated_without_truncated_tensor_is_an_error():
@@ -760,7 +794,8 @@ def test_no_hidden_transfer_or_sync_in_any_estimator(name):
     """What an estimator may do on the host, per call: nothing with ``check_inputs=false`` and ``index`` as group
     ids on the batch's device; with verl's host uids, one tensor made from host data (``group_ids``: on CUDA the
     one upload, pinned and asynchronous); with ``check_inputs=true`` (the default), one ``tolist`` of the check
-    flags (the one synchronisation of ``check_step_inputs``). ``pav_reinforce`` reads no ``index``."""
+    flags after the math (the one synchronisation of ``check_step_inputs``). ``pav_reinforce`` reads no
+    ``index``."""
     t = small_batch()
     uids = t["index"]
     ids, _ = adv.group_ids(uids)
@@ -769,7 +804,7 @@ def test_no_hidden_transfer_or_sync_in_any_estimator(name):
         (False, "ids"): [],
         (False, "uids"): ["host data"] if uses_groups else [],
         (True, "ids"): ["tolist"],
-        (True, "uids"): ["tolist"] + (["host data"] if uses_groups else []),
+        (True, "uids"): (["host data"] if uses_groups else []) + ["tolist"],
     }
     for (check, kind), allowed in expected.items():
         inputs = dict(t, index=ids if kind == "ids" else uids)

@@ -95,21 +95,20 @@ def pure_min_form_loop(scores: list[float], temperature: float) -> list[float]:
     return [e / sum(exps) * s for e, s in zip(exps, scores)]
 
 
-def pure_normalize_loop(advantages, mask, count_padding_zeros=False):
-    """replay_buffer.normalize: zero-advantage tokens out of the count (``num_actions -= (adv == 0).sum()``), in
-    the variance (``(adv - mean)^2 * action_mask``), kept 0. PURE's zero test runs over the padded tensor, so its
-    padding also leaves the count (``count_padding_zeros``); verl-prm counts the response tokens only."""
-    cells = [(i, t) for i in range(len(advantages)) for t in range(len(advantages[i]))]
-    zeros = [(i, t) for i, t in cells if advantages[i][t] == 0 and (mask[i][t] or count_padding_zeros)]
-    count = sum(mask[i][t] for i, t in cells) - len(zeros)
+def pure_normalize_loop(advantages, mask):
+    """replay_buffer.normalize over the buffer's items, which ``append`` stored with their right padding removed
+    (``remove_padding_in_sequences``: ``right_pad = (1 - act_mask).sum()``): zero-advantage tokens of the
+    responses out of the count (``num_actions = action_mask.sum() - (adv == 0).sum()``), in the variance
+    (``(adv - mean)^2 * action_mask``), kept 0."""
+    items = [[x for x, m in zip(row, mask_row) if m] for row, mask_row in zip(advantages, mask)]  # unpadded
+    count = sum(len(item) for item in items) - sum(x == 0 for item in items for x in item)
     if count == 0:
         return [[0.0] * len(row) for row in advantages]
-    mean = sum(advantages[i][t] for i, t in cells) / count
-    variance = sum((advantages[i][t] - mean) ** 2 * mask[i][t] for i, t in cells) / count
+    mean = sum(x for item in items for x in item) / count
+    variance = sum((x - mean) ** 2 for item in items for x in item) / count
     rstd = 1.0 / math.sqrt(max(variance, 1e-8))
-    zero_set = set(zeros)
-    return [[0.0 if (i, t) in zero_set or not mask[i][t] else (x - mean) * rstd for t, x in enumerate(row)]
-            for i, row in enumerate(advantages)]
+    return [[0.0 if x == 0 or not m else (x - mean) * rstd for x, m in zip(row, mask_row)]
+            for row, mask_row in zip(advantages, mask)]
 
 
 def pure_reference(b, alpha, temperature, baseline, zero_separators, keep=None, zero_eos=False, whiten=False):
@@ -206,21 +205,59 @@ def test_min_form_advantage_equals_pures_formula(temperature, baseline, zero_sep
         torch.testing.assert_close(ours, expected, atol=1e-10, rtol=1e-10)
 
 
-def test_pure_whiten_equals_pures_normalize_on_an_unpadded_batch():
-    """On a batch without padding PURE's count (its zero test over the padded tensor) and ours agree; with
-    padding PURE also drops the padding positions from the count (the documented difference)."""
+def test_pure_whiten_equals_pures_normalize_with_and_without_padding():
+    """PURE's replay buffer strips each item's right padding before ``normalize`` (``remove_padding_in_sequences``
+    in ``append``), so its count of non-zero tokens is over response tokens only, as ours: equal on a padded batch
+    and on the same batch without padding."""
     b = random_batch(8)
-    full = torch.ones_like(b["mask"])
     out = adv.leave_one_out_outcome(b["outcome"], b["groups"], b["num_groups"])
-    raw = adv.min_form_advantage(out, b["step_scores"], b["step_ids"], b["num_steps"], full, 1.5,
-                                 groups=b["groups"], num_groups=b["num_groups"], zero_eos=True, whiten=False)
-    expected = pure_normalize_loop(raw.tolist(), full.tolist(), count_padding_zeros=True)
-    torch.testing.assert_close(adv.pure_whiten(raw, full), torch.tensor(expected, dtype=torch.float64))
-    padded = raw * b["mask"]
-    literal = torch.tensor(pure_normalize_loop(padded.tolist(), b["mask"].tolist(), count_padding_zeros=True),
-                           dtype=torch.float64)
-    assert not torch.allclose(adv.pure_whiten(padded, b["mask"]), literal)
+    full = torch.ones_like(b["mask"])
+    for mask in (b["mask"], full):
+        raw = adv.min_form_advantage(out, b["step_scores"], b["step_ids"], b["num_steps"], mask, 1.5,
+                                     groups=b["groups"], num_groups=b["num_groups"], zero_eos=True, whiten=False)
+        expected = pure_normalize_loop(raw.tolist(), mask.tolist())
+        torch.testing.assert_close(adv.pure_whiten(raw, mask), torch.tensor(expected, dtype=torch.float64))
+    assert b["mask"].sum() < full.sum()  # the batch is padded
     assert adv.pure_whiten(torch.zeros(2, 3, dtype=torch.float64), torch.ones(2, 3)).tolist() == [[0.0] * 3] * 2
+
+
+def pure_num_tokens_per_step(step_ids_row: list[int], mask_row: list[float], num_steps: int) -> list[int]:
+    """PURE's ``num_tokens_per_step`` (experience_maker.py ``make_experience``) on this token layout:
+    ``score_ids`` = separator position + 1 for every step but the last, ``eos_indices + 1`` for the last (the
+    response's last token); the step's count is ``score_ids[h] - score_ids[h - 1] - 1`` (``j - 1`` for h = 0):
+    the separator, and for the last step the EOS, left out."""
+    eos = max(t for t, m in enumerate(mask_row) if m)
+    score_ids = [step_ends_loop(step_ids_row, h) + 1 for h in range(num_steps - 1)] + [eos + 1]
+    return [score_ids[h] - (score_ids[h - 1] if h else 0) - 1 for h in range(num_steps)]
+
+
+@pytest.mark.parametrize("eos_in_last_step", [False, True])
+def test_the_token_baseline_counts_one_token_more_per_step_than_pure(eos_in_last_step):
+    """The documented difference (docs/credit_assignment.md): ``n[i, h]`` counts every token of step h, PURE's
+    ``num_tokens_per_step`` leaves out its last one (the separator; for the last step the EOS, which here is in no
+    step unless ``eos_in_last_step``). Pinned against PURE's count, per step."""
+    b = random_batch(12)
+    step_ids = b["step_ids"].clone()
+    if eos_in_last_step:
+        for i in range(step_ids.shape[0]):
+            eos = int(b["mask"][i].nonzero().max())
+            step_ids[i, eos] = int(b["num_steps"][i]) - 1
+    rewards = adv.min_form_step_rewards(b["step_scores"], b["num_steps"], 0.1)
+    ours = adv.leave_one_out_token_baseline(rewards, step_ids, b["num_steps"], b["mask"], b["groups"],
+                                            b["num_groups"])
+    ids, mask, uids = step_ids.tolist(), b["mask"].tolist(), b["uids"]
+    largest = 0.0
+    for i in range(len(uids)):
+        others = [j for j in range(len(uids)) if uids[j] == uids[i] and j != i]
+        per_token = float(sum(rewards[j].sum() for j in others) / sum(sum(mask[j]) for j in others))
+        pure_counts = pure_num_tokens_per_step(ids[i], mask[i], int(b["num_steps"][i]))
+        for h, pure_count in enumerate(pure_counts):
+            ours_count = sum(1 for t, s in enumerate(ids[i]) if s == h and mask[i][t])
+            difference = 1 if (h < len(pure_counts) - 1 or eos_in_last_step) else 0
+            assert ours_count - pure_count == difference
+            assert abs(float(ours[i, h]) - per_token * (pure_count + difference)) < 1e-12
+            largest = max(largest, abs(per_token) * difference)
+    assert largest > 0
 
 
 def test_the_eos_token_keeps_the_outcome_term_unless_zeroed():
@@ -562,8 +599,11 @@ def test_every_estimator_is_registered_in_verl():
     import verl  # noqa: F401  (loads the plugin, which registers every entry of ESTIMATORS)
 
     assert set(ESTIMATORS) == {"pav_grpo", "pav_rloo", "pav_reinforce", "prm_aggregate", "pav_pure", "pav_prime"}
+    from verl_prm.integrations.verl.advantage import VERL_ESTIMATORS
+
     for name, estimator in ESTIMATORS.items():
-        assert get_adv_estimator_fn(name) is estimator
+        # registered as advantage.verl_estimator(estimator): the trainer hook's step tensors reach it through verl
+        assert get_adv_estimator_fn(name) is VERL_ESTIMATORS[name] and VERL_ESTIMATORS[name].__wrapped__ is estimator
     yaml = OmegaConf.load(Path(config_package.__file__).parent / "verl_prm" / "pav.yaml")
     assert read_pav_config(yaml.algorithm) == PavConfig()  # the yaml's defaults are PavConfig's
     assert set(yaml.algorithm.pav) == {f for f in PavConfig.__dataclass_fields__}

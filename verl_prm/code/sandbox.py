@@ -1,59 +1,46 @@
 """Run untrusted Python programs: one process per run, limits, isolation, and a failure reason for every run.
 
-``run_program(source, config)`` writes ``source`` to a root-only staging directory and starts
-``python -I -S -B verl_prm/code/_boot.py`` as the leader of a new session (``setsid``) with an environment
-of a few fixed variables (nothing of the caller's environment). The boot script (``_boot.py``) sets up the
-isolation before any program code runs. The modules: ``sandbox_config`` (``SandboxConfig``, every field
-checked; ``RunResult``, ``REASONS``), ``sandbox_setup`` (uids, the directories masked, the interpreter's files,
-the probe program), this one (probing, running, collecting, classifying). Three isolation levels.
-``isolation()`` runs a probe program once per level asked for, interpreter, ``site_packages`` setting and set of
-limits, under the configured limits (lazily imported standard-library modules, the executable, every directory
-of the interpreter's ``sys.path``): ``SandboxConfig.mode="auto"`` takes the strongest level that runs it; an
-explicit mode that cannot run it is a RuntimeError, a limit too small to run it a ValueError naming the limit
-(never a run that scores a correct program 0):
+``run_program(source, config)`` starts ``bwrap`` (bubblewrap, as Flatpak uses it) as the leader of a new session
+with a fixed environment (nothing of the caller's), and in it ``python -I -S -B -c <_boot.py> CONFIG``; the
+program's text reaches the boot script through a memfd. The modules: ``sandbox_config`` (``SandboxConfig``, every
+field checked; ``RunResult``, ``REASONS``), ``sandbox_setup`` (the bwrap command line, the directories masked,
+the interpreter's files, the seccomp filter, the run's uid, the probe program), ``_boot`` (the child: uid,
+limits, audit hook, the program) and this one (probing, running, collecting, classifying). Two levels,
+``SandboxConfig.mode``:
 
-* **full isolation** (the process runs as root and may create namespaces):
-  enters a new **network namespace** (only a loopback device that is down: no route anywhere), a new **IPC
-  namespace** and a new **mount namespace** in which a fresh, size-capped tmpfs is mounted over each of
-  ``sandbox_setup.mask_dirs()``: ``/tmp``, ``/var/tmp``, ``/dev/shm`` and every other world-writable directory
-  that other uids can reach, found by walking the file tree once per process (``world_writable_dirs``); the
-  working directory is a new directory inside the tmpfs over ``/tmp``, so it and everything the program writes
-  vanish with the namespace (when the last process of the run exits), and the host's files in those directories
-  (Ray's sockets in ``/tmp/ray``, other users' files) are invisible;
-  the interpreter's files that this hides (an interpreter, virtual environment or site-packages under ``/tmp``;
-  a pyenv install under ``/root``, which other uids cannot traverse) are bound back at their own paths,
-  **read-only** (``interpreter_layout``: the executable's directory, ``base_prefix``, every ``sys.path``
-  directory, with ``site_packages`` also ``prefix`` and what ``.pth`` files add); a path that cannot be shown
-  without undoing the private tmpfs (``/tmp`` itself on ``sys.path``) is refused with a ValueError;
-  **every other mount is made read-only** in the namespace (a world-writable directory created after the walk,
-  a world-writable file: EROFS); a **seccomp filter** refuses ``socket(AF_UNIX, ...)`` (EAFNOSUPPORT), so no
-  Unix-domain socket of the host is reachable, whatever its mode (``socketpair`` stays); then it drops to an
-  **unprivileged uid** of its own (a number with no passwd entry, unique per run slot of this process:
-  ``uid_for_slot``), so what is readable follows ordinary Unix permissions, and ``RLIMIT_NPROC`` counts exactly
-  this run's processes;
-* **user isolation** (root, but namespaces refused, e.g. a container without CAP_SYS_ADMIN): the same
-  unprivileged uid (so the file system outside world-writable directories is protected by Unix permissions,
-  ``RLIMIT_NPROC`` counts the run's processes, and every process of the uid is killed at the end) and a fresh
-  working directory owned by it (removed afterwards); network access is refused by the audit hook only; ``/tmp``
-  and other world-writable directories stay writable and shared. The interpreter's installation must be
-  readable by other uids (the probe checks it; a pyenv Python under ``/root`` fails it: use full isolation);
-* **basic isolation** (not root, or the uid switch failed): the working directory is a fresh directory (removed
-  afterwards); network access is refused by an audit hook (see below) only; writes elsewhere are limited by the
-  caller's own file permissions only; ``RLIMIT_NPROC`` is set to the caller's current process count + ``nproc``
-  (the kernel does not enforce it for root); processes that leave the process group (``setsid``) survive the
-  run.
+* **bwrap** (the default): ``bwrap`` gives the run new PID, network (no route), IPC, UTS and cgroup namespaces
+  and a mount namespace in which the host's file tree is read-only, ``/dev`` is fresh, ``/proc`` shows the
+  run's processes only, a private size-capped tmpfs covers each of ``sandbox_setup.mask_dirs()`` (``/tmp``,
+  ``/var/tmp``, ``/dev/shm`` and every other world-writable directory that other uids can reach, found by one
+  walk of the file tree per process; the working directory is ``/tmp/sandbox`` inside it), and the interpreter's
+  files that this hides (an interpreter or venv under ``/tmp``, a pyenv install under ``/root``) are bound back
+  read-only at their own paths (``interpreter_layout``; a path that cannot be shown without undoing the private
+  tmpfs, ``/tmp`` itself on ``sys.path``, is a ValueError). A seccomp filter (libseccomp) refuses
+  ``socket(AF_UNIX, ...)`` with EAFNOSUPPORT, so no Unix-domain socket of the host is reachable whatever its
+  mode (``socketpair`` stays). As root, bwrap keeps no capability but CAP_SETUID/CAP_SETGID, with which the boot
+  script drops to an **unprivileged uid** of the run's own (``uid_for_slot``), so ``RLIMIT_NPROC`` counts exactly
+  this run's processes and what is readable follows Unix permissions; not root, bwrap makes a user namespace and
+  the program keeps the caller's uid. When the program's first process ends, or at the deadline, the PID
+  namespace ends and every process of the run with it (``setsid`` and double forks included). Without ``bwrap``
+  (or libseccomp) ``isolation`` raises a RuntimeError naming the package to install.
+* **basic** (asked for by name only; it logs a warning when first probed): no namespaces. The working directory
+  is a fresh directory (removed afterwards); network access is refused by the audit hook only; writes elsewhere
+  are limited by the caller's own permissions; ``RLIMIT_NPROC`` is the caller's current process count +
+  ``nproc`` (the kernel does not enforce it for root); processes that leave the process group survive the run.
 
-At every level: ``no_new_privs`` (``prctl``: executing a setuid/setgid binary raises no privileges); resource
-limits ``RLIMIT_CPU`` (CPU seconds; SIGXCPU then SIGKILL), ``RLIMIT_AS`` (address space), ``RLIMIT_FSIZE``
-(largest file written), ``RLIMIT_NOFILE``, ``RLIMIT_CORE = 0``; an audit hook that
-raises ``PermissionError("sandbox: network access is blocked")`` when the program creates an IPv4/IPv6 (any
-non-Unix) socket or connects/binds/sends to a network address (a clear failure reason; in full isolation the
-namespace and the seccomp filter are the barrier, the hook only names the cause); a wall-clock deadline after
-which the whole process group is killed (``killpg(SIGKILL)``), and in full and user isolation every process of
-the run's uid is killed as well (``/proc`` scan, repeated until none is left), which also gets processes that
-left the process group (``setsid``, double fork). Stdout and stderr are read concurrently and at most
-``max_output_bytes`` of each is kept (the rest is read and discarded, so a chatty program cannot block or fill
-memory).
+``isolation()`` runs a probe program once per level, interpreter, ``site_packages`` setting and set of limits,
+under the configured limits (lazily imported standard-library modules, the executable, every directory of the
+interpreter's ``sys.path``): a level that cannot run it is a RuntimeError, a limit too small to run it a
+ValueError naming the limit (never a run that scores a correct program 0).
+
+At every level: ``no_new_privs`` (executing a setuid/setgid binary raises no privileges); resource limits
+``RLIMIT_CPU`` (CPU seconds; SIGXCPU then SIGKILL), ``RLIMIT_AS`` (address space), ``RLIMIT_FSIZE`` (largest
+file written), ``RLIMIT_NOFILE``, ``RLIMIT_CORE = 0``; an audit hook that raises
+``PermissionError("sandbox: network access is blocked")`` when the program creates an IPv4/IPv6 (any non-Unix)
+socket or connects/binds/sends to a network address (a clear failure reason; under bwrap the namespace and the
+seccomp filter are the barrier, the hook only names the cause); a wall-clock deadline after which the run is
+killed. Stdout and stderr are read concurrently and at most ``max_output_bytes`` of each is kept (the rest is read
+and discarded, so a chatty program cannot block or fill memory).
 
 The outcome of a run (`RunResult.reason`) is one of ``sandbox_config.REASONS``, decided from the boot script's
 status record (written to a private pipe), the exit status and the deadline:
@@ -64,34 +51,32 @@ status record (written to a private pipe), the exit status and the deadline:
     runtime_error     any other exception escaped (or a non-zero exit status without a record)
     timeout           the wall-clock deadline passed, or the CPU limit killed it (SIGXCPU)
     memory            MemoryError (RLIMIT_AS refused an allocation)
-    permission_denied a PermissionError escaped (EACCES/EPERM: e.g. a write outside the working directory), or
-                      an OSError EROFS (a write to a mount that full isolation made read-only)
+    permission_denied a PermissionError escaped (EACCES/EPERM), or an OSError EROFS (a write to the read-only
+                      file tree under bwrap)
     network_blocked   the exception escaping was the network audit hook's PermissionError, or an OSError of a
                       refused connection (ENETUNREACH, ...) in the network namespace, or EAFNOSUPPORT (the
-                      seccomp filter's answer to a Unix-domain socket in full isolation)
+                      seccomp filter's answer to a Unix-domain socket)
     early_exit        the program called exit()/sys.exit() (SystemExit) or os._exit() before the end: the
                       tests did not all run, so it is no pass even with exit status 0
-    killed            a signal ended it (SIGKILL from RLIMIT_NPROC-bounded fork bombs hitting the deadline is
-                      "timeout"; SIGSEGV, SIGABRT, an external SIGKILL are "killed")
-    sandbox_error     the sandbox could not be set up (names the step; the program did not run)
+    killed            a signal ended it (SIGSEGV, SIGABRT, an external SIGKILL; bwrap reports signal N as exit
+                      status 128 + N, so an ``os._exit(128 + N)`` reads as that signal too)
+    sandbox_error     the sandbox could not be set up (names the step, or bwrap's message; the program did not run)
 
 Limits of the guarantees (read before trusting a reward): the program runs in the same interpreter as the boot
 script, so a program written against this harness can find the status pipe and forge a "done" record, or
 return objects whose ``__eq__`` is always true; the sandbox contains the machine (files, network,
-processes, memory, time), not reward hacking inside the interpreter. ``/proc`` is the host's: command lines of
-other processes are readable (their environments, memory and files are not: other uids). The probe checks the
-interpreter's ``sys.path`` and executable, not the shared libraries it links: in user isolation a program that
-starts ``sys.executable`` of a pyenv-style build (``libpython`` under ``/root``) fails. Without root, see
-"basic isolation" above. In full isolation, what needs a Unix-domain socket (``multiprocessing.Manager``, the
-``forkserver`` start method) fails with EAFNOSUPPORT, and the walk for world-writable directories costs time in
-proportion to the directories other uids can reach (once per process).
+processes, memory, time), not reward hacking inside the interpreter. Files outside the masks stay readable
+wherever Unix permissions let the run's uid read them. What needs a Unix-domain socket
+(``multiprocessing.Manager``, the ``forkserver`` start method) fails with EAFNOSUPPORT under bwrap.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -106,46 +91,45 @@ from typing import Sequence
 from verl_prm.code.sandbox_config import Isolation, RunResult, SandboxConfig
 from verl_prm.code.sandbox_setup import (
     RUN_SLOTS,
-    FULL_WORKDIR,
-    LEVELS,
     SLOTS_PER_PROCESS,
+    WORKDIR,
+    bwrap_command,
+    bwrap_executable,
     interpreter_layout,
     isolation_of,
-    mask_dirs,
     probe_source,
     uid_for_slot,
+    unix_socket_filter,
 )
 
 __all__ = ["isolation", "run_many", "run_program"]
 
-BOOT = Path(__file__).with_name("_boot.py")
 NETWORK_MARKER = "sandbox: network access is blocked"
 _SYNTAX_ERRORS = ("SyntaxError", "IndentationError", "TabError")
 _ISOLATION_LOCK = threading.Lock()
-_PROBES: dict[tuple, str] = {}  # (python, site_packages, level, limits) -> "" (runs) or why not
+_PROBES: dict[tuple, str] = {}  # (python, site_packages, level, limits, bwrap) -> "" (runs) or why not
+logger = logging.getLogger(__name__)
+# passed with -c: the file itself may sit under a directory the sandbox masks (a clone under /tmp)
+BOOT_SOURCE = Path(__file__).with_name("_boot.py").read_text()
 
 
 def _probe_config(config: SandboxConfig, **limits: int) -> SandboxConfig:
-    """The probe's config: ``config``'s limits (or ``limits`` instead), a wall-clock limit of at least 30 s (a
-    loaded machine's interpreter start-up must not read as a failure), auto mode (the level is ``_run``'s)."""
-    return dataclasses.replace(config, timeout_s=max(config.timeout_s, 30.0), mode="auto", **limits)
+    """The probe's config: ``config``'s limits (or ``limits`` instead) and a wall-clock limit of at least 30 s (a
+    loaded machine's interpreter start-up must not read as a failure)."""
+    return dataclasses.replace(config, timeout_s=max(config.timeout_s, 30.0), **limits)
 
 
-def _probe(config: SandboxConfig, level: str) -> str:
-    """Why ``level`` cannot run Python with ``config``'s interpreter here ("" if it can): a probe program
-    (`probe_source`) run at that level under ``config``'s limits; cached per (interpreter, site_packages, level,
-    limits). Call with ``_ISOLATION_LOCK`` held.
+def _probe(config: SandboxConfig) -> str:
+    """Why ``config.mode`` cannot run Python with ``config``'s interpreter here ("" if it can): a probe program
+    (`probe_source`) run under ``config``'s limits; cached per (interpreter, site_packages, level, limits). Call
+    with ``_ISOLATION_LOCK`` held.
 
     Raises ValueError where the probe fails under the configured limits but passes under the defaults: that limit
     (the first one that makes the probe pass when raised to its default alone) would fail every program."""
-    python, site_packages = config.python, config.site_packages
-    key = (python, site_packages, level, tuple(config.limits().items()))
+    python, site_packages, level = config.python, config.site_packages, config.mode
+    key = (python, site_packages, level, tuple(config.limits().items()), bwrap_executable() if level == "bwrap" else "")
     if key not in _PROBES:
-        if level in ("full", "user") and (not hasattr(os, "geteuid") or os.geteuid() != 0):
-            _PROBES[key] = "not running as root: no namespaces, no uid switch"
-            return _PROBES[key]
-        layout = interpreter_layout(python, site_packages)
-        source = probe_source(layout)
+        source = probe_source(interpreter_layout(python, site_packages))
         result = _run(source, _probe_config(config), level=level)
         why = "" if result.passed else f"the probe program ended with {result.reason}: {result.detail[:300]}"
         defaults = SandboxConfig().limits()
@@ -159,33 +143,31 @@ def _probe(config: SandboxConfig, level: str) -> str:
                 f"to start {python} in {level} isolation: the start-up probe {why[len('the probe program '):]}, and "
                 "passes with " + ", ".join(f"{name}={defaults[name]}" for name in named) + " (the default); raise "
                 + " and ".join(named))
-        if why and level == "user" and layout.closed:
-            path, closed = layout.closed[0]
-            why += (f" (the interpreter's {path} is not readable by other uids: {closed} has no o+x bit, and user "
-                    f"isolation has no mount namespace to show it; use mode='full' or 'auto', or an interpreter "
-                    f"other uids can read, e.g. chmod o+rx {closed})")
+        if not why and level == "basic":
+            logger.warning("sandbox: SandboxConfig(mode='basic') runs programs WITHOUT isolation: no namespaces, "
+                           "network refused by an audit hook only, the caller's file permissions, no private /tmp; "
+                           "use mode='bwrap' (install bubblewrap) for untrusted code")
         _PROBES[key] = why
     return _PROBES[key]
 
 
 def isolation(config: SandboxConfig | None = None) -> Isolation:
-    """The isolation runs get with ``config`` on this machine. Each level is probed once per (interpreter,
-    site_packages, limits) by running a probe program at that level under the configured limits (`_probe`):
-    "auto" takes the strongest level that runs it, an explicit mode must run it. Raises RuntimeError (with each
-    failure) where no level asked for can run Python, ValueError where a configured limit is what stops it: an
-    error, never a run that scores a correct program 0."""
+    """The isolation runs get with ``config`` on this machine, checked once per (interpreter, site_packages,
+    limits) by running a probe program under the configured limits (`_probe`). Raises RuntimeError where bwrap or
+    libseccomp is missing (naming the package) or the level cannot run Python here (with the probe's failure),
+    ValueError where a configured limit is what stops it: an error, never a run that scores a correct program 0.
+    ``mode='basic'`` logs a warning when first probed (it isolates little)."""
     config = config or SandboxConfig()
-    levels = LEVELS if config.mode == "auto" else (config.mode,)
-    failures = []
+    if config.mode == "bwrap":
+        bwrap_executable()
+        unix_socket_filter()
     with _ISOLATION_LOCK:
-        for level in levels:
-            why = _probe(config, level)
-            if not why:
-                note = f"mode={config.mode!r} requested" if config.mode != "auto" else "; ".join(failures)
-                return isolation_of(level, note)
-            failures.append(f"{level} isolation: {why}")
-    raise RuntimeError(f"SandboxConfig(mode={config.mode!r}, python={config.python!r}, site_packages="
-                       f"{config.site_packages}) cannot run Python here: " + "; ".join(failures))
+        why = _probe(config)
+    if why:
+        hint = "; bwrap needs namespaces (root, or unprivileged user namespaces)" if config.mode == "bwrap" else ""
+        raise RuntimeError(f"SandboxConfig(mode={config.mode!r}, python={config.python!r}, site_packages="
+                           f"{config.site_packages}) cannot run Python here: {why}{hint}")
+    return isolation_of(config.mode, f"mode={config.mode!r}")
 
 
 def _user_process_count(uid: int) -> int:
@@ -200,56 +182,6 @@ def _user_process_count(uid: int) -> int:
     return count
 
 
-def _processes_of(uid: int) -> tuple[list[int], int]:
-    """(pids of live processes whose real uid is ``uid``, number of its zombies) from a ``/proc`` scan."""
-    live, zombies = [], 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        state, real_uid = "", None
-        try:
-            with open(f"/proc/{entry}/status") as f:
-                for line in f:
-                    if line.startswith("State:"):
-                        state = line.split()[1]
-                    elif line.startswith("Uid:"):
-                        real_uid = int(line.split()[1])
-                        break
-        except (OSError, ValueError, IndexError):
-            continue
-        if real_uid == uid:
-            if state in ("Z", "X"):
-                zombies += 1  # dead already; init (or its parent) reaps it
-            else:
-                live.append(int(entry))
-    return live, zombies
-
-
-def _kill_uid(uid: int, timeout_s: float = 5.0, zombie_wait_s: float = 0.0) -> int:
-    """SIGKILL every process whose real uid is ``uid`` until none is left (a fork bomb races the scan), then
-    wait up to ``zombie_wait_s`` for their zombies to be reaped (zombies count towards RLIMIT_NPROC; run slots
-    rest instead, see ``_Slots``). Returns the number of kill signals sent."""
-    killed = 0
-    start = time.monotonic()
-    zombies_since = None
-    while time.monotonic() - start < timeout_s:
-        live, zombies = _processes_of(uid)
-        for pid in live:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
-            except (ProcessLookupError, PermissionError):
-                pass
-        if not live:
-            if not zombies:
-                break
-            zombies_since = zombies_since or time.monotonic()
-            if time.monotonic() - zombies_since >= zombie_wait_s - 1e-9:
-                break
-        time.sleep(0.005)
-    return killed
-
-
 def _kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -257,7 +189,8 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def _classify(status: list[dict], returncode: int | None, timed_out: bool, cpu_s: int) -> tuple[str, str]:
+def _classify(status: list[dict], returncode: int | None, timed_out: bool, cpu_s: int,
+              stderr: str) -> tuple[str, str]:
     """(reason, detail) from the boot's status records, the exit status and the deadline (module docstring)."""
     records = {r.get("event"): r for r in status}
     if "setup_error" in records:
@@ -300,14 +233,15 @@ def _classify(status: list[dict], returncode: int | None, timed_out: bool, cpu_s
     if "done" in records and returncode == 0:
         return "passed", ""
     if "started" not in records:
-        return "sandbox_error", f"the boot script ended (exit status {returncode}) before starting the program"
+        said = "".join(f": {line}" for line in stderr.strip().splitlines()[-1:])  # bwrap's own message, if any
+        return "sandbox_error", f"the boot script ended (exit status {returncode}) before starting the program{said}"
     if returncode == 0:
         return "early_exit", "exit status 0 before the end of the program (os._exit)"
     return "runtime_error", f"exit status {returncode} without an exception (os._exit)"
 
 
-def _program_env(site_packages: bool) -> dict[str, str]:
-    env = {
+def _program_env() -> dict[str, str]:
+    return {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
         "LANG": "C.UTF-8",
         "PYTHONHASHSEED": "0",
@@ -317,118 +251,117 @@ def _program_env(site_packages: bool) -> dict[str, str]:
         "OPENBLAS_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
     }
-    return env
+
+
+def _boot_config(config: SandboxConfig, level: str, uid: int | None, workdir: str, fds: dict[str, int]) -> dict:
+    """What ``_boot.py`` is told: the descriptors, the working directory, the uid to drop to and the limits.
+    ``RLIMIT_NPROC`` counts processes per uid: under bwrap as root the run's own uid holds the program's
+    processes only; in a user namespace bwrap's init process counts too; basic mode shares the caller's uid."""
+    if level == "bwrap":
+        nproc = config.nproc if uid is not None else config.nproc + 1
+    elif os.geteuid() != 0:
+        nproc = _user_process_count(os.geteuid()) + config.nproc
+    else:
+        nproc = None  # root ignores RLIMIT_NPROC: the deadline and killpg bound a fork bomb
+    return dict(
+        status_fd=fds["status"], source_fd=fds["source"], workdir=workdir, make_workdir=level == "bwrap", uid=uid,
+        no_new_privs=level == "basic", cpu_s=int(config.cpu_s), memory_bytes=int(config.memory_mb) << 20,
+        file_bytes=int(config.file_mb) << 20, max_files=int(config.max_files), nproc=nproc,
+        env=dict(_program_env(), HOME=workdir, TMPDIR=workdir),
+    )
+
+
+def _start(config: SandboxConfig, level: str, uid: int | None, workdir: str, fds: dict[str, int]) -> subprocess.Popen:
+    """Start the run's leader: ``bwrap ... -- python ... -c BOOT CONFIG`` (basic mode: ``python ...`` itself)."""
+    boot = json.dumps(_boot_config(config, level, uid, workdir, fds))
+    python = [config.python, "-I", "-B", *([] if config.site_packages else ["-S"]), "-c", BOOT_SOURCE, boot]
+    prefix = bwrap_command(config, uid, fds["seccomp"], fds["bwrap"]) if level == "bwrap" else []
+    return subprocess.Popen(prefix + python, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, pass_fds=tuple(fds.values()), start_new_session=True,
+                            cwd="/" if level == "bwrap" else workdir, env=_program_env())
 
 
 def _run(source: bytes, config: SandboxConfig, *, level: str) -> RunResult:
     """One run at isolation ``level`` (module docstring)."""
-    full = level == "full"
-    switch_uid = level in ("full", "user")
     started = time.perf_counter()
-    staging = Path(tempfile.mkdtemp(prefix="verl_prm_sandbox_"))  # 0700, the caller's
-    slot = RUN_SLOTS.acquire() if switch_uid else None
-    uid = uid_for_slot(slot) if slot is not None else None
+    staging = None if level == "bwrap" else tempfile.mkdtemp(prefix="verl_prm_sandbox_")  # 0700, the caller's
+    slot = RUN_SLOTS.acquire() if level == "bwrap" and os.geteuid() == 0 else None
     status_r, status_w = os.pipe()
+    ours, theirs = [status_r], {"status": status_w, "source": os.memfd_create("verl_prm_program")}
     process = None
-    killed = [0]
     try:
-        (staging / "program.py").write_bytes(source)
-        if level == "user":  # the working directory is the staging directory: the run's uid owns it
-            os.chown(staging, uid, uid)
-            os.chown(staging / "program.py", uid, uid)
-        env = _program_env(config.site_packages)
-        if switch_uid:
-            nproc = config.nproc
-        elif hasattr(os, "geteuid") and os.geteuid() != 0:
-            nproc = _user_process_count(os.geteuid()) + config.nproc
-        else:
-            nproc = None  # root ignores RLIMIT_NPROC: the deadline and killpg bound a fork bomb
-        boot_config = dict(
-            status_fd=status_w,
-            program_path=str(staging / "program.py"),
-            mount_namespace=full,
-            network_namespace=full,
-            mask_dirs=list(mask_dirs()) if full else [],
-            remount_readonly=full,
-            deny_unix_sockets=full,
-            tmpfs_kb=config.file_mb * 1024 * 2,
-            workdir=str(staging),
-            uid=uid,
-            gid=uid,
-            cpu_s=int(config.cpu_s),
-            memory_bytes=int(config.memory_mb) * 1024 * 1024,
-            file_bytes=int(config.file_mb) * 1024 * 1024,
-            max_files=int(config.max_files),
-            nproc=nproc,
-            env=dict(env, HOME=FULL_WORKDIR if full else str(staging), TMPDIR=FULL_WORKDIR if full else str(staging)),
-            audit_network=True,
-            workdir_full=FULL_WORKDIR,
-            expose=[list(entry) for entry in interpreter_layout(config.python, config.site_packages).expose],
-        )
-        flags = ["-I", "-B"] + ([] if config.site_packages else ["-S"])
-        process = subprocess.Popen(
-            [config.python, *flags, str(BOOT), json.dumps(boot_config)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            pass_fds=(status_w,),
-            start_new_session=True,
-            cwd=str(staging),
-            env=env,
-        )
-        os.close(status_w)
-        status_w = -1
-        out, timed_out = _collect(process, status_r, config, uid, killed)
+        os.write(theirs["source"], source)
+        if level == "bwrap":
+            theirs["seccomp"], seccomp_w = os.pipe()  # a pipe holds 64 KiB: the filter is a few hundred bytes
+            os.write(seccomp_w, unix_socket_filter())
+            os.close(seccomp_w)
+            bwrap_r, theirs["bwrap"] = os.pipe()
+            ours.append(bwrap_r)
+        process = _start(config, level, None if slot is None else uid_for_slot(slot), staging or WORKDIR, theirs)
+        for fd in theirs.values():
+            os.close(fd)
+        theirs = {}
+        out, timed_out = _collect(process, ours, config)
         returncode = process.returncode
+        if level == "bwrap" and returncode is not None and 128 < returncode <= 128 + 64:
+            returncode = -(returncode - 128)  # bwrap's exit status for "killed by signal N"
+        stderr = out["stderr"][0].decode("utf-8", "replace")
         status = []
         for line in out["status"][0].decode("utf-8", "replace").splitlines():
             try:
                 status.append(json.loads(line))
             except ValueError:
                 pass
-        reason, detail = _classify(status, returncode, timed_out, config.cpu_s)
-        return RunResult(
-            reason=reason,
-            detail=detail,
-            returncode=returncode,
-            stdout=out["stdout"][0].decode("utf-8", "replace"),
-            stderr=out["stderr"][0].decode("utf-8", "replace"),
-            stdout_truncated=out["stdout"][1],
-            stderr_truncated=out["stderr"][1],
-            wall_s=time.perf_counter() - started,
-            isolation=level,
-        )
+        reason, detail = _classify(status, returncode, timed_out, config.cpu_s, stderr)
+        return RunResult(reason=reason, detail=detail, returncode=returncode,
+                         stdout=out["stdout"][0].decode("utf-8", "replace"), stderr=stderr,
+                         stdout_truncated=out["stdout"][1], stderr_truncated=out["stderr"][1],
+                         wall_s=time.perf_counter() - started, isolation=level)
     finally:
         if process is not None and process.poll() is None:
             _kill_group(process.pid)
             process.wait()
-        if uid is not None:
-            killed[0] += _kill_uid(uid)
-        for fd in (status_r, status_w):
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        shutil.rmtree(staging, ignore_errors=True)
+        for fd in ours + list(theirs.values()):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
         if slot is not None:
-            RUN_SLOTS.release(slot, killed[0] > 0)
+            RUN_SLOTS.release(slot)
 
 
-def _collect(process: subprocess.Popen, status_fd: int, config: SandboxConfig, uid: int | None, killed: list[int]):
-    """Read stdout, stderr and the status pipe until the run ends or the deadline passes; kill what is left.
+def _stop(process: subprocess.Popen, bwrap_status: bytes) -> None:
+    """Kill the run. Under bwrap: its PID namespace's init (``child-pid`` of bwrap's status), whose end kills every
+    process of the namespace and returns only once they are gone (so the run's uid is free again when bwrap has
+    exited); then, or in basic mode, the leader's process group."""
+    found = re.search(rb'"child-pid": (\d+)', bwrap_status)
+    if found and process.poll() is None:  # bwrap has not reaped its child yet: the pid is still that child's
+        try:
+            os.kill(int(found.group(1)), signal.SIGKILL)
+            process.wait(timeout=10)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    if process.poll() is None:
+        _kill_group(process.pid)
+
+
+def _collect(process: subprocess.Popen, fds: list[int], config: SandboxConfig):
+    """Read stdout, stderr, the status pipe and bwrap's status until the run ends or the deadline passes; kill
+    what is left.
 
     Returns ``({name: (bytes kept, truncated)}, timed_out)``."""
     deadline = time.monotonic() + config.timeout_s
-    keep = {"stdout": config.max_output_bytes, "stderr": config.max_output_bytes, "status": 1 << 16}
+    keep = {"stdout": config.max_output_bytes, "stderr": config.max_output_bytes, "status": 1 << 16, "bwrap": 4096}
     data = {name: bytearray() for name in keep}
     truncated = {name: False for name in keep}
     selector = selectors.DefaultSelector()
     selector.register(process.stdout, selectors.EVENT_READ, "stdout")
     selector.register(process.stderr, selectors.EVENT_READ, "stderr")
-    status_file = os.fdopen(os.dup(status_fd), "rb", buffering=0)
-    selector.register(status_file, selectors.EVENT_READ, "status")
-    open_streams = 3
+    for fd, name in zip(fds, ("status", "bwrap")):
+        selector.register(fd, selectors.EVENT_READ, name)
+    open_streams = 2 + len(fds)
     timed_out = False
     leader_done_at = None
     try:
@@ -439,13 +372,12 @@ def _collect(process: subprocess.Popen, status_fd: int, config: SandboxConfig, u
                 break
             if leader_done_at is None and process.poll() is not None:
                 leader_done_at = now
-                # The program's main process ended: whatever it left behind (background children holding the
-                # pipes) is killed now rather than waited for.
+                # The leader ended: whatever it left behind (basic mode: background children holding the pipes)
+                # is killed now rather than waited for.
                 _kill_group(process.pid)
-                if uid is not None:
-                    killed[0] += _kill_uid(uid)
             for key, _ in selector.select(timeout=min(0.05, max(deadline - now, 0.0))):
-                chunk = os.read(key.fileobj.fileno(), 65536)
+                fd = key.fileobj if isinstance(key.fileobj, int) else key.fileobj.fileno()
+                chunk = os.read(fd, 65536)
                 name = key.data
                 if not chunk:
                     selector.unregister(key.fileobj)
@@ -458,11 +390,12 @@ def _collect(process: subprocess.Popen, status_fd: int, config: SandboxConfig, u
                     truncated[name] = True
     finally:
         selector.close()
-        status_file.close()
-    if process.poll() is None:
-        _kill_group(process.pid)
-    if uid is not None:
-        killed[0] += _kill_uid(uid)
+    if not timed_out:  # the streams closed: the leader is ending (or basic mode's leftovers were killed)
+        try:
+            process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+    _stop(process, bytes(data["bwrap"]))
     process.wait()
     for stream in (process.stdout, process.stderr):
         stream.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 __all__ = ["LIMIT_MINIMUMS", "REASONS", "Isolation", "RunResult", "SandboxConfig"]
 
@@ -51,12 +52,13 @@ class SandboxConfig:
         max_output_bytes: bytes of stdout and of stderr kept (each); the rest is discarded.
         file_mb: largest file the program may write (RLIMIT_FSIZE), and the size of the private tmpfs.
         max_files: open file descriptors (RLIMIT_NOFILE).
-        nproc: processes the run may have at once (RLIMIT_NPROC on the run's own uid in full isolation).
-        mode: "auto" (the strongest level that runs Python here), or "full", "user", "basic" (probed the same
-            way: `isolation` raises RuntimeError if that level cannot run Python here).
+        nproc: processes the run may have at once (RLIMIT_NPROC on the run's own uid under bwrap as root).
+        mode: "bwrap" (namespaces by bubblewrap; a RuntimeError naming the package where it is missing) or
+            "basic" (no namespaces: asked for by name, it logs a warning); probed the same way (`isolation`
+            raises RuntimeError if that level cannot run Python here).
         site_packages: let the program import installed third-party packages (numpy...); default off
             (``python -S``: the standard library only, which is what HumanEval and MBPP need).
-        python: the interpreter that runs the program (default: this one). In full isolation its files (and,
+        python: the interpreter that runs the program (default: this one). Under bwrap its files (and,
             with ``site_packages``, its site-packages) are shown read-only even where the sandbox masks their
             directory (an interpreter or venv under ``/tmp``).
     """
@@ -68,13 +70,13 @@ class SandboxConfig:
     file_mb: int = 16
     max_files: int = 256
     nproc: int = 32
-    mode: str = "auto"
+    mode: Literal["bwrap", "basic"] = "bwrap"
     site_packages: bool = False
     python: str = sys.executable
 
     def __post_init__(self) -> None:
-        if self.mode not in ("auto", "full", "user", "basic"):
-            raise ValueError(f"SandboxConfig.mode must be 'auto', 'full', 'user' or 'basic', got {self.mode!r}")
+        if self.mode not in ("bwrap", "basic"):
+            raise ValueError(f"SandboxConfig.mode must be 'bwrap' or 'basic', got {self.mode!r}")
         timeout = self.timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
                 math.isfinite(timeout) and timeout > 0):
@@ -98,7 +100,7 @@ class SandboxConfig:
 class Isolation:
     """What a run is isolated by on this machine (``isolation()``)."""
 
-    mode: str  # "full", "user" or "basic"
+    mode: str  # "bwrap" or "basic"
     network: str  # "namespace+audit-hook" or "audit-hook"
     filesystem: str
     processes: str
@@ -116,7 +118,7 @@ class RunResult:
         stdout, stderr: the first ``max_output_bytes`` of each, decoded (invalid UTF-8 replaced).
         stdout_truncated, stderr_truncated: more was written than kept.
         wall_s: seconds from start to the end of the run (clean-up included).
-        isolation: the isolation level of the run ("full", "user" or "basic").
+        isolation: the isolation level of the run ("bwrap" or "basic").
     """
 
     reason: str

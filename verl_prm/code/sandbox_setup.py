@@ -1,26 +1,33 @@
-"""The isolation set-up on the caller's side (``verl_prm.code.sandbox`` runs it, ``_boot.py`` applies it in the
-child): the run's unprivileged uid (``uid_for_slot``, run slots), the directories the private tmpfs masks, the
-interpreter's files that must stay readable (``interpreter_layout``), the probe program, and what each level
-isolates by (``isolation_of``)."""
+"""The caller's side of the sandbox (``verl_prm.code.sandbox`` runs it, ``_boot.py`` runs in the child): the
+``bwrap`` command line of a run (`bwrap_command`: the directories it masks, the interpreter's files it shows
+read-only, the seccomp filter against Unix-domain sockets), the run's unprivileged uid (`RUN_SLOTS`), the probe
+program, and what each level isolates by (`isolation_of`)."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import os
+import shutil
 import stat
 import subprocess
 import threading
-import time
 from dataclasses import dataclass
+from pathlib import PurePath
 
-from verl_prm.code.sandbox_config import Isolation
+from verl_prm.code.sandbox_config import Isolation, SandboxConfig
 
-__all__ = ["FULL_WORKDIR", "LEVELS", "RUN_SLOTS", "SLOTS_PER_PROCESS", "TEMP_DIRS", "interpreter_layout",
-           "isolation_of", "mask_dirs", "mount_table", "probe_source", "uid_for_slot", "world_writable_dirs"]
+__all__ = ["LEVELS", "RUN_SLOTS", "SLOTS_PER_PROCESS", "TEMP_DIRS", "WORKDIR", "bwrap_command", "bwrap_executable",
+           "interpreter_layout", "isolation_of", "mask_dirs", "mount_table", "probe_source", "uid_for_slot",
+           "unix_socket_filter", "world_writable_dirs"]
 
+LEVELS = ("bwrap", "basic")
 # Temporary directories: always masked where they exist (whatever their mode); the first holds the working
 # directory. Every other world-writable directory is found by `world_writable_dirs`.
 TEMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+# The working directory of a run under bwrap (inside the private tmpfs over TEMP_DIRS[0]).
+WORKDIR = TEMP_DIRS[0] + "/sandbox"
 # File systems not walked for world-writable directories: kernel interfaces, where no directory takes new files
 # from an unprivileged uid. (Network file systems are walked too: a world-writable NFS directory is one.)
 _KERNEL_FS = frozenset({"proc", "sysfs", "devpts", "securityfs", "debugfs", "tracefs", "pstore", "efivarfs",
@@ -29,6 +36,8 @@ _KERNEL_FS = frozenset({"proc", "sysfs", "devpts", "securityfs", "debugfs", "tra
 # sandboxes at the same time (pids are unique while alive), far above any uid a distribution hands out.
 _UID_BASE = 200_000
 SLOTS_PER_PROCESS = 64
+_INSTALL = ("install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; Fedora/RHEL: dnf install bubblewrap; "
+            "version 0.8.0 or newer)")
 
 
 def uid_for_slot(slot: int, pid: int | None = None) -> int:
@@ -39,32 +48,26 @@ def uid_for_slot(slot: int, pid: int | None = None) -> int:
 
 
 class _Slots:
-    """Run slots of this process (each with its own uid), handed out to concurrent runs.
+    """Run slots of this process, each with its own uid, handed out to concurrent runs (lowest free first), so
+    that ``RLIMIT_NPROC`` counts one run's processes. A slot is free again when its run's ``bwrap`` has exited:
+    the run's PID namespace, and with it every process of the uid, is gone by then."""
 
-    First in, first out, and a slot whose run had processes killed rests ``rest_s`` before it is handed out
-    again (unless no other slot is free): the zombies of a killed fork bomb count towards RLIMIT_NPROC of their
-    uid until init reaps them, which can take a moment."""
-
-    def __init__(self, rest_s: float = 2.0) -> None:
+    def __init__(self) -> None:
         self._lock = threading.Condition()
         self._pid = os.getpid()
-        self._free: list[tuple[int, float]] = [(slot, 0.0) for slot in range(SLOTS_PER_PROCESS)]
-        self.rest_s = rest_s
+        self._free = list(range(SLOTS_PER_PROCESS))
 
     def acquire(self) -> int:
         with self._lock:
             if self._pid != os.getpid():  # forked: a new process, new uids
-                self._pid, self._free = os.getpid(), [(slot, 0.0) for slot in range(SLOTS_PER_PROCESS)]
+                self._pid, self._free = os.getpid(), list(range(SLOTS_PER_PROCESS))
             while not self._free:  # more than 64 concurrent runs in this process: wait for one to end
                 self._lock.wait()
-            now = time.monotonic()
-            ready = [i for i, (_, not_before) in enumerate(self._free) if not_before <= now]
-            index = ready[0] if ready else min(range(len(self._free)), key=lambda i: self._free[i][1])
-            return self._free.pop(index)[0]
+            return self._free.pop(self._free.index(min(self._free)))
 
-    def release(self, slot: int, killed: bool) -> None:
+    def release(self, slot: int) -> None:
         with self._lock:
-            self._free.append((slot, time.monotonic() + self.rest_s if killed else 0.0))
+            self._free.append(slot)
             self._lock.notify()
 
 
@@ -120,7 +123,7 @@ _MASKS_LOCK = threading.Lock()
 
 
 def mask_dirs() -> tuple[str, ...]:
-    """The directories a run in full isolation gets a private tmpfs over: ``TEMP_DIRS`` (where they exist) and
+    """The directories a run under bwrap gets a private tmpfs over: ``TEMP_DIRS`` (where they exist) and
     `world_writable_dirs`, found once per process (the first call walks the file tree), outermost only (a
     directory inside another one is masked with it), ``TEMP_DIRS[0]`` first (it holds the working directory)."""
     with _MASKS_LOCK:
@@ -134,9 +137,6 @@ def mask_dirs() -> tuple[str, ...]:
         return _MASKS[0]
 
 
-LEVELS = ("full", "user", "basic")
-# The working directory of a run in full isolation (inside the private tmpfs over TEMP_DIRS[0]).
-FULL_WORKDIR = TEMP_DIRS[0] + "/sandbox"
 _QUERY = (
     "import json, sys\n"
     "print(json.dumps({'executable': sys.executable, 'prefix': sys.prefix, 'exec_prefix': sys.exec_prefix, "
@@ -146,23 +146,21 @@ _QUERY = (
 
 @dataclass(frozen=True)
 class _Layout:
-    """What the sandboxed interpreter reads after the uid switch (``interpreter_layout``).
+    """What the sandboxed interpreter reads as the run's uid (``interpreter_layout``).
 
     Attributes:
         paths: existing absolute paths: the directory of the executable, ``base_prefix``/``base_exec_prefix``,
             every entry of the interpreter's ``sys.path`` (with ``site_packages``: site-packages, what ``.pth``
             files add, and ``prefix``), each also as its real path.
-        expose: ``(path, closed_ancestor)`` for each of ``paths`` hidden in full isolation: under a directory the
-            private tmpfs masks (closed_ancestor None), or below a directory other uids cannot traverse (that
-            directory, e.g. ``/root`` of a pyenv install); nested paths dropped (their parent carries them).
-        closed: ``(path, closed_ancestor)`` for each of ``paths`` other uids cannot read (user isolation has no
-            mount namespace to fix that).
+        expose: ``(path, closed_ancestor)`` for each of ``paths`` a run under bwrap would not see: under a
+            directory the private tmpfs masks (closed_ancestor None), or below a directory other uids cannot
+            traverse (that directory, e.g. ``/root`` of a pyenv install); nested paths dropped (their parent
+            carries them).
     """
 
     executable: str
     paths: tuple[str, ...]
     expose: tuple[tuple[str, str | None], ...]
-    closed: tuple[tuple[str, str], ...]
 
 
 _LAYOUTS: dict[tuple[str, bool], _Layout] = {}
@@ -211,8 +209,10 @@ def interpreter_layout(python: str, site_packages: bool) -> _Layout:
     masks = mask_dirs()
     executable = found["executable"]
     # the executable's directory (a program may start sys.executable) and the real one (a symlinked venv)
-    candidates = [os.path.dirname(executable), os.path.dirname(os.path.realpath(executable)), found["base_prefix"],
-                  found["base_exec_prefix"], *found["path"]]
+    # and what bwrap starts: ``python`` itself (a launcher script may sit anywhere, e.g. under /tmp)
+    candidates = [os.path.abspath(shutil.which(python) or python), os.path.dirname(executable),
+                  os.path.dirname(os.path.realpath(executable)), found["base_prefix"], found["base_exec_prefix"],
+                  *found["path"]]
     if site_packages:
         candidates += [found["prefix"], found["exec_prefix"]]  # pyvenv.cfg: a child `sys.executable` is the venv
     paths: list[str] = []
@@ -223,7 +223,7 @@ def interpreter_layout(python: str, site_packages: bool) -> _Layout:
             if os.path.exists(path) and path not in paths:  # sys.path names a missing python3X.zip: nothing to keep
                 paths.append(path)
     for path in paths:
-        refused = [d for d in masks if path == d] + ([FULL_WORKDIR] if _under(path, FULL_WORKDIR) else [])
+        refused = [d for d in masks if path == d] + ([WORKDIR] if _under(path, WORKDIR) else [])
         if refused:
             raise ValueError(
                 f"SandboxConfig(python={python!r}, site_packages={site_packages}): the interpreter needs {path}, "
@@ -240,8 +240,7 @@ def interpreter_layout(python: str, site_packages: bool) -> _Layout:
     for path, closed in hidden:
         if not any(_under(path, outer) for outer, _ in expose):
             expose.append((path, closed))
-    closed_paths = tuple((p, c) for p in paths for c in [_closed_ancestor(p)] if c)
-    layout = _Layout(executable, tuple(paths), tuple(expose), closed_paths)
+    layout = _Layout(executable, tuple(paths), tuple(expose))
     with _LAYOUTS_LOCK:
         _LAYOUTS[key] = layout
     return layout
@@ -260,19 +259,113 @@ def probe_source(layout: _Layout) -> bytes:
     ).encode()
 
 
+_BWRAP: list[str] = []
+
+
+def bwrap_executable() -> str:
+    """The path of ``bwrap``. Raises RuntimeError naming the package where it is missing or older than 0.8.0 (no
+    ``--size``, which caps the private tmpfs)."""
+    if not _BWRAP:
+        path = shutil.which("bwrap")
+        if path is None:
+            raise RuntimeError(f"SandboxConfig(mode='bwrap') needs bwrap, which is not installed: {_INSTALL}; or ask "
+                               f"for the weaker SandboxConfig(mode='basic') (no namespaces: docs/sandbox.md)")
+        usage = subprocess.run([path, "--help"], capture_output=True, text=True).stdout
+        if "--size" not in usage:
+            version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout.strip()
+            raise RuntimeError(f"{path} ({version or 'unknown version'}) has no --size option to cap the sandbox's "
+                               f"private tmpfs: {_INSTALL}")
+        _BWRAP.append(path)
+    return _BWRAP[0]
+
+
+class _ArgCmp(ctypes.Structure):  # libseccomp's struct scmp_arg_cmp
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64),
+                ("datum_b", ctypes.c_uint64)]
+
+
+_FILTER: list[bytes] = []
+
+
+def unix_socket_filter() -> bytes:
+    """A seccomp BPF program (compiled by libseccomp, for ``bwrap --seccomp``) under which ``socket(AF_UNIX, ...)``
+    fails with EAFNOSUPPORT, so no Unix-domain socket of the host is reachable whatever its path and mode, by the
+    program, ``ctypes`` or a child (``socketpair`` stays); ``io_uring_setup`` (io_uring can open sockets itself)
+    and system calls of another ABI (x32, i386) fail with ENOSYS. The family is compared on its low 32 bits (the
+    kernel reads an int). Built once per process; RuntimeError naming the package where libseccomp is missing."""
+    if _FILTER:
+        return _FILTER[0]
+    name = ctypes.util.find_library("seccomp")
+    if name is None:
+        raise RuntimeError("the sandbox's seccomp filter needs libseccomp, which is not installed (Debian/Ubuntu: "
+                           "apt-get install libseccomp2; Fedora/RHEL: dnf install libseccomp)")
+    lib = ctypes.CDLL(name, use_errno=True)
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_init.argtypes = [ctypes.c_uint32]
+    lib.seccomp_attr_set.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
+                                           ctypes.POINTER(_ArgCmp)]
+    lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.seccomp_release.argtypes = [ctypes.c_void_p]
+    allow, errno_action, bad_arch_attr, masked_eq = 0x7FFF0000, 0x00050000, 2, 7  # <seccomp.h>
+    context = lib.seccomp_init(allow)
+    fd = os.memfd_create("verl_prm_seccomp")
+    try:
+        rules = [(b"socket", errno_action | 97, 1, ctypes.byref(_ArgCmp(0, masked_eq, 0xFFFFFFFF, 1))),  # AF_UNIX
+                 (b"io_uring_setup", errno_action | 38, 0, None)]  # EAFNOSUPPORT, ENOSYS
+        codes = [lib.seccomp_attr_set(context, bad_arch_attr, errno_action | 38)]
+        codes += [lib.seccomp_rule_add_array(context, action, lib.seccomp_syscall_resolve_name(call), count, arg)
+                  for call, action, count, arg in rules]
+        codes.append(lib.seccomp_export_bpf(context, fd))
+        if any(codes):
+            raise RuntimeError(f"libseccomp ({name}) failed to build the sandbox's filter: return codes {codes}")
+        _FILTER.append(os.pread(fd, 1 << 20, 0))
+    finally:
+        os.close(fd)
+        lib.seccomp_release(context)
+    return _FILTER[0]
+
+
+def bwrap_command(config: SandboxConfig, uid: int | None, seccomp_fd: int, json_fd: int) -> list[str]:
+    """The ``bwrap`` arguments of one run (up to ``--``): the host's file tree read-only; a fresh ``/dev`` and a
+    ``/proc`` of the run's own PID namespace; a private tmpfs (``2 * file_mb`` MiB) over each of `mask_dirs`;
+    an empty tmpfs over each directory closed to other uids on the way to the interpreter, then the
+    interpreter's files (`interpreter_layout`) bound back read-only at their own paths; new IPC, PID, network
+    (no route), UTS and cgroup namespaces; ``--die-with-parent``; the seccomp filter (`unix_socket_filter`).
+
+    As root (``uid`` given) no user namespace: every capability is dropped except CAP_SETUID/CAP_SETGID, with
+    which the boot script switches to ``uid`` before the program runs. Not root: a user namespace, the caller's
+    uid. bwrap always sets no_new_privs."""
+    layout = interpreter_layout(config.python, config.site_packages)
+    args = [bwrap_executable(), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+    for directory in mask_dirs():
+        args += ["--perms", "1777", "--size", str(config.file_mb * 2 << 20), "--tmpfs", directory]
+    for closed in dict.fromkeys(closed for _, closed in layout.expose if closed is not None):
+        args += ["--perms", "0755", "--size", str(64 << 10), "--tmpfs", closed]
+    for path, closed in layout.expose:  # bwrap would create the missing parents 0700: closed to the run's uid
+        top = closed or next(d for d in mask_dirs() if _under(path, d))
+        parents = [str(p) for p in reversed(PurePath(path).parents) if _under(str(p), top) and str(p) != top]
+        args += [arg for parent in parents for arg in ("--perms", "0755", "--dir", parent)]
+        args += ["--ro-bind", path, path]
+    args += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+    if uid is None:
+        args += ["--unshare-user"]
+    else:
+        args += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    return args + ["--die-with-parent", "--new-session", "--seccomp", str(seccomp_fd), "--json-status-fd",
+                   str(json_fd), "--chdir", "/", "--"]
+
+
 def isolation_of(level: str, note: str = "") -> Isolation:
-    if level == "full":
-        return Isolation("full", "namespace+audit-hook",
-                         "private tmpfs over " + ", ".join(mask_dirs()) + " (cwd inside it); every other mount "
-                         "read-only; the interpreter's files read-only; unprivileged uid; no Unix sockets",
-                         "setsid + killpg + kill-all-of-the-run's-uid; RLIMIT_NPROC on the run's uid; no_new_privs",
+    if level == "bwrap":
+        who = ("an unprivileged uid of its own" if os.geteuid() == 0 else
+               "the caller's uid in a user namespace (reads what the caller can read)")
+        return Isolation("bwrap", "network namespace (no route) + audit hook; Unix-domain sockets refused (seccomp)",
+                         "private tmpfs over " + ", ".join(mask_dirs()) + " (cwd inside it); everything else "
+                         f"read-only; the interpreter's files read-only; fresh /dev; {who}",
+                         "PID namespace (every process ends with the run); RLIMIT_NPROC on the run; no_new_privs",
                          note)
-    if level == "user":
-        return Isolation("user", "audit-hook",
-                         "fresh temporary cwd (removed); unprivileged uid elsewhere (world-writable directories such "
-                         "as /tmp stay writable and shared)",
-                         "setsid + killpg + kill-all-of-the-run's-uid; RLIMIT_NPROC on the run's uid; no_new_privs",
-                         note)
-    return Isolation("basic", "audit-hook", "fresh temporary cwd (removed); caller's permissions elsewhere",
+    return Isolation("basic", "audit hook only", "fresh temporary cwd (removed); the caller's permissions elsewhere",
                      "setsid + killpg; RLIMIT_NPROC = caller's processes + nproc (not enforced for root); "
                      "no_new_privs", note)

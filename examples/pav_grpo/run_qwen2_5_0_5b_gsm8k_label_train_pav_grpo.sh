@@ -29,7 +29,7 @@ verl-prm label \
     --backend vllm \
     --n-cov "$N_COV" \
     --n-mc "$N_MC" \
-    --strategy first_pit \
+    --prefix-rule first_pit \
     --delimiter '\n\n' \
     --max-new-tokens 1024 \
     --temperature 1.0 \

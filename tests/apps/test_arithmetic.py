@@ -256,7 +256,7 @@ def test_main_ppo_commands_of_every_arm_compose_and_differ_only_in_the_critic(tm
             assert dict(hook.critic.options) == exact_prover
             assert hook.diagnostics.reference is None
         elif ARMS[arm].critic == "rollout":
-            assert (hook.critic.format, hook.critic.path, hook.critic.mc_n) == ("rollout", None, MC_N)
+            assert (hook.critic.format, hook.critic.path, hook.critic.n_mc) == ("rollout", None, MC_N)
             assert hook.diagnostics.reference == exact_prover
         else:
             # each learned arm reads the PAV of its own stage

@@ -272,7 +272,8 @@ HELP_USAGE = {
     ),
     ('label',): (
         '[-h] --input INPUT --output-dir OUTPUT_DIR --policy POLICY [--prover PROVER] [--backend {hf,vllm}] '
-        '[--n-cov N_COV] [--n-mc N_MC] [--strategy {every,first_pit}] [--success-labels {every,outcome}] '
+        '[--n-cov N_COV] [--n-mc N_MC] [--prefix-rule {every,fixed,first_pit}] [--prefixes-per-response '
+        'PREFIXES_PER_RESPONSE] [--success-labels {every,outcome}] '
         '[--delimiter DELIMITER] [--step-regex STEP_REGEX] [--code-rule {line,block,indent}] [--code-depth '
         'CODE_DEPTH] [--max-steps MAX_STEPS] [--no-prompt-value] [--max-new-tokens MAX_NEW_TOKENS] '
         '[--temperature TEMPERATURE] [--top-p TOP_P] [--batch-size BATCH_SIZE] [--device DEVICE] [--dtype '

@@ -393,8 +393,8 @@ def _step_metrics(result, step: int) -> dict:
     return records[step]
 
 
-REFRESH_OVERRIDES = ["verl_prm.refresh.every=1", "verl_prm.refresh.window=2", "verl_prm.critic.mc_n=2",
-                     "verl_prm.critic.mc_prefixes=fixed", "verl_prm.critic.mc_prefixes_per_response=2",
+REFRESH_OVERRIDES = ["verl_prm.refresh.every=1", "verl_prm.refresh.window=2", "verl_prm.critic.n_mc=2",
+                     "verl_prm.critic.prefix_rule=fixed", "verl_prm.critic.prefixes_per_response=2",
                      "verl_prm.critic.mc_token_budget=1500"]
 
 
@@ -557,20 +557,20 @@ def test_bench_loop_arms_compose_and_the_sampled_arm_passes_the_startup_check(tm
     from verl_prm.integrations.verl.rollout_critic import check_rollout_critic_run, run_reward_function
 
     for arm in ARMS:
-        estimator, extra = arm_overrides(arm, mc_n=3, mc_prefixes="first_pit")
+        estimator, extra = arm_overrides(arm, n_mc=3, prefix_rule="first_pit")
         config = compose_verl(main_ppo_args(tmp_path, estimator, steps=2, extra=extra))
         score = run_reward_function(config)
         assert [score("arithmetic_mod", text, "7") for text in ("12", "123")] == [1.0, 0.0], arm
         assert config.algorithm.adv_estimator == estimator
         assert (config.verl_prm.critic.format == "rollout") == (arm == "sampled"), arm
-    assert (config.verl_prm.critic.path, config.verl_prm.critic.mc_n, config.verl_prm.critic.mc_prefixes) == \
+    assert (config.verl_prm.critic.path, config.verl_prm.critic.n_mc, config.verl_prm.critic.prefix_rule) == \
         (None, 3, "first_pit")
     check_rollout_critic_run(config)
     with pytest.raises(ValueError, match="unknown bench loop arm 'sft'"):
         arm_overrides("sft")
 
 
-@pytest.mark.parametrize("flag", ["--steps", "--mc-n"])
+@pytest.mark.parametrize("flag", ["--steps", "--n-mc"])
 def test_bench_loop_rejects_a_count_below_one_naming_the_flag(flag, capsys):
     from verl_prm.apps.bench.loop import main
 

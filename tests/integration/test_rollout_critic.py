@@ -21,7 +21,7 @@ TASK = ScriptedStepTask(num_steps=H)
 # verl loads a custom reward function from a file: this one re-exports the scripted task's outcome
 REWARD_FILE = Path(__file__).resolve().parent / "scripted_reward.py"
 ROLLOUT_OVERRIDES = [
-    "verl_prm.critic.format=rollout", f"verl_prm.critic.mc_n={N_MC}",
+    "verl_prm.critic.format=rollout", f"verl_prm.critic.n_mc={N_MC}",
     f"reward.custom_reward_function.path={REWARD_FILE}", "reward.custom_reward_function.name=scripted_step_score",
     f"actor_rollout_ref.rollout.response_length={RESPONSE_LENGTH}", "actor_rollout_ref.rollout.prompt_length=32",
     "trainer.device=cpu", "actor_rollout_ref.rollout.n=3", "data.train_batch_size=2",
@@ -241,9 +241,9 @@ def test_mc_token_ratio_counts_the_real_rows_response_tokens():
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("mc_n", 0, "verl_prm.critic.mc_n (continuations per step prefix) must be >= 1, got 0"),
+    ("n_mc", 0, "verl_prm.critic.n_mc (continuations per step prefix) must be >= 1, got 0"),
     ("mc_token_budget", 0, "verl_prm.critic.mc_token_budget must be >= 1 or null (no bound), got 0"),
-    ("mc_prefixes", "all", "verl_prm.critic.mc_prefixes must be one of ('every', 'fixed', 'first_pit'), got 'all'"),
+    ("prefix_rule", "all", "verl_prm.critic.prefix_rule must be one of ('every', 'fixed', 'first_pit'), got 'all'"),
     ("path", "/some/critic", "verl_prm.critic.path='/some/critic' is unused with verl_prm.critic.format=rollout"),
     ("mc_success_threshold", float("nan"), "verl_prm.critic.mc_success_threshold must be a finite number"),
 ])
@@ -290,7 +290,7 @@ def rollout_loop_run(tmp_path_factory):
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    return float(len(solution_str) % 2 == 0)\n")
     args = main_ppo_args(work, "pav_grpo", steps=2, run_name="pav_grpo_rollout", extra=[
-        "verl_prm.critic.format=rollout", "verl_prm.critic.path=null", "verl_prm.critic.mc_n=2",
+        "verl_prm.critic.format=rollout", "verl_prm.critic.path=null", "verl_prm.critic.n_mc=2",
         f"verl_prm.critic.mc_token_budget={MC_BUDGET}", f"reward.custom_reward_function.path={reward}"])
     return run_main_ppo(args, work / "rollout.jsonl", work / "rollout.log", timeout=600)
 

@@ -129,6 +129,19 @@ def test_platt_is_the_minimum_of_a_brute_force_grid():
         assert loss(fitted["slope"] + da, fitted["intercept"] + db) >= loss(fitted["slope"], fitted["intercept"])
 
 
+def test_platt_refuses_labels_a_threshold_separates_even_with_a_soft_label_on_it():
+    # Albert & Anderson (1984): labels 0 below a value and 1 above it, with a soft label at it, have no finite
+    # maximum-likelihood fit (the cross-entropy keeps falling as the slope grows)
+    values = np.linspace(0.1, 0.9, 41)
+    labels = np.where(values < 0.5, 0.0, 1.0)
+    labels[20] = 0.3  # values[20] = 0.5
+    with pytest.raises(CalibrationError, match="separated by the value"):
+        fit_platt(values, labels, np.ones(41))
+    labels[19] = 1.0  # one label on the other side: a finite slope fits
+    fitted = fit_platt(values, labels, np.ones(41))
+    assert 0 < fitted["slope"] < 1e3
+
+
 def test_label_weights_count_unsampled_labels_as_the_best_sampled():
     assert label_weights([16, 0, 4, 0]).tolist() == [16, 16, 4, 16]
     assert label_weights([0, 0]).tolist() == [1, 1]

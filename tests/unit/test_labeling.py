@@ -19,7 +19,8 @@ from verl_prm.labeling.converters import convert_math_shepherd, convert_prm800k,
 from verl_prm.labeling.format import best_of_k_from_counts, read_labels
 from verl_prm.labeling.generators import HFGenerator, RayGeneratorPool, trim_at_eos
 from verl_prm.labeling.inputs import PromptItem, read_prompts, render_prompt
-from verl_prm.labeling.monte_carlo import LabelSettings, MonteCarloLabeler, first_pit_search_step
+from verl_prm.labeling.monte_carlo import LabelSettings, MonteCarloLabeler
+from verl_prm.monte_carlo import first_pit_search_step
 from verl_prm.labeling.runner import run_labeling
 from verl_prm.labeling.scoring import OutcomeScorer
 from verl_prm.labeling.scripted import ScriptedStepGenerator, ScriptedStepTask, scripted_step_score
@@ -43,7 +44,7 @@ def scripted_labeler(settings: LabelSettings, p_policy: float, p_prover: float) 
 def test_every_prefix_labels_agree_with_exact_q():
     task, p_prover, n_mc = ScriptedStepTask(num_steps=4), 0.75, 64
     items = scripted_items(task, 10)
-    labeler = scripted_labeler(LabelSettings(n_cov=4, n_mc=n_mc, strategy="every"), 0.7, p_prover)
+    labeler = scripted_labeler(LabelSettings(n_cov=4, n_mc=n_mc, prefix_rule="every"), 0.7, p_prover)
     rows = labeler.label(items, [item.prompt for item in items])
     assert len(rows) == 40 and [(r["prompt_index"], r["rollout_index"]) for r in rows] == [
         (i, r) for i in range(10) for r in range(4)
@@ -87,9 +88,9 @@ def test_first_pit_search_step_finds_every_pit(num_steps):
 def test_first_pit_matches_exact_pit_at_lower_cost():
     task, p_prover, n_mc = ScriptedStepTask(num_steps=6), 0.85, 32
     items = scripted_items(task, 8)
-    pit_labeler = scripted_labeler(LabelSettings(n_cov=4, n_mc=n_mc, strategy="first_pit", prompt_value=False), 0.8, p_prover)
+    pit_labeler = scripted_labeler(LabelSettings(n_cov=4, n_mc=n_mc, prefix_rule="first_pit", prompt_value=False), 0.8, p_prover)
     rows = pit_labeler.label(items, [item.prompt for item in items])
-    every_labeler = scripted_labeler(LabelSettings(n_cov=4, n_mc=n_mc, strategy="every", prompt_value=False), 0.8, p_prover)
+    every_labeler = scripted_labeler(LabelSettings(n_cov=4, n_mc=n_mc, prefix_rule="every", prompt_value=False), 0.8, p_prover)
     every_labeler.label(items, [item.prompt for item in items])
     failed = [row for row in rows if row["outcome"] == 0.0]
     assert 5 <= len(failed) < len(rows)
@@ -117,7 +118,7 @@ def test_first_pit_on_truncated_rollouts_searches_the_last_step_too():
 
     task, p_prover = ScriptedStepTask(num_steps=5), 0.9
     labeler = MonteCarloLabeler(Truncating(0.75), ScriptedStepGenerator(p_prover), OutcomeScorer(scripted_step_score),
-                                LabelSettings(n_cov=4, n_mc=32, strategy="first_pit", success_labels="outcome",
+                                LabelSettings(n_cov=4, n_mc=32, prefix_rule="first_pit", success_labels="outcome",
                                               prompt_value=False))
     items = scripted_items(task, 6)
     rows = labeler.label(items, [item.prompt for item in items])
@@ -156,7 +157,7 @@ def _run(tmp: Path, items, settings, **kwargs):
 def test_interrupted_labelling_resumes_without_loss_or_duplicates(tmp_path):
     task = ScriptedStepTask(num_steps=3)
     items = scripted_items(task, 7)
-    settings = LabelSettings(n_cov=2, n_mc=8, strategy="every")
+    settings = LabelSettings(n_cov=2, n_mc=8, prefix_rule="every")
     reference = _run(tmp_path / "reference", items, settings)
     assert reference["prompts_labelled"] == 7 and len(reference["shards_written"]) == 4
 
@@ -398,7 +399,7 @@ def test_label_cli_with_tiny_transformers_model_and_resume(tmp_path, tiny_lm_dir
     jsonl_args = ["--input", str(repo_data / "gsm8k_test.jsonl"), "--limit", "2", "--prompt-field", "question",
                   "--answer-field", "answer", "--answer-regex", "#### (.*)", "--data-source", "openai/gsm8k",
                   "--output-dir", str(tmp_path / "gsm"), "--policy", str(tiny_lm_dir), "--n-cov", "1", "--n-mc", "1",
-                  "--max-new-tokens", "6", "--strategy", "first_pit", "--device", "cpu", "--no-progress"]
+                  "--max-new-tokens", "6", "--prefix-rule", "first_pit", "--device", "cpu", "--no-progress"]
     assert main(jsonl_args) == 0
     gsm = read_labels(tmp_path / "gsm")
     assert list(gsm["ground_truth"]) == ["18", "3"] and (gsm["outcome"] == 0.0).all()
@@ -433,8 +434,8 @@ def test_batch_reward_function_scores_each_round_in_one_call():
     task = ScriptedStepTask(num_steps=4)
     items = scripted_items(task, 6)
     prompts = [item.prompt for item in items]
-    for strategy in ("every", "first_pit"):
-        settings = LabelSettings(n_cov=3, n_mc=4, strategy=strategy, seed=5)
+    for prefix_rule in ("every", "first_pit"):
+        settings = LabelSettings(n_cov=3, n_mc=4, prefix_rule=prefix_rule, seed=5)
         expected = scripted_labeler(settings, 0.6, 0.7).label(items, prompts)
         calls.clear()
         batched = MonteCarloLabeler(ScriptedStepGenerator(0.6), ScriptedStepGenerator(0.7),
@@ -463,7 +464,7 @@ from verl_prm.labeling.store import ShardStore
 task = ScriptedStepTask(num_steps=3)
 items = [PromptItem(i, task.prompt(i), str(task.num_steps), "scripted") for i in range(7)]
 labeler = MonteCarloLabeler(ScriptedStepGenerator(0.7), ScriptedStepGenerator(0.8), OutcomeScorer(scripted_step_score),
-                            LabelSettings(n_cov=2, n_mc=8, strategy="every"))
+                            LabelSettings(n_cov=2, n_mc=8, prefix_rule="every"))
 
 def stall(path):
     print("wrote", path.name, flush=True)
@@ -489,7 +490,7 @@ def test_second_label_writer_is_refused_and_a_killed_writer_resumes(tmp_path):
 
     task = ScriptedStepTask(num_steps=3)
     items = scripted_items(task, 7)
-    settings = LabelSettings(n_cov=2, n_mc=8, strategy="every")
+    settings = LabelSettings(n_cov=2, n_mc=8, prefix_rule="every")
     _run(tmp_path / "reference", items, settings)
     out = tmp_path / "labels"
     child = subprocess.Popen([sys.executable, "-c", _STALLING_WRITER, str(out)], stdout=subprocess.PIPE, text=True)

@@ -21,7 +21,8 @@ from verl_prm.critic.refresh import (
     refresh_metrics,
     refresh_targets,
 )
-from verl_prm.critic.sampled import PrefixCounts, ResponseSteps, sampled_step_values
+from verl_prm.critic.sampled import sampled_step_values
+from verl_prm.monte_carlo import PrefixCounts, ResponseSteps
 
 
 def _batch(rule: str = "every", budget: int | None = None):
@@ -31,14 +32,14 @@ def _batch(rule: str = "every", budget: int | None = None):
     success = [True, False, False, True, False, False]
     groups = ["a", "a", "a", "b", "b", "pad"]
     real = [True, True, True, True, True, False]
-    responses = [ResponseSteps(continuation_limits=[10] * h, success=s, group=["a", "b", "pad"].index(g), sample=r)
-                 for h, s, g, r in zip(steps, success, groups, real)]
+    responses = [ResponseSteps(num_steps=h, success=s, sample=r, continuation_limits=[10] * h)
+                 for h, s, r in zip(steps, success, real)]
 
     def sample(requests):
-        return [PrefixCounts(successes=(r.row + 2 * r.step) % (r.n + 1), continuations=r.n, tokens=r.n * 3)
+        return [PrefixCounts(successes=(r.row + 2 * r.step) % (r.n_mc + 1), continuations=r.n_mc, tokens=r.n_mc * 3)
                 for r in requests]
 
-    values = sampled_step_values(responses, sample, rule=rule, n=3, token_budget=budget, width=4)
+    values = sampled_step_values(responses, groups, sample, prefix_rule=rule, n_mc=3, token_budget=budget, width=4)
     return values, groups, success, real, steps
 
 
@@ -263,7 +264,7 @@ def test_labelled_rows_keep_the_positions_with_trials():
     ({"refresh": {"every": 2}, "critic": {"format": "qwen_prm"}},
      "verl_prm.refresh.every=2 refits the value head of a learned PAV (verl_prm.critic.format=value_head)"),
     ({"refresh": {"every": 2}, "placement": {"shard": "fsdp"}}, "set verl_prm.placement.shard=none"),
-    ({"refresh": {"every": 2}, "critic": {"mc_n": 0}}, "verl_prm.critic.mc_n (continuations per step prefix) must be"),
+    ({"refresh": {"every": 2}, "critic": {"n_mc": 0}}, "verl_prm.critic.n_mc (continuations per step prefix) must be"),
     ({"refresh": {"every": 2, "often": 1}}, "Known keys of verl_prm.refresh: every, window, directory"),
 ])
 def test_refresh_section_errors_name_the_key(section, message, tmp_path):

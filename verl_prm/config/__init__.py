@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -19,8 +19,12 @@ from verl_prm.advantages import (
     MIN_FORM_BASELINES,
     PRIME_REWARD_MASKS,
     check_softmin_temperature,
+    process_scores,
 )
 from verl_prm.checks import check_number
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["PavConfig", "read_pav_config"]
 
@@ -124,6 +128,14 @@ class PavConfig:
     @property
     def uses_values(self) -> bool:
         return self.process_term == "value"
+
+    def process_scores(self, step_values: torch.Tensor, prompt_values: torch.Tensor, num_steps: torch.Tensor,
+                       keep: torch.Tensor | None = None) -> torch.Tensor:
+        """``verl_prm.advantages.process_scores`` of the step tensors under these knobs (Best-of-K, the process
+        term, clip, normalize, epsilon); ``keep`` [B] bool: responses that get a process score (None: all)."""
+        return process_scores(step_values, prompt_values, num_steps, best_of_k_k=self.best_of_k,
+                              use_values=self.uses_values, clip=self.clip, normalize=self.normalize, keep=keep,
+                              epsilon=self.epsilon)
 
 
 def _warn_values() -> None:

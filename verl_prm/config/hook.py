@@ -62,9 +62,9 @@ CHECKPOINT_CRITIC_FORMATS = ("value_head", "qwen_prm", "pure_prm", "math_shepher
 # named by verl_prm.critic.options.prover ("module:Class").
 EXACT_CRITIC_FORMAT = "exact"
 # No checkpoint: Monte-Carlo values sampled from the run's own rollout replicas (verl_prm.critic.sampled,
-# verl_prm.integrations.verl.rollout_critic; docs/step_values.md), set by the mc_* keys.
+# verl_prm.integrations.verl.rollout_critic; docs/step_values.md), set by n_mc, prefix_rule and the mc_* keys.
 ROLLOUT_CRITIC_FORMAT = "rollout"
-# Prefix rules of format "rollout" (verl_prm.critic.sampled.PREFIX_RULES, held equal by a test).
+# Prefix rules of format "rollout" (verl_prm.choices.PREFIX_RULES, read by verl_prm.monte_carlo).
 MC_PREFIX_RULES = ("every", "fixed", "first_pit")
 CRITIC_FORMATS = CHECKPOINT_CRITIC_FORMATS + (EXACT_CRITIC_FORMAT, ROLLOUT_CRITIC_FORMAT)
 TRUNCATIONS = ("error", "left_prompt")
@@ -115,14 +115,14 @@ class CriticSection:
     calibration: str = "auto"
     # format "rollout" and verl_prm.refresh (docs/step_values.md): continuations sampled per step prefix, through the
     # run's rollout replicas with the rollout's sampling settings, scored by the run's reward function.
-    mc_n: int = 4
-    # ... which prefixes are sampled: "every" step but the last, "fixed" (mc_prefixes_per_response evenly spaced
+    n_mc: int = 4
+    # ... which prefixes are sampled: "every" step but the last, "fixed" (prefixes_per_response evenly spaced
     # steps), or "first_pit" (bisection for the first step whose value is 0 in each failed response, ~log2(H)).
-    mc_prefixes: str = "every"
-    # ... the number of steps sampled per response under mc_prefixes=fixed.
-    mc_prefixes_per_response: int = 4
+    prefix_rule: str = "every"
+    # ... the number of steps sampled per response under prefix_rule=fixed.
+    prefixes_per_response: int = 4
     # ... the most continuation tokens one training step may generate (null: no bound). A prefix is sampled only if
-    # mc_n x its continuation limit fits; the others hold the value of the step before them (pav/mc_prefixes_skipped).
+    # n_mc x its continuation limit fits; the others hold the value of the step before them (pav/mc_prefixes_skipped).
     mc_token_budget: Optional[int] = None
     # ... a continuation succeeds iff its reward is greater than this (verl's rule-based scorers: 1 or 0/-1).
     mc_success_threshold: float = 0.5
@@ -428,13 +428,13 @@ def _check_rollout_critic_section(critic: CriticSection, placement: PlacementSec
 
 def _check_rollout_sampling(critic: CriticSection) -> None:
     """The mc_* knobs of format "rollout" and of verl_prm.refresh."""
-    if critic.mc_n < 1:
-        raise ConfigError(f"verl_prm.critic.mc_n (continuations per step prefix) must be >= 1, got {critic.mc_n}")
-    if critic.mc_prefixes not in MC_PREFIX_RULES:
-        raise ConfigError(f"verl_prm.critic.mc_prefixes must be one of {MC_PREFIX_RULES}, got {critic.mc_prefixes!r}")
-    if critic.mc_prefixes_per_response < 1:
+    if critic.n_mc < 1:
+        raise ConfigError(f"verl_prm.critic.n_mc (continuations per step prefix) must be >= 1, got {critic.n_mc}")
+    if critic.prefix_rule not in MC_PREFIX_RULES:
+        raise ConfigError(f"verl_prm.critic.prefix_rule must be one of {MC_PREFIX_RULES}, got {critic.prefix_rule!r}")
+    if critic.prefixes_per_response < 1:
         raise ConfigError(
-            f"verl_prm.critic.mc_prefixes_per_response must be >= 1, got {critic.mc_prefixes_per_response}"
+            f"verl_prm.critic.prefixes_per_response must be >= 1, got {critic.prefixes_per_response}"
         )
     if critic.mc_token_budget is not None and critic.mc_token_budget < 1:
         raise ConfigError(

@@ -14,7 +14,7 @@ import sys
 from typing import Sequence
 
 from verl_prm.checkpoints import resolve_checkpoint
-from verl_prm.choices import CODE_STEP_RULES
+from verl_prm.choices import CODE_STEP_RULES, PREFIX_RULES, SUCCESS_LABELS
 from verl_prm.cli_types import finite_float
 
 __all__ = ["main", "build_generator"]
@@ -68,8 +68,11 @@ def label_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("hf", "vllm"), default="hf")
     p.add_argument("--n-cov", type=int, default=4, help="seed rollouts per prompt")
     p.add_argument("--n-mc", type=int, default=8, help="prover continuations per step prefix")
-    p.add_argument("--strategy", choices=("every", "first_pit"), default="every")
-    p.add_argument("--success-labels", choices=("every", "outcome"), default="every",
+    p.add_argument("--prefix-rule", choices=PREFIX_RULES, default="every",
+                   help="which step prefixes are continued: every, fixed (--prefixes-per-response evenly spaced "
+                   "steps) or first_pit (bisection for the first zero-value step of each failed rollout)")
+    p.add_argument("--prefixes-per-response", type=int, default=4, help="--prefix-rule fixed: steps per rollout")
+    p.add_argument("--success-labels", choices=SUCCESS_LABELS, default="every",
                    help="first_pit: label successful rollouts at every prefix, or only by their outcome")
     p.add_argument("--delimiter", default="\\n\\n", help="step delimiter (escapes like \\n are decoded)")
     p.add_argument("--step-regex", default=None, help="steps end at matches of this regex instead")
@@ -185,7 +188,8 @@ def _label(args: argparse.Namespace) -> int:
     delimiter = _unescape(args.delimiter)
     prover_path = args.prover or args.policy
     settings = LabelSettings(
-        n_cov=args.n_cov, n_mc=args.n_mc, strategy=args.strategy, success_labels=args.success_labels,
+        n_cov=args.n_cov, n_mc=args.n_mc, prefix_rule=args.prefix_rule,
+        prefixes_per_response=args.prefixes_per_response, success_labels=args.success_labels,
         delimiter=delimiter, step_regex=args.step_regex, max_steps=args.max_steps, code_rule=args.code_rule,
         code_depth=args.code_depth or 0, prompt_value=not args.no_prompt_value, seed=args.seed, source=prover_path,
     )

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from verl_prm.training.head_fit import fit_logistic_head
+
 __all__ = [
     "CALIBRATION_FILE",
     "CALIBRATION_METHODS",
@@ -157,63 +159,54 @@ def _sigmoid(t: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * t))  # overflow-free
 
 
-def _platt_loss(a: float, b: float, z: np.ndarray, q: np.ndarray, w: np.ndarray) -> float:
-    t = a * z + b  # -[q log s + (1-q) log(1-s)] = log(1 + e^t) - q t
-    return float(np.sum(w * (np.logaddexp(0.0, t) - q * t)))
+def _separated(z: np.ndarray, q: np.ndarray) -> bool:
+    """True when the labels are (quasi-)separated by z, so that the cross-entropy has no finite minimiser.
+
+    A soft label q_i is a weight q_i on outcome 1 and 1 - q_i on outcome 0 at z_i. The maximum-likelihood fit of
+    a logistic model exists iff no (a, b) != 0 has a z_i + b >= 0 at every outcome-1 point and <= 0 at every
+    outcome-0 point (Albert & Anderson 1984, "On the existence of maximum likelihood estimates in logistic
+    regression models"). With one feature: every point with q < 1 lies at or below every point with q > 0 (a > 0),
+    or at or above them (a < 0); an empty side counts as separated (all labels 1, or all 0).
+    """
+    ones, zeros = z[q > 0], z[q < 1]
+    if not ones.size or not zeros.size:
+        return True
+    return bool(zeros.max() <= ones.min() or ones.max() <= zeros.min())
 
 
-def fit_platt(values, targets, weights, max_iterations: int = 100, tolerance: float = 1e-10) -> dict:
-    """Platt scaling c(v) = sigmoid(a z + b), z = :func:`platt_features` (v), by Newton's method in float64 on
+def fit_platt(values, targets, weights, max_iterations: int = 100, tolerance: float = 1e-12) -> dict:
+    """Platt scaling c(v) = sigmoid(a z + b), z = :func:`platt_features` (v), fitted on
 
-        L(a, b) = sum_i w_i [log(1 + exp(a z_i + b)) - q_i (a z_i + b)]     (weighted soft-label cross-entropy)
-        grad    = sum_i w_i (s_i - q_i) (z_i, 1),   Hessian = sum_i w_i s_i (1 - s_i) (z_i, 1)(z_i, 1)^T
+        L(a, b) = sum_i w_i [log(1 + exp(a z_i + b)) - q_i (a z_i + b)] / sum_i w_i   (weighted soft-label BCE)
 
-    from (a, b) = (1, 0) (the identity map), each step halved until L does not increase, until the step is
-    below ``tolerance``. Refuses equal values (no slope), a fit that does not converge (labels separated by the
-    value: the slope grows without bound) and a slope a <= 0 (labels falling as the value rises).
+    by the one weighted logistic Newton solver (``verl_prm.training.head_fit.fit_logistic_head`` with d = 1),
+    until the gradient's max-norm is below ``tolerance``. Refuses equal values (no slope), labels separated by the
+    value (:func:`_separated`: the slope grows without bound), a fit that does not converge and a slope a <= 0
+    (labels falling as the value rises).
 
     Returns:
         {"slope": a, "intercept": b}
     """
+    import torch
+
     v, q, w = _check_pairs(values, targets, weights)
     z = platt_features(v)
     if np.ptp(z) == 0.0:
         raise CalibrationError("Platt calibration: all held-out values are equal, so no slope can be fitted; "
                                "check the critic (it outputs a constant) or pass --calibration none")
-    w = w / w.sum()  # the same minimiser; keeps the tolerance scale-free
-    theta = np.array([1.0, 0.0])
-    loss = _platt_loss(*theta, z, q, w)
-    for _ in range(max_iterations):
-        s = _sigmoid(theta[0] * z + theta[1])
-        features = np.stack([z, np.ones_like(z)], axis=1)
-        gradient = features.T @ (w * (s - q))
-        hessian = features.T @ (features * (w * s * (1.0 - s))[:, None])
-        try:
-            step = np.linalg.solve(hessian, gradient)
-        except np.linalg.LinAlgError:  # s (1 - s) = 0 at every point: the slope has run off to infinity
-            raise CalibrationError(f"Platt calibration diverged (slope {theta[0]:.3g}): the held-out labels are "
-                                   "separated by the value; pass --calibration isotonic") from None
-        scale = 1.0
-        while scale > 1e-10:
-            candidate = theta - scale * step
-            candidate_loss = _platt_loss(*candidate, z, q, w)
-            if candidate_loss <= loss + 1e-15:
-                break
-            scale *= 0.5
-        theta, loss = candidate, candidate_loss
-        if np.max(np.abs(scale * step)) < tolerance:
-            break
-    else:
+    if _separated(z, q):
+        raise CalibrationError("Platt calibration diverges: the held-out labels are separated by the value (no "
+                               "finite slope fits them); pass --calibration isotonic")
+    fit = fit_logistic_head(torch.from_numpy(z[:, None]), torch.from_numpy(q), torch.from_numpy(w),
+                            max_iterations=max_iterations, tolerance=tolerance)
+    slope, intercept = float(fit.weight[0]), float(fit.bias)
+    if not fit.converged:
         raise CalibrationError(f"Platt calibration did not converge in {max_iterations} Newton steps (slope "
-                               f"{theta[0]:.3g}): the held-out labels are separated by the value; pass "
-                               "--calibration isotonic")
-    if not np.all(np.isfinite(theta)) or abs(theta[0]) > 1e6:
-        raise CalibrationError(f"Platt calibration diverged (slope {theta[0]:.3g}): the held-out labels are "
-                               "separated by the value; pass --calibration isotonic")
-    if theta[0] <= 0:
-        raise CalibrationError(f"Platt calibration: fitted slope {theta[0]:.4g} <= 0 (the held-out labels fall as "
+                               f"{slope:.3g}, gradient {fit.gradient_norm:.3g}): pass --calibration isotonic")
+    if slope <= 0:
+        raise CalibrationError(f"Platt calibration: fitted slope {slope:.4g} <= 0 (the held-out labels fall as "
                                "the critic's value rises); the critic ranks wrongly, check it (eval/auroc)")
-    return {"slope": float(theta[0]), "intercept": float(theta[1])}
+    return {"slope": slope, "intercept": intercept}
 
 
 def apply_platt(values, slope: float, intercept: float) -> np.ndarray:

@@ -4,6 +4,9 @@ With the backbone frozen, a PAV's value head ``v = sigmoid(w . x + b)`` is a log
 the backbone's features ``x`` at each labelled step. Its loss is convex, so the optimum can be reached exactly
 (Newton's method on the full batch) instead of approached by a few hundred sampled Adam steps, which can stop short of it
 when the features are strongly informative (the fitted values then have too small a spread).
+
+It is the library's one weighted-logistic solver: Platt calibration (``verl_prm.training.calibration.fit_platt``)
+is the same fit with one feature, logit(v).
 """
 
 from __future__ import annotations
@@ -110,15 +113,17 @@ def fit_logistic_head(features: torch.Tensor, targets: torch.Tensor, weights: to
             break
         hessian = design.T @ (design * (w * p * (1 - p) / total)[:, None]) + ridge
         step = torch.linalg.solve(hessian, gradient)
-        # backtracking (Armijo): Newton's full step can overshoot where the sigmoid saturates
-        t, decrease = 1.0, float(gradient @ step)
+        # backtracking (Armijo): Newton's full step can overshoot where the sigmoid saturates. The slack of a few
+        # rounding errors of the loss lets the last quadratic steps through, whose decrease float64 cannot see.
+        t, decrease, slack = 1.0, float(gradient @ step), 1e-14 * abs(float(loss))
         while True:
             candidate = beta - t * step
             candidate_loss = weighted_soft_bce(design @ candidate, q, w)
-            if candidate_loss <= loss - 1e-4 * t * decrease or t < 1e-10:
+            accepted = bool(candidate_loss <= loss - 1e-4 * t * decrease + slack)
+            if accepted or t < 1e-10:
                 break
             t *= 0.5
-        if not candidate_loss < loss:  # no decrease left at float64 precision
+        if not accepted:  # no decrease left along the Newton direction at float64 precision
             break
         beta, loss = candidate, candidate_loss
     weight = beta[: z.shape[1]]

@@ -490,7 +490,7 @@ def label_prompts(prompts: Path, policy: Path, output: Path, scale: Scale, progr
     from verl_prm.labeling.scoring import OutcomeScorer, load_reward_function
     from verl_prm.labeling.store import ShardStore
 
-    settings = LabelSettings(n_cov=scale.n_cov, n_mc=scale.n_mc, strategy="every", step_regex=STEP_REGEX, seed=0,
+    settings = LabelSettings(n_cov=scale.n_cov, n_mc=scale.n_mc, prefix_rule="every", step_regex=STEP_REGEX, seed=0,
                              source=str(policy))
     items = read_prompts(str(prompts))
     scorer = OutcomeScorer(load_reward_function(f"{SCORE_FILE}:compute_score"))

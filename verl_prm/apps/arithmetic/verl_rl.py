@@ -123,10 +123,10 @@ ARMS: dict[str, Arm] = {
                                           pav_overrides=("normalize=true",)),
     "pav_learned_refined_alpha1": Arm("pav_grpo", "refined", "PAV-GRPO, refined PAV, alpha = 1", alpha=1.0),
     "pav_mc": Arm("pav_grpo", "rollout", f"PAV-GRPO, Monte-Carlo values (n={MC_N})",
-                  mc_overrides=(f"mc_n={MC_N}", "mc_prefixes=every")),
+                  mc_overrides=(f"n_mc={MC_N}", "prefix_rule=every")),
     # the refined PAV's head refitted every 5 steps to the samples of pav_mc's settings (all refreshes in the window)
     "pav_learned_refresh": Arm("pav_grpo", "refined", f"PAV-GRPO, refined PAV refreshed from samples (n={MC_N}, every 5 steps)",
-                               mc_overrides=(f"mc_n={MC_N}", "mc_prefixes=every"),
+                               mc_overrides=(f"n_mc={MC_N}", "prefix_rule=every"),
                                refresh_overrides=("every=5", "window=6")),
 }
 # the arms whose critic is a learned PAV, and the stage that trains it (their runs depend on that stage)

@@ -7,7 +7,7 @@ and critic, the launcher's batch), one after the other on the same data, seeds, 
   the hook does not call the critic);
 - **pav_grpo**: ``algorithm.adv_estimator=pav_grpo`` with the learned critic (``value_head``: the critic scores
   every step, the PAV estimator runs);
-- **sampled**: ``pav_grpo`` with ``verl_prm.critic.format=rollout`` (Monte-Carlo step values: ``mc_n``
+- **sampled**: ``pav_grpo`` with ``verl_prm.critic.format=rollout`` (Monte-Carlo step values: ``n_mc``
   continuations per step prefix from the run's own rollout replicas, ``timing_s/pav_mc``).
 
 The reward of all three is ``parity_score`` of this module (1 for a response of even length): the untrained
@@ -51,16 +51,16 @@ def parity_score(data_source, solution_str, ground_truth, extra_info=None) -> fl
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="verl-prm bench loop", description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("--steps", type=int, default=5, help="training steps per run (the first is not averaged)")
-    p.add_argument("--mc-n", type=int, default=4, help="sampled arm: verl_prm.critic.mc_n (continuations per prefix)")
-    p.add_argument("--mc-prefixes", choices=MC_PREFIX_RULES, default="every",
-                   help="sampled arm: verl_prm.critic.mc_prefixes (which step prefixes are sampled)")
+    p.add_argument("--n-mc", type=int, default=4, help="sampled arm: verl_prm.critic.n_mc (continuations per prefix)")
+    p.add_argument("--prefix-rule", choices=MC_PREFIX_RULES, default="every",
+                   help="sampled arm: verl_prm.critic.prefix_rule (which step prefixes are sampled)")
     p.add_argument("--work-dir", default=None, help="model, data, logs (default: a temporary directory)")
     p.add_argument("--timeout", type=finite_float(0.0, low_open=True), default=900, help="seconds per main_ppo run")
     p.add_argument("--check", action="store_true", help="exit with 1 when the learned critic's target is missed")
     return p
 
 
-def arm_overrides(arm: str, mc_n: int = 4, mc_prefixes: str = "every") -> tuple[str, list[str]]:
+def arm_overrides(arm: str, n_mc: int = 4, prefix_rule: str = "every") -> tuple[str, list[str]]:
     """The estimator and the ``main_ppo`` overrides (beyond ``main_ppo_args``') of one arm of the bench."""
     reward = [f"reward.custom_reward_function.path={Path(__file__).resolve()}",
               "reward.custom_reward_function.name=parity_score"]
@@ -70,7 +70,7 @@ def arm_overrides(arm: str, mc_n: int = 4, mc_prefixes: str = "every") -> tuple[
         return "pav_grpo", reward
     if arm == "sampled":
         return "pav_grpo", ["verl_prm.critic.format=rollout", "verl_prm.critic.path=null",
-                            f"verl_prm.critic.mc_n={mc_n}", f"verl_prm.critic.mc_prefixes={mc_prefixes}", *reward]
+                            f"verl_prm.critic.n_mc={n_mc}", f"verl_prm.critic.prefix_rule={prefix_rule}", *reward]
     raise ValueError(f"unknown bench loop arm {arm!r}: use one of {ARMS}")
 
 
@@ -134,7 +134,7 @@ def sampled_summary(phases: dict[str, float], mc: dict[str, float], batch: int) 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    for flag, value in (("--steps", args.steps), ("--mc-n", args.mc_n)):
+    for flag, value in (("--steps", args.steps), ("--n-mc", args.n_mc)):
         if value < 1:
             parser.error(f"argument {flag}: must be >= 1, got {value}")
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="verl_prm_bench_loop_"))
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     prepare(work, size)
     means, mc = {}, {}
     for arm in ARMS:
-        estimator, extra = arm_overrides(arm, args.mc_n, args.mc_prefixes)
+        estimator, extra = arm_overrides(arm, args.n_mc, args.prefix_rule)
         name = f"bench_{arm}"
         print(f"running main_ppo {arm} for {args.steps} steps (log: {work / (name + '.log')}) ...", flush=True)
         result = run_main_ppo(main_ppo_args(work, estimator, steps=args.steps, run_name=name, size=size, extra=extra),
@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
               f"memory {result.peak_rss_gib:.1f} GiB over {result.peak_processes} processes", flush=True)
     batch = size.prompts_per_step * size.responses_per_prompt
     print(f"\nverl main_ppo on CPU, batch {size.prompts_per_step} prompts x {size.responses_per_prompt} responses "
-          f"= {batch}, up to {size.max_response_length} response tokens; sampled arm mc_n={args.mc_n}, "
-          f"mc_prefixes={args.mc_prefixes}; means over steps 2..{args.steps}\n")
+          f"= {batch}, up to {size.max_response_length} response tokens; sampled arm n_mc={args.n_mc}, "
+          f"prefix_rule={args.prefix_rule}; means over steps 2..{args.steps}\n")
     print(table(means))
     pav = means["pav_grpo"]
     share = pav.get("adv", 0.0) / pav["step"]

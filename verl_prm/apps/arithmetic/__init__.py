@@ -5,5 +5,6 @@ Modules: ``task`` (generator, verifier, verl rows; ``score``: the verl score fun
 (tokenizer, model, SFT), ``rollout`` (sampling in verl's layout), ``batch`` (rollout batches as the trainer hook
 sees them), ``measure`` (the SFT policy's success and per-step accuracy), ``prover`` (the exact prover),
 ``critic_init`` (the backbone taught to check), ``verl_rl`` (the RL settings, arms and ``main_ppo`` runs),
-``evaluate`` (table and plots), ``pipeline`` (the resumable stages); studies: ``sweep``, ``critic_study``.
+``evaluate`` (table and plots), ``pipeline`` (the resumable stages). The studies that measured the recipe's
+docs numbers (difficulty sweep, critic variants, value size, curves) are ``studies/arithmetic_*.py`` in a checkout.
 """

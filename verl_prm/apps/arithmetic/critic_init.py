@@ -3,8 +3,8 @@
 Why. Whether a step is right is a comparison: the written result against the result of the operation. The SFT
 policy computes that result (at ``=``, as its next-token prediction), but nothing in its features at the
 written result's last token, where a value head reads a step's value, compares the two (a linear probe there
-finds nothing: ``critic_study.policy_signal``). A value head fine-tuned from the policy has to build the
-comparison, and a comparison (written == computed) gives gradient descent no first-order signal to start from:
+finds nothing: ``policy_signal`` in ``studies/arithmetic_critic.py``). A value head fine-tuned from the policy has
+to build the comparison, and a comparison (written == computed) gives gradient descent no first-order signal to start from:
 measured, 500-1,500 steps of value training on exact labels leave the critic ranking steps by position only.
 
 What. The policy's backbone learns, at the last token of each written result, to predict the result the
@@ -143,6 +143,55 @@ def _result_logits(backbone, heads, batch: dict[str, torch.Tensor]) -> torch.Ten
     return torch.cat([head(at_results) for head in heads], dim=-1)
 
 
+def _split_examples(examples: list, config: CriticInitConfig) -> tuple[list, list]:
+    """(training, held-out) examples: ``config.eval_fraction`` held out after a seeded shuffle. The recomputation
+    learns from slipped results only; the check also needs the solutions without a slip."""
+    order = list(range(len(examples)))
+    random.Random(config.seed).shuffle(order)
+    held = max(1, int(round(config.eval_fraction * len(order))))
+    use = (lambda e: True) if config.check_weight > 0 else (lambda e: any(e.slipped))
+    eval_set = [examples[i] for i in order[:held] if use(examples[i])]
+    train_set = [examples[i] for i in order[held:] if use(examples[i])]
+    return train_set, eval_set
+
+
+def _evaluate(backbone, head, eval_set: list, pad_token_id: int, modulus: int, device: str) -> dict:
+    """Held-out accuracy of the recomputed result on slipped steps and the AUROC of the check."""
+    import numpy as np
+    import torch
+
+    from verl_prm.training.metrics import auroc
+
+    backbone.eval()
+    right = total = 0
+    checks, truth = [], []
+    with torch.no_grad():
+        for k in range(0, len(eval_set), 64):
+            batch = _batch(eval_set[k:k + 64], pad_token_id, device)
+            logits = _result_logits(backbone, head, batch)
+            predicted = logits[..., :modulus].argmax(-1)
+            right += int(((predicted == batch["targets"]) & batch["slipped"]).sum())
+            total += int(batch["slipped"].sum())
+            keep = batch["mask"].bool()
+            checks += logits[..., modulus][keep].tolist()
+            truth += batch["prefix_right"][keep].tolist()
+    backbone.train()
+    return {"eval/slipped_accuracy": right / total, "eval/check_auroc": auroc(np.array(checks), np.array(truth))}
+
+
+def _save(output_dir: Path, model, tokenizer, head, curve: list[dict]) -> None:
+    """The backbone as a causal LM with its tokenizer, the heads (result over the residues, then the check, for
+    studies that read them directly) and the curve."""
+    from safetensors.torch import save_file
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model.to("cpu").save_pretrained(str(output_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(output_dir))
+    save_file({f"heads.{k}": v.detach().cpu().contiguous() for k, v in head.state_dict().items()},
+              str(output_dir / "critic_init_heads.safetensors"))
+    (output_dir / "critic_init_metrics.json").write_text(json.dumps(curve, indent=2))
+
+
 def train_critic_init(policy: str | Path, output_dir: str | Path, prompts: Sequence[str], responses: Sequence[str],
                       modulus: int, config: CriticInitConfig, *, device: str = "cpu", progress: bool = True,
                       log: Callable[[dict], None] | None = None) -> dict:
@@ -150,7 +199,6 @@ def train_critic_init(policy: str | Path, output_dir: str | Path, prompts: Seque
     the module docstring) and save it as a causal LM with its tokenizer under ``output_dir``. ``prompts`` are
     raw problem texts (rendered with the policy's chat template here). Returns the final held-out accuracy of
     the recomputed result on slipped steps (``eval/slipped_accuracy``) and the curve."""
-    import numpy as np
     import torch
     import torch.nn.functional as F
     from tqdm.auto import tqdm
@@ -163,13 +211,7 @@ def train_critic_init(policy: str | Path, output_dir: str | Path, prompts: Seque
     tokenizer = AutoTokenizer.from_pretrained(str(policy), trust_remote_code=False)
     model = AutoModelForCausalLM.from_pretrained(str(policy), trust_remote_code=False)
     examples = [result_targets(tokenizer, render(tokenizer, p), r, modulus) for p, r in zip(prompts, responses)]
-    order = list(range(len(examples)))
-    random.Random(config.seed).shuffle(order)
-    held = max(1, int(round(config.eval_fraction * len(order))))
-    # the recomputation learns from slipped results only; the check also needs the solutions without a slip
-    use = (lambda e: True) if config.check_weight > 0 else (lambda e: any(e.slipped))
-    eval_set = [examples[i] for i in order[:held] if use(examples[i])]
-    train_set = [examples[i] for i in order[held:] if use(examples[i])]
+    train_set, eval_set = _split_examples(examples, config)
     if not any(any(e.slipped) for e in train_set) or not any(any(e.slipped) for e in eval_set):
         raise ValueError("train_critic_init: no solution with a slipped result to learn from (the data stage's "
                          "slip_rate / step_slip_rate must be > 0)")
@@ -182,25 +224,6 @@ def train_critic_init(policy: str | Path, output_dir: str | Path, prompts: Seque
     parameters = list(backbone.parameters()) + list(head.parameters())
     optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=0.0)
     rng = random.Random(config.seed + 1)
-
-    def evaluate() -> dict:
-        from verl_prm.training.metrics import auroc
-
-        backbone.eval()
-        right = total = 0
-        checks, truth = [], []
-        with torch.no_grad():
-            for k in range(0, len(eval_set), 64):
-                batch = _batch(eval_set[k:k + 64], tokenizer.pad_token_id, device)
-                logits = _result_logits(backbone, head, batch)
-                predicted = logits[..., :modulus].argmax(-1)
-                right += int(((predicted == batch["targets"]) & batch["slipped"]).sum())
-                total += int(batch["slipped"].sum())
-                keep = batch["mask"].bool()
-                checks += logits[..., modulus][keep].tolist()
-                truth += batch["prefix_right"][keep].tolist()
-        backbone.train()
-        return {"eval/slipped_accuracy": right / total, "eval/check_auroc": auroc(np.array(checks), np.array(truth))}
 
     curve = []
     backbone.train()
@@ -222,21 +245,13 @@ def train_critic_init(policy: str | Path, output_dir: str | Path, prompts: Seque
             torch.nn.utils.clip_grad_norm_(parameters, config.grad_clip)
         optimizer.step()
         if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
-            record = {"step": step + 1, "loss": loss.item(), **evaluate()}
+            record = {"step": step + 1, "loss": loss.item(),
+                      **_evaluate(backbone, head, eval_set, tokenizer.pad_token_id, modulus, device)}
             curve.append(record)
             bar.set_postfix(accuracy=f"{record['eval/slipped_accuracy']:.3f}")
             if log is not None:
                 log(record)
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    model.to("cpu").save_pretrained(str(output_dir), safe_serialization=True)
-    tokenizer.save_pretrained(str(output_dir))
-    # the heads too (result over the residues, then the check), for studies that read them directly
-    from safetensors.torch import save_file
-
-    save_file({f"heads.{k}": v.detach().cpu().contiguous() for k, v in head.state_dict().items()},
-              str(output_dir / "critic_init_heads.safetensors"))
-    (output_dir / "critic_init_metrics.json").write_text(json.dumps(curve, indent=2))
+    _save(Path(output_dir), model, tokenizer, head, curve)
     return {"eval/slipped_accuracy": curve[-1]["eval/slipped_accuracy"], "eval/check_auroc": curve[-1]["eval/check_auroc"],
             "curve": curve,
             "train_solutions": len(train_set), "eval_solutions": len(eval_set)}

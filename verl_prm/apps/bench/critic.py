@@ -121,6 +121,56 @@ def _timed_rounds(methods: dict, repeats: int, device: torch.device) -> tuple[di
     return best, cpu, results
 
 
+def _per_prefix_inputs(inputs: list) -> tuple[list, list[int]]:
+    """Per-prefix scoring: every prefix (prompt, then steps 1..h) its own sequence, read at its last token; with
+    the index of the input each prefix comes from."""
+    from verl_prm.critic.packing import CriticInput
+
+    prefix_inputs, owner = [], []
+    for i, x in enumerate(inputs):
+        for p in x.read_positions:
+            prefix_inputs.append(CriticInput(x.input_ids[: p + 1], [p]))
+            owner.append(i)
+    return prefix_inputs, owner
+
+
+def _padded_plan(lengths: list[int], batch_size: int) -> list:
+    """Naive padded batching: fixed-size batches in input order."""
+    from verl_prm.critic.packing import MicroBatch
+
+    plan = []
+    for start in range(0, len(lengths), batch_size):
+        idx = list(range(start, min(start + batch_size, len(lengths))))
+        plan.append(MicroBatch(idx, max(lengths[i] for i in idx), sum(lengths[i] for i in idx)))
+    return plan
+
+
+def _print_table(rows: list[tuple], wall: dict, cpu: dict, real_tokens: int) -> None:
+    print()
+    print("| method | seconds | packed is faster by | CPU seconds | tokens/s | padded share | forward passes "
+          "| tokens computed | achieved TFLOP/s | max abs diff to packed |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, key, share, passes, computed, work, diff in rows:
+        seconds = wall[key]
+        print(
+            f"| {name} | {seconds:.2f} | {seconds / wall['packed']:.2f}x | {cpu[key]:.2f} | {real_tokens / seconds:,.0f} | "
+            f"{share:.1%} | {passes} | {computed:,} | {work / seconds / 1e12:.4f} | {diff:.1e} |"
+        )
+    print()
+
+
+def _checks(k: float, t_packed: float, t_prefix: float, t_padded: float, share_packed: float,
+            diff: float) -> list[tuple[str, bool, str]]:
+    """The targets (text, met, measured value): speed-ups against per-prefix and padded scoring, padding share, values."""
+    return [
+        (f"packed vs per-prefix >= 0.5*K = {TARGET_PREFIX_FACTOR * k:.2f}x", t_prefix / t_packed >= TARGET_PREFIX_FACTOR * k,
+         f"{t_prefix / t_packed:.2f}x"),
+        (f"packed vs padded >= {TARGET_PADDED}x", t_padded / t_packed >= TARGET_PADDED, f"{t_padded / t_packed:.2f}x"),
+        (f"padded share of packed <= {TARGET_PADDING_SHARE:.0%}", share_packed <= TARGET_PADDING_SHARE, f"{share_packed:.1%}"),
+        ("same values (max abs diff <= 1e-3)", diff <= 1e-3, f"{diff:.1e}"),
+    ]
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     import torch  # after parsing: --help and argument errors answer without loading torch
@@ -128,7 +178,7 @@ def main(argv: list[str]) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     from verl_prm.critic import ProverCritic
-    from verl_prm.critic.packing import CriticInput, MicroBatch, padding_share
+    from verl_prm.critic.packing import padding_share
     from verl_prm.critic.flops import forward_flops, non_embedding_parameters
 
     rng = random.Random(args.seed)
@@ -146,17 +196,8 @@ def main(argv: list[str]) -> int:
     real_tokens = sum(lengths)
     mean_steps = sum(len(e) for e in step_ends) / len(step_ends)
 
-    # per-prefix: every prefix (prompt, then steps 1..h) is its own sequence, read at its last token
-    prefix_inputs, owner = [], []
-    for i, x in enumerate(inputs):
-        for p in x.read_positions:
-            prefix_inputs.append(CriticInput(x.input_ids[: p + 1], [p]))
-            owner.append(i)
-    # naive padded batching: fixed-size batches in input order
-    naive_plan = []
-    for start in range(0, len(inputs), args.padded_batch_size):
-        idx = list(range(start, min(start + args.padded_batch_size, len(inputs))))
-        naive_plan.append(MicroBatch(idx, max(lengths[i] for i in idx), sum(lengths[i] for i in idx)))
+    prefix_inputs, owner = _per_prefix_inputs(inputs)
+    naive_plan = _padded_plan(lengths, args.padded_batch_size)
     packed_plan = critic.plan(inputs)
     prefix_plan = critic.plan(prefix_inputs)
 
@@ -209,26 +250,11 @@ def main(argv: list[str]) -> int:
         ("per-prefix", "prefix", share_prefix, len(prefix_plan), prefix_tokens, prefix_flops, diff_prefix),
         ("padded (naive)", "padded", share_naive, len(naive_plan), real_tokens, flops, diff_padded),
     ]
-    print()
-    print("| method | seconds | packed is faster by | CPU seconds | tokens/s | padded share | forward passes "
-          "| tokens computed | achieved TFLOP/s | max abs diff to packed |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, key, share, passes, computed, work, diff in rows:
-        seconds = wall[key]
-        print(
-            f"| {name} | {seconds:.2f} | {seconds / t_packed:.2f}x | {cpu[key]:.2f} | {real_tokens / seconds:,.0f} | "
-            f"{share:.1%} | {passes} | {computed:,} | {work / seconds / 1e12:.4f} | {diff:.1e} |"
-        )
-    print()
-    checks = [
-        (f"packed vs per-prefix >= 0.5*K = {TARGET_PREFIX_FACTOR * k:.2f}x", t_prefix / t_packed >= TARGET_PREFIX_FACTOR * k,
-         f"{t_prefix / t_packed:.2f}x"),
-        (f"packed vs padded >= {TARGET_PADDED}x", t_padded / t_packed >= TARGET_PADDED, f"{t_padded / t_packed:.2f}x"),
-        (f"padded share of packed <= {TARGET_PADDING_SHARE:.0%}", share_packed <= TARGET_PADDING_SHARE, f"{share_packed:.1%}"),
-        ("same values (max abs diff <= 1e-3)", max(diff_prefix, diff_padded) <= 1e-3, f"{max(diff_prefix, diff_padded):.1e}"),
-    ]
+    _print_table(rows, wall, cpu, real_tokens)
+    checks = _checks(k, t_packed, t_prefix, t_padded, share_packed, max(diff_prefix, diff_padded))
     for text, ok, value in checks:
         print(f"{'PASS' if ok else 'MISS'}  {text}: {value}")
     if device.type == "cpu":
         print(f"(best of {args.repeats} interleaved rounds; CPU timings depend on the other load of the machine)")
     return 0 if (not args.check or all(ok for _, ok, _ in checks)) else 1
+

@@ -44,7 +44,7 @@ last hidden state at the first step's end (where the value head reads) measures 
 already a feature there; a value head fine-tuned from the policy has to learn it otherwise, and a comparison
 (written digit == computed digit) gives the gradient no first-order signal to start from.
 
-    python -m verl_prm.apps.arithmetic.critic_study --work-dir runs/arith/mod7 --variants mc,mc_long,exact
+    python -m studies.arithmetic_critic --work-dir runs/arith/mod7 --variants mc,mc_long,exact
 """
 
 from __future__ import annotations
@@ -416,7 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from verl_prm.apps.arithmetic.critic_init import CriticInitConfig
     from verl_prm.apps.arithmetic.pipeline import SCALES
 
-    parser = argparse.ArgumentParser(prog="python -m verl_prm.apps.arithmetic.critic_study",
+    parser = argparse.ArgumentParser(prog="python -m studies.arithmetic_critic",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", required=True, help="a recipe run's directory (stages up to pav complete)")
     parser.add_argument("--scale", choices=sorted(SCALES), default="cpu")

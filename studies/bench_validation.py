@@ -1,4 +1,4 @@
-"""``python -m verl_prm.apps.bench.validation``: verl's validation metrics with its bootstrap loop and with the
+"""``python -m studies.bench_validation``: verl's validation metrics with its bootstrap loop and with the
 CPU platform's vectorised ``bootstrap_metric`` (``patches/0007``), side by side in one process.
 
 ``process_validation_metrics`` on a synthetic validation batch shaped like the arithmetic recipe's (``--prompts``
@@ -15,7 +15,7 @@ import time
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="verl-prm bench validation", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m studies.bench_validation", description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=256, help="validation prompts")
     parser.add_argument("--samples", type=int, default=4, help="samples per prompt (verl's val_kwargs.n)")
     args = parser.parse_args(argv)

@@ -1,6 +1,7 @@
 """A scripted code policy over HumanEval-format problems, whose values are known in closed form.
 
-For tests and demos of labelling and search with the unit-test verifier, without a language model. Each
+For the tests of labelling and search with the unit-test verifier, without a language model
+(tests/unit/test_code.py; on sys.path through pytest's ``pythonpath`` setting). Each
 problem's reference solution (HumanEval's canonical solution, a function body) is split into H steps by a code
 step rule (``verl_prm.steps.code``, default "block"). The policy continues a prefix of h steps by writing
 reference steps h+1..H, each one correct with probability ``p_correct`` and otherwise replaced by the

@@ -7,7 +7,7 @@ the prompts that ``verl-prm train`` held out (the same ``split_by_prompt``), eac
 squash:
 
 * **label noise**: the Monte-Carlo labels (``n_mc`` continuations) against the exact prover's values of the same
-  prefixes (``critic_study.exact_label_rows``): the error a perfect fit of the labels would keep;
+  prefixes (``arithmetic_critic.exact_label_rows``): the error a perfect fit of the labels would keep;
 * **the fit**: the PAV's raw values against the exact values, on held-out and on training rows (a squash on the
   training rows too is the head's fit, not generalisation): MSE, the least-squares slope of the values on the
   exact ones (1 = the right size), the mean drop at the first step where the exact value falls to 0;
@@ -25,7 +25,7 @@ far right) appended as one more feature, some of it flipped at random (the size 
 backbone's check has a given quality). A head that predicts E[v | features] has a slope equal to the share of the
 exact values' variance that the features explain, so a small slope of a converged head is the features' limit.
 
-    python -m verl_prm.apps.arithmetic.value_size --work-dir runs/arith/mod7 [--head-fits]
+    python -m studies.arithmetic_value_size --work-dir runs/arith/mod7 [--head-fits]
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def head_fits(work_dir: str | Path, *, best_of_k: int, checkpoint: str | None = 
     """``size_statistics`` (held out) of value heads fitted to convergence on the critic's frozen backbone
     features (see the module docstring): on the Monte-Carlo labels, on the exact values, and on the labels with
     the prefix truth appended (``TRUTH_FLIPS`` of it flipped, seeded), each beside the step AUROC of that truth."""
-    from verl_prm.apps.arithmetic.critic_study import exact_label_rows
+    from studies.arithmetic_critic import exact_label_rows
     from verl_prm.critic import ProverCritic
     from verl_prm.training.metrics import auroc
 
@@ -228,7 +228,7 @@ def measure(work_dir: str | Path, *, best_of_k: int, train_rows: int = 2000, che
     """Every source's ``size_statistics`` on the recipe's held-out label rows (and on up to ``train_rows``
     training rows for the fit): the MC labels, the PAV raw and calibrated, a constant. ``checkpoint``: another
     critic trained on the same labels and split (default: the ``pav`` stage's)."""
-    from verl_prm.apps.arithmetic.critic_study import exact_label_rows
+    from studies.arithmetic_critic import exact_label_rows
     from verl_prm.critic import ProverCritic
 
     train_frame, held_frame, step_accuracy, checkpoint = _label_split(work_dir, checkpoint)
@@ -273,7 +273,7 @@ def size_table(results: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m verl_prm.apps.arithmetic.value_size", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m studies.arithmetic_value_size", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-dir", required=True, help="the recipe's work directory (its pav and prover stages)")
     parser.add_argument("--best-of-k", type=int, default=None, help="K of the process term (default: the scale's)")

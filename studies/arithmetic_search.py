@@ -5,7 +5,7 @@ The ``evaluate`` stage runs this search after RL, beside the final policies; thi
 exist: the ``pav`` stage's PAV (raw values, and calibrated when its checkpoint has a ``calibration.json``), the
 ``pav_refined`` stage's (raw values) when it is complete, and the exact prover.
 
-    python -m verl_prm.apps.arithmetic.search_study --work-dir runs/arith/mod7
+    python -m studies.arithmetic_search --work-dir runs/arith/mod7
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def run_search(work: str | Path, scale, log=print) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m verl_prm.apps.arithmetic.search_study", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m studies.arithmetic_search", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-dir", required=True, help="the recipe's work directory (its prover and pav stages)")
     parser.add_argument("--output", default=None, help="JSON file (default WORK_DIR/search_study.json)")

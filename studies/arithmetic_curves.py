@@ -12,7 +12,7 @@ A finished RL run of the recipe records its held-out curve and its per-step trai
   summaries is the curve's last point (verl's validation at the last step), not the evaluate stage's fresh samples
   of the final policy.
 
-    python -m verl_prm.apps.arithmetic.curves --runs runs/arith/mod7 docs/arithmetic/runs.json [--export F]
+    python -m studies.arithmetic_curves --runs runs/arith/mod7 docs/arithmetic/runs.json [--export F]
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def summary_table(runs: dict[str, dict[int, dict]], scale) -> tuple[list[str], d
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m verl_prm.apps.arithmetic.curves", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m studies.arithmetic_curves", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", nargs="+", required=True, help="recipe work directories and exported runs files")
     parser.add_argument("--arms", default=None, help="comma-separated arms (default: every arm found)")

@@ -16,7 +16,7 @@ problems with each number of operations:
 
 (The measurements are :mod:`.measure`'s, which the recipe's ``prover`` stage also takes.)
 
-    python -m verl_prm.apps.arithmetic.sweep --work-dir runs/arithmetic_sweep --moduli 7,11 --ops 3,4,5,6 \
+    python -m studies.arithmetic_sweep --work-dir runs/arithmetic_sweep --moduli 7,11 --ops 3,4,5,6 \
         --step-slip-rate 0.15
 """
 
@@ -131,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from verl_prm.cli_types import finite_float
     from verl_prm.apps.arithmetic.pipeline import SCALES
 
-    parser = argparse.ArgumentParser(prog="python -m verl_prm.apps.arithmetic.sweep",
+    parser = argparse.ArgumentParser(prog="python -m studies.arithmetic_sweep",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", required=True)
     parser.add_argument("--scale", choices=sorted(SCALES), default="cpu", help="the scale whose other settings apply")

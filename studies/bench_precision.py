@@ -1,4 +1,4 @@
-"""``python -m verl_prm.apps.bench.precision``: one forward and backward of the arithmetic recipe's policy in fp32,
+"""``python -m studies.bench_precision``: one forward and backward of the arithmetic recipe's policy in fp32,
 under bf16 autocast and with bf16 parameters (what verl's FSDP engine does by default), side by side on CPU.
 
 The policy is the recipe's Qwen2 (``verl_prm.apps.arithmetic.model.ModelConfig``, random weights: the time does
@@ -16,7 +16,7 @@ import time
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="verl-prm bench precision", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m studies.bench_precision", description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=128, help="sequences per batch (the recipe's 16 x 8)")
     parser.add_argument("--tokens", type=int, default=116, help="tokens per sequence (the recipe's prompt + response)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the recipe runs on 1)")

@@ -1,4 +1,4 @@
-"""``python -m verl_prm.apps.bench.labels``: what validating label shards on read costs, side by side in one process.
+"""``python -m studies.bench_labels``: what validating label shards on read costs, side by side in one process.
 
 Writes one synthetic shard (``--rows`` rollouts of ``--steps`` steps, every column valid) and times, on the same
 file: the bare read (parquet -> DataFrame with Python lists, what ``read_labels`` did before it validated),
@@ -38,7 +38,7 @@ def synthetic_labels(rows: int, steps: int, seed: int = 0) -> pa.Table:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="verl-prm bench labels", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m studies.bench_labels", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=100_000, help="synthetic rollouts in the shard")
     parser.add_argument("--steps", type=int, default=8, help="steps per rollout")
     args = parser.parse_args(argv)

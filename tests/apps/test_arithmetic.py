@@ -692,7 +692,7 @@ def test_value_head_init_reports_only_unexpected_keys(micro_run, tmp_path, capfd
 def test_search_study_gives_the_evaluate_stages_search_without_the_rl_stage(micro_run):
     """search_study runs the evaluate stage's search sweep from the critics alone: the same rows, critic by critic."""
     from verl_prm.apps.arithmetic.pipeline import SCALES
-    from verl_prm.apps.arithmetic.search_study import run_search
+    from studies.arithmetic_search import run_search
 
     work, _ = micro_run
     study = run_search(work, SCALES["micro"], log=lambda *_: None)
@@ -708,7 +708,7 @@ def test_curves_export_merge_and_summarise_runs_apart_from_their_work_directory(
     on another machine kind is refused by name."""
     import copy
 
-    from verl_prm.apps.arithmetic.curves import export_runs, read_runs, summary_table
+    from studies.arithmetic_curves import export_runs, read_runs, summary_table
     from verl_prm.apps.arithmetic.pipeline import SCALES
 
     work, _ = micro_run
@@ -754,7 +754,7 @@ def test_value_size_reads_the_micro_runs_critic_and_its_backbone_features(micro_
     the head fits give finite statistics on the held-out rows."""
     import numpy as np
 
-    from verl_prm.apps.arithmetic.value_size import _critic_rows, _label_split, backbone_features, head_fits, measure
+    from studies.arithmetic_value_size import _critic_rows, _label_split, backbone_features, head_fits, measure
     from verl_prm.critic import ProverCritic
 
     work, _ = micro_run

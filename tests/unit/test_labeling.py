@@ -366,8 +366,28 @@ def test_render_prompt_and_read_prompts_errors(tmp_path):
         load_reward_function("pkg://verl_prm.labeling.scripted:nope")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_reward_function(str(tmp_path / "missing.py") + ":score")
-    with pytest.raises(TypeError, match="must return a number"):
+    with pytest.raises(TypeError, match="returned None .*a reward must be a finite real number"):
         OutcomeScorer(lambda *args: None).score("toy", "response", "1", None)
+
+
+@pytest.mark.parametrize("reward, error, problem", [
+    ("1.0", TypeError, "returned '1.0' for the response 'x = \\{1\\}' \\(data_source='toy'\\) \\(a str\\)"),
+    (math.inf, ValueError, "returned inf for the response 'x = \\{1\\}'"),
+    (-math.inf, ValueError, "returned -inf"), (math.nan, ValueError, "returned nan"),
+    ({"score": "1"}, TypeError, "returned '1' "), ({"acc": 1.0}, ValueError, "returned a dict without a score"),
+    ([1.0], TypeError, r"returned \[1.0\] .*\(a list\)")])
+def test_a_reward_is_a_finite_real_number(reward, error, problem):
+    """A string "1.0" or an infinite score would count as a success (score > threshold): refused, naming the
+    function and the response; numbers of any real type (bool, numpy, 0-d tensors) are rewards."""
+    def reward_function(data_source, solution_str, ground_truth, extra_info):
+        return reward
+
+    scorer = OutcomeScorer(reward_function)
+    with pytest.raises(error, match=f"the reward function .*reward_function {problem}"):
+        scorer.score("toy", "x = {1}", "1", None)
+    for number, expected in ((True, 1.0), (np.float32(0.75), 0.75), (np.int64(-1), -1.0), (torch.tensor(0.5), 0.5),
+                             (np.array(2.0), 2.0), ({"score": 1}, 1.0)):
+        assert OutcomeScorer(lambda *args, n=number: n).score("toy", "x", "1", None) == expected
 
 
 def test_label_cli_with_tiny_transformers_model_and_resume(tmp_path, tiny_lm_dir, repo_data):

@@ -16,10 +16,11 @@ import importlib
 import importlib.util
 import inspect
 import math
+import numbers
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-__all__ = ["OutcomeScorer", "Scorer", "is_batch_function", "load_reward_function"]
+__all__ = ["OutcomeScorer", "Scorer", "is_batch_function", "load_reward_function", "reward_number"]
 
 Scorer = Callable[..., Any]
 _FORMS = "'path/to/file.py:function_name' or 'pkg://package.module:function_name'"
@@ -88,24 +89,32 @@ class OutcomeScorer:
         else:
             values = [self.function(data_source, response, ground_truth, extra_info) for data_source, response,
                       ground_truth, extra_info in zip(data_sources, responses, ground_truths, extra_infos)]
-        return [_number(value, data_source) for value, data_source in zip(values, data_sources)]
+        name = getattr(self.function, "__qualname__", repr(self.function))
+        return [reward_number(value, function=name, data_source=data_source, response=response)
+                for value, data_source, response in zip(values, data_sources, responses)]
 
     def success(self, score: float) -> bool:
         return score > self.success_threshold
 
 
-def _number(value: Any, data_source: str) -> float:
+def reward_number(value: Any, *, function: str, data_source: Any, response: str) -> float:
+    """A reward function's result as a float. A reward is a finite real number (int, float, bool, a numpy number,
+    a 0-d array or tensor) or a dict whose ``"score"`` is one; anything else is an error naming the function, the
+    response and its data source: a string such as ``"1.0"`` (a TypeError: no text is parsed as a number), and
+    NaN or an infinity (a ValueError: an infinite score would count as a success and overflow the advantages)."""
+    def problem(returned: str) -> str:
+        return f"the reward function {function} returned {returned} for the response {response[:80]!r} " \
+               f"(data_source={data_source!r})"
+
     if isinstance(value, dict):
         if "score" not in value:
-            raise ValueError(f"reward function returned a dict without 'score' for data_source={data_source!r}")
+            raise ValueError(f"{problem('a dict without a score')}: return a number or a dict with 'score'")
         value = value["score"]
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"reward function returned {value!r} for data_source={data_source!r}; it must return a number or a "
-            "dict with 'score'"
-        ) from None
-    if math.isnan(value):
-        raise ValueError(f"reward function returned NaN for data_source={data_source!r}")
-    return value
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a 0-d numpy array or torch tensor
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"{problem(repr(value))} (a {type(value).__name__}): a reward must be a finite real number, "
+                        "or a dict whose 'score' is one")
+    if not math.isfinite(value):
+        raise ValueError(f"{problem(repr(value))}: a reward must be a finite real number")
+    return float(value)

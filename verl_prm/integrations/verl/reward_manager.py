@@ -29,6 +29,7 @@ from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
 from verl_prm.config.hook import StepsSection, read_hook_config
 from verl_prm.integrations.verl.import_hooks import run_deferred_registration
+from verl_prm.labeling.scoring import reward_number
 
 __all__ = ["PavRewardManager", "REWARD_MANAGER_NAME", "register_reward_manager"]
 
@@ -101,7 +102,9 @@ class PavRewardManager(RewardManagerBase):
             score = result
             reward_extra_info["acc"] = score
         reward_extra_info.update(self.step_info(valid_ids))
-        return {"reward_score": float(score), "reward_extra_info": reward_extra_info}
+        function = getattr(self.compute_score, "__qualname__", repr(self.compute_score))
+        reward = reward_number(score, function=function, data_source=kwargs["data_source"], response=response_str)
+        return {"reward_score": reward, "reward_extra_info": reward_extra_info}
 
     def step_info(self, valid_ids) -> dict[str, Any]:
         """The ``pav_*`` entries of ``reward_extra_info`` for one response's valid token ids [L].

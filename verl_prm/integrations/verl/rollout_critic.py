@@ -36,6 +36,7 @@ import torch
 
 from verl_prm.config.hook import ConfigError, CriticSection, select_key
 from verl_prm.critic.sampled import SampledValues, sampled_step_values
+from verl_prm.integrations.verl.data_sources import check_default_scorer_data_sources
 from verl_prm.labeling.scoring import OutcomeScorer
 from verl_prm.monte_carlo import PrefixCounts, PrefixRequest, ResponseSteps
 
@@ -63,8 +64,9 @@ def check_rollout_critic_run(config: Any) -> None:
 
     A reward that cannot score a continuation (a reward model, a reward manager other than pav/naive, an async
     reward function), a rollout context (``actor_rollout_ref.rollout.max_model_len``) shorter than a prompt plus a
-    full response, or more than one update per weight sync (``trainer.v1.sync.parameter_sync_step``: the values
-    would be of older weights than the actor's).
+    full response, more than one update per weight sync (``trainer.v1.sync.parameter_sync_step``: the values
+    would be of older weights than the actor's), or, without a custom reward function, training data whose
+    ``data_source`` verl's default scorer does not know (``data_sources.check_default_scorer_data_sources``).
     """
     if select_key(config, "reward.reward_model.enable", False):
         raise ConfigError(
@@ -86,6 +88,7 @@ def check_rollout_critic_run(config: Any) -> None:
             "verl_prm.critic.format=rollout calls the reward function synchronously, but "
             "reward.custom_reward_function is an async function: give it a synchronous function"
         )
+    check_default_scorer_data_sources(config)
     rollout = "actor_rollout_ref.rollout"
     prompt_length = int(select_key(config, f"{rollout}.prompt_length", 0) or 0)
     response_length = int(select_key(config, f"{rollout}.response_length", 0) or 0)

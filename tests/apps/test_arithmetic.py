@@ -335,23 +335,23 @@ def test_the_gpu_scale_runs_each_gpu_stage_in_a_process_of_its_own(tmp_path, mon
     from verl_prm.apps.arithmetic.pipeline import (
         SCALES, label_prompts, recipe_parser, scale_from_args, scale_from_json, stage_process_command,
         stages_in_own_process)
-    from verl_prm.resume import jsonable as _jsonable
+    from verl_prm.resume import jsonable
     from verl_prm.apps.arithmetic.task import generate_problems, verl_row
 
     assert stages_in_own_process(SCALES["gpu"]) == ("sft", "label", "pav", "pav_refined", "evaluate")
     assert all(stages_in_own_process(SCALES[name]) == () for name in ("cpu", "micro", "tiny"))
     scale = replace(SCALES["gpu"], pav_steps=7)
     scale_file = tmp_path / "scale.json"
-    scale_file.write_text(json.dumps(_jsonable(scale)))
+    scale_file.write_text(json.dumps(jsonable(scale)))
     command = stage_process_command(scale_file, tmp_path / "w", "label", progress=False, python="python3")
     assert command == ["python3", "-m", "verl_prm.apps.arithmetic.pipeline", "--scale-file", str(scale_file),
                        "--work-dir", str(tmp_path / "w"), "--stages", "label", "--in-process", "--no-progress"]
     args = recipe_parser().parse_args(command[3:])
     assert scale_from_args(args) == scale and args.in_process and args.stages == "label"
     for name, value in SCALES.items():
-        assert scale_from_json(_jsonable(value)) == value, name
+        assert scale_from_json(jsonable(value)) == value, name
     with pytest.raises(ValueError, match=r"Scale has no settings \['old'\]"):
-        scale_from_json({**_jsonable(scale), "old": 1})
+        scale_from_json({**jsonable(scale), "old": 1})
     # the engine of the label stage: vLLM at the scale's share of the GPU (0.5: room for what follows)
     assert SCALES["gpu"].label_gpu_memory_utilization == 0.5
     prompts = tmp_path / "label.parquet"

@@ -181,39 +181,44 @@ def test_hostile_programs_are_contained_and_scored_with_their_reason(tmp_path, m
                    "    os._exit(0)\nprint(pid)\n", "passed", "passed"),
     }
     names = list(programs)
-    for mode, column in (("bwrap", 1), ("basic", 2)):
-        config = dataclasses.replace(HOSTILE, mode=mode)
-        started = time.perf_counter()
-        results = dict(zip(names, run_many([programs[n][0] for n in names], config, max_workers=4)))
-        elapsed = time.perf_counter() - started
-        for name in names:
-            result = results[name]
-            assert result.reason in REASONS
-            assert (result.reason, result.isolation) == (programs[name][column], mode), (name, result)
-        assert "wall-clock" in results["sleep"].detail
-        assert "sandbox: network access is blocked" in results["socket"].detail
-        assert results["assertion"].detail == "AssertionError: wrong"
-        assert results["passes"].stdout == "ok\n"
-        # nothing of the caller's environment reaches the program
-        assert "VERL_PRM_TEST_SECRET" not in results["env_secret"].stdout and secret not in results["env_secret"].stdout
-        # output is capped, the rest discarded
-        flood = results["output_flood"]
-        assert flood.stdout_truncated and len(flood.stdout) == HOSTILE.max_output_bytes
-        # the limits bound every hostile run: 4 at a time, each within its deadline plus clean-up
-        assert max(r.wall_s for r in results.values()) < HOSTILE.timeout_s + 3.0, {n: r.wall_s for n, r in results.items()}
-        assert elapsed < 60
-        if mode == "basic":
-            outside.unlink(missing_ok=True)
-            Path(host_probe).unlink(missing_ok=True)
-            break
-        assert results["subprocess_network"].stdout.startswith("1 OSError: [Errno 101] Network is unreachable")
-        assert results["parent_environ"].detail.startswith("FileNotFoundError: [Errno 2] No such file or directory")
-        assert results["processes"].stdout == "[1, 2]\n"  # bwrap's init and the program: no host process
-        assert not outside.exists()
-        assert not os.path.exists(host_probe)  # the write went to the run's private tmpfs
-        assert results["write_tmp"].stdout == "x\n"
-        # the daemon left the process group and the session: it ended with the run's PID namespace
-        assert sandbox_processes() == []
+    try:
+        for mode, column in (("bwrap", 1), ("basic", 2)):
+            config = dataclasses.replace(HOSTILE, mode=mode)
+            started = time.perf_counter()
+            results = dict(zip(names, run_many([programs[n][0] for n in names], config, max_workers=4)))
+            elapsed = time.perf_counter() - started
+            for name in names:
+                result = results[name]
+                assert result.reason in REASONS
+                assert (result.reason, result.isolation) == (programs[name][column], mode), (name, result)
+            assert "wall-clock" in results["sleep"].detail
+            assert "sandbox: network access is blocked" in results["socket"].detail
+            assert results["assertion"].detail == "AssertionError: wrong"
+            assert results["passes"].stdout == "ok\n"
+            # nothing of the caller's environment reaches the program
+            environment = results["env_secret"].stdout
+            assert "VERL_PRM_TEST_SECRET" not in environment and secret not in environment
+            # output is capped, the rest discarded
+            flood = results["output_flood"]
+            assert flood.stdout_truncated and len(flood.stdout) == HOSTILE.max_output_bytes
+            # the limits bound every hostile run: 4 at a time, each within its deadline plus clean-up
+            walls = {n: r.wall_s for n, r in results.items()}
+            assert max(walls.values()) < HOSTILE.timeout_s + 3.0, walls
+            assert elapsed < 60
+            if mode == "basic":  # what follows holds under bwrap only
+                continue
+            assert results["subprocess_network"].stdout.startswith("1 OSError: [Errno 101] Network is unreachable")
+            assert results["parent_environ"].detail.startswith("FileNotFoundError: [Errno 2] No such file or directory")
+            assert results["processes"].stdout == "[1, 2]\n"  # bwrap's init and the program: no host process
+            assert not outside.exists()
+            assert not os.path.exists(host_probe)  # the write went to the run's private tmpfs
+            assert results["write_tmp"].stdout == "x\n"
+            # the daemon left the process group and the session: it ended with the run's PID namespace
+            assert sandbox_processes() == []
+    finally:  # basic mode writes both; a failed assertion must not leave them behind
+        outside.unlink(missing_ok=True)
+        Path(host_probe).unlink(missing_ok=True)
+
     # the CPU limit: alone, with a wall-clock limit it cannot reach first even on a loaded machine
     (cpu_loop,) = run_many(["while True:\n    pass\n"], dataclasses.replace(HOSTILE, timeout_s=60.0), max_workers=1)
     assert cpu_loop.reason == "timeout" and "CPU" in cpu_loop.detail, cpu_loop

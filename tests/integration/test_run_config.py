@@ -201,6 +201,65 @@ def test_critic_calibration_choice_reaches_the_worker_and_is_checked_at_startup(
         read_hook_config({"critic": {"format": "rollout", "calibration": "none"}})
 
 
+@pytest.fixture
+def calibrated_critic(tmp_path, critic_dir) -> Path:
+    """A copy of the tiny critic with a valid Platt calibration.json fitted for its weights."""
+    import shutil
+
+    from verl_prm.checkpoints import weights_digest
+    from verl_prm.training.calibration import Calibration, write_calibration
+
+    copy = tmp_path / "calibrated_critic"
+    shutil.copytree(critic_dir, copy)
+    write_calibration(Calibration("platt", {"slope": 1.3, "intercept": -0.2}, 64, weights_digest(copy)), copy)
+    return copy
+
+
+def _edit_calibration(path: Path, **fields) -> None:
+    import json
+
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("non_monotone", r"verl_prm.critic.calibration=auto: {file}: isotonic map is not monotone at breakpoint 1"),
+    ("flat", r"verl_prm.critic.calibration=auto: {file}: the platt map is flat"),
+    ("other_weights", r"verl_prm.critic.calibration=auto: {file} was fitted for other weights"),
+    ("dangling_link", r"verl_prm.critic.calibration=auto: {file} is a symbolic link to .*, which does not exist"),
+    ("directory_without_file", r"verl_prm.critic.calibration={directory}: no calibration file {directory}/"
+                               r"calibration.json"),
+    ("refresh_with_auto", r"verl_prm.refresh.every=2 refits the value head of {critic}, but "
+                          r"verl_prm.critic.calibration=auto applies platt calibration \(slope 1.3.*from {file}\), a "
+                          r"map fitted for the checkpoint's head: set verl_prm.critic.calibration=none"),
+])
+def test_startup_reads_and_checks_the_calibration_the_critic_will_apply(calibrated_critic, tmp_path, case, message):
+    """The startup check (run before Ray and the critic workers start) reads the calibration file through the
+    function the workers load it with (checkpoint_calibration), so each of these stops the run there."""
+    file, overrides = calibrated_critic / "calibration.json", []
+    base = PLUGIN_OVERRIDES + [f"verl_prm.critic.path={calibrated_critic}"]
+    validate_run_config(compose_verl(base))  # the valid calibration passes
+    if case == "non_monotone":
+        _edit_calibration(file, method="isotonic", parameters={"x": [0.2, 0.1], "y": [0.1, 0.9]})
+    elif case == "flat":
+        _edit_calibration(file, parameters={"slope": 1e-12, "intercept": 0.0})
+    elif case == "other_weights":
+        _edit_calibration(file, weights_digest="ab" * 32)
+    elif case == "dangling_link":
+        file.rename(tmp_path / "moved.json")
+        file.symlink_to(tmp_path / "elsewhere.json")
+    elif case == "directory_without_file":
+        (tmp_path / "calibrations").mkdir()
+        overrides = [f"verl_prm.critic.calibration={tmp_path / 'calibrations'}"]
+    else:
+        overrides = ["verl_prm.refresh.every=2"]
+    with pytest.raises(ConfigError) as error:
+        validate_run_config(compose_verl(base + overrides))
+    assert re.match(message.format(file=re.escape(str(file)), directory=re.escape(str(tmp_path / "calibrations")),
+                                   critic=re.escape(str(calibrated_critic))), str(error.value)), str(error.value)
+    if case == "refresh_with_auto":  # the documented fix
+        validate_run_config(compose_verl(base + overrides + ["verl_prm.critic.calibration=none"]))
+
+
 def test_startup_validation_accepts_a_valid_run(critic_dir):
     config = compose_verl(PLUGIN_OVERRIDES + [f"verl_prm.critic.path={critic_dir}", "algorithm.pav.alpha=0.5"])
     hook, pav = validate_run_config(config)

@@ -29,6 +29,7 @@ from verl_prm.training.calibration import (
     CalibrationError,
     apply_isotonic,
     apply_platt,
+    checkpoint_calibration,
     cross_fitted_values,
     fit_calibration,
     fit_isotonic,
@@ -197,6 +198,128 @@ def test_a_bad_calibration_file_is_a_one_line_error_naming_it(tmp_path, fields, 
         read_calibration(path)
     assert str(path) in str(caught.value) and "\n" not in str(caught.value)
     assert "calibration='none'" in str(caught.value)
+
+
+@pytest.mark.parametrize("fields, message", [
+    # flat maps: every critic value would map to about one value, every process term to 0 (a fit refuses them)
+    (dict(parameters={"slope": 1e-12, "intercept": 0.0}), r"the platt map is flat: it maps every critic value"),
+    (dict(parameters={"slope": 1.0, "intercept": 60.0}), r"the platt map is flat"),  # saturated at 1
+    (dict(method="isotonic", parameters={"x": [0.1, 0.9], "y": [0.4, 0.4]}), r"the isotonic map is flat"),
+    (dict(method="isotonic", parameters={"x": [2.0, 3.0], "y": [0.2, 0.9]}), r"the isotonic map is flat"),  # x > 1
+    (dict(parameters={"slope": 2e6, "intercept": 0.0}), r"platt slope 2e\+06 is above 1e\+06"),
+    # wrongly typed fields
+    (dict(num_labels="abc"), r"num_labels \(.*\) must be an integer >= 32, got 'abc'"),
+    (dict(num_labels=None), r"num_labels \(.*\) must be an integer >= 32, got None"),
+    (dict(num_labels=1e400), r"num_labels \(.*\) must be an integer >= 32, got inf"),
+    (dict(num_labels=True), r"num_labels \(.*\) must be an integer >= 32, got True"),
+    (dict(num_labels=4), r"num_labels \(.*\) must be an integer >= 32, got 4"),
+    (dict(metrics=[1, 2]), r"metrics must be an object of numbers and strings, got \[1, 2\]"),
+    (dict(metrics="xy"), r"metrics must be an object of numbers and strings, got 'xy'"),
+    (dict(metrics={"ece": [0.1]}), r"metrics must be an object of numbers and strings"),
+    (dict(weights_digest=12), r"weights_digest must be a sha256 digest \(64 hex digits\), got 12"),
+    (dict(parameters={"slope": 2.0}), r"platt parameters must be \{'slope', 'intercept'\}"),
+])
+def test_a_flat_or_mistyped_calibration_file_is_refused_naming_it_and_the_field(tmp_path, fields, message):
+    path = _write(tmp_path, **fields)
+    with pytest.raises(CalibrationError, match=message) as caught:
+        read_calibration(path)
+    assert str(path) in str(caught.value) and "calibration='none'" in str(caught.value)
+
+
+_VALID = ('"format": "verl-prm calibration", "version": 1, "num_labels": 100, "weights_digest": "' + "ab" * 32 + '"')
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"method": "platt", "parameters": {"slope": 1' + "0" * 400 + ', "intercept": 0.1}, ' + _VALID + "}",
+     "platt slope and intercept must be finite numbers"),  # an integer too large for a float
+    ('{"method": "isotonic", "parameters": {"x": [0.1, 1' + "0" * 400 + '], "y": [0.1, 0.9]}, ' + _VALID + "}",
+     "isotonic x and y must be lists of finite numbers"),
+    ('{"method": "platt", "parameters": {"slope": 1.0, "intercept": 0.1}, ' + _VALID + ', "metrics": {"n": 1'
+     + "0" * 400 + "}}", "metrics must be an object of numbers and strings"),
+    ("[1, 2]", "is not a verl-prm calibration"),
+    ('{"format": "verl-prm calibration", "version": 1, "method": "platt"}', "lacks parameters, num_labels"),
+    ("\xff\xfe", "is not JSON"),
+])
+def test_a_malformed_calibration_file_is_a_calibration_error_naming_it(tmp_path, text, message):
+    path = tmp_path / "calibration.json"
+    path.write_bytes(text.encode("latin-1"))
+    with pytest.raises(CalibrationError, match=message) as caught:
+        read_calibration(path)
+    assert str(path) in str(caught.value) and "calibration='none'" in str(caught.value)
+
+
+def _checkpoint(directory: Path, weights: bytes = b"weights") -> Path:
+    directory.mkdir()
+    (directory / "model.safetensors").write_bytes(weights)
+    return directory
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("dangling_link", r"is a symbolic link to .*moved.json, which does not exist"),
+    ("link_loop", r"cannot be read \(.*symbolic links"),
+    ("directory", r"is a directory, not a calibration file"),
+    ("unreadable", r"cannot be read \(Permission denied\)"),
+])
+def test_auto_refuses_a_calibration_file_it_cannot_read(tmp_path, monkeypatch, kind, message):
+    """Under calibration="auto" only a checkpoint without anything named calibration.json is uncalibrated; a
+    broken one is an error naming it, never a silent uncalibrated load."""
+    from verl_prm.checkpoints import weights_digest
+
+    checkpoint = _checkpoint(tmp_path / "checkpoint")
+    target = checkpoint / "calibration.json"
+    if kind == "dangling_link":
+        target.symlink_to(tmp_path / "moved.json")
+    elif kind == "link_loop":
+        target.symlink_to(checkpoint / "other.json")
+        (checkpoint / "other.json").symlink_to(target)
+    elif kind == "directory":
+        target.mkdir()
+        _write(target, weights_digest=weights_digest(checkpoint))  # even one holding a valid file
+    else:  # root reads a chmod 000 file, so the refusal of the operating system is simulated
+        _write(checkpoint, weights_digest=weights_digest(checkpoint))
+        original = Path.read_bytes
+        denied = PermissionError(13, "Permission denied", str(target))
+        monkeypatch.setattr(Path, "read_bytes", lambda self: (_ for _ in ()).throw(denied) if self == target
+                            else original(self))
+    with pytest.raises(CalibrationError, match=message) as caught:
+        checkpoint_calibration(checkpoint, "auto")
+    assert str(target) in str(caught.value) and "calibration='none'" in str(caught.value)
+    assert checkpoint_calibration(checkpoint, "none") is None
+    monkeypatch.undo()
+    if target.is_dir():
+        (target / "calibration.json").unlink()
+        target.rmdir()
+    else:
+        target.unlink()
+    assert checkpoint_calibration(checkpoint, "auto") is None  # genuinely absent: uncalibrated
+
+
+def test_weights_digest_covers_every_byte_of_a_large_weights_file(tmp_path):
+    """A weights file over 256 MiB (sparse: only one byte is ever written) edited in its middle, its size kept,
+    has hashlib's sha256 of its bytes as digest, so the calibration of the original weights is refused for it."""
+    import hashlib
+    import time
+
+    from verl_prm.checkpoints import file_digest, weights_digest
+
+    checkpoint = _checkpoint(tmp_path / "checkpoint", b"")
+    weights = checkpoint / "model.safetensors"
+    megabyte = bytes(10**6)
+    with open(weights, "r+b") as handle:
+        handle.truncate(300 * len(megabyte))
+    _write(checkpoint, weights_digest=weights_digest(checkpoint))
+    with open(weights, "r+b") as handle:
+        handle.seek(150 * len(megabyte))
+        handle.write(b"\x01")
+    start = time.perf_counter()
+    digest = file_digest(weights)
+    print(f"\nfile_digest of a 300 MB file: {time.perf_counter() - start:.2f} s")
+    reference = hashlib.sha256()
+    for block in [megabyte] * 150 + [b"\x01" + megabyte[1:]] + [megabyte] * 149:
+        reference.update(block)
+    assert weights.stat().st_size == 300 * 10**6 and digest == reference.hexdigest()
+    with pytest.raises(CalibrationError, match="was fitted for other weights"):
+        read_calibration(checkpoint, checkpoint)
 
 
 def test_fit_refuses_too_few_labels_constant_values_and_wrong_rankings():

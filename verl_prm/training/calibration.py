@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
+import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +39,8 @@ __all__ = [
     "CALIBRATION_FILE",
     "CALIBRATION_METHODS",
     "DEFAULT_CALIBRATION",
+    "MAX_PLATT_SLOPE",
+    "MIN_CALIBRATED_SPAN",
     "MIN_CALIBRATION_LABELS",
     "Calibration",
     "CalibrationError",
@@ -61,7 +66,14 @@ DEFAULT_CALIBRATION = "platt"
 MIN_CALIBRATION_LABELS = 32
 # Platt reads logit(v): v is clipped to [eps, 1 - eps] so that exact 0 and 1 stay finite.
 PLATT_EPSILON = 1e-6
+# A map is flat when it takes every critic value in [0, 1] into a span below this: 1e-6 is about 16 float32 steps
+# at 0.5 (the critic returns float32), so every value would become about one value and every process term
+# alpha * (c(v_h) - c(v_{h-1})) about 0. Fitting (fit_calibration) and reading refuse such a map.
+MIN_CALIBRATED_SPAN = 1e-6
+# Steepest Platt slope: beyond it the map is a step function; fitting refuses it as diverged, reading too.
+MAX_PLATT_SLOPE = 1e6
 _FORMAT = "verl-prm calibration"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _VERSION = 1
 
 
@@ -232,7 +244,14 @@ class Calibration:
     source: str | None = None
 
     def __post_init__(self) -> None:
-        _validate(self.method, self.parameters, self.source or "calibration")
+        where, fix = (self.source, _FILE_FIX) if self.source else (f"the fitted {self.method} calibration", _FIT_FIX)
+        _validate_map(self.method, self.parameters, where, fix)
+        _validate_record(self.num_labels, self.weights_digest, self.metrics, where, fix, self.source is not None)
+        low, high = self(np.array([0.0, 1.0]))
+        if not high - low >= MIN_CALIBRATED_SPAN:
+            raise CalibrationError(f"{where}: the {self.method} map is flat: it maps every critic value in [0, 1] "
+                                   f"into [{low:.9g}, {high:.9g}], a span under {MIN_CALIBRATED_SPAN:g}, so every "
+                                   f"process term would be about 0; {fix}")
 
     def __call__(self, values) -> np.ndarray:
         """The calibrated values (float64 array of the input's shape)."""
@@ -253,27 +272,52 @@ class Calibration:
                 "num_labels": self.num_labels, "weights_digest": self.weights_digest, "metrics": self.metrics}
 
 
-def _validate(method: str, parameters: dict, where: str) -> None:
-    fix = "refit it with verl-prm train --calibration METHOD (rerun the finished run), or load with calibration='none'"
+_FILE_FIX = ("refit it with verl-prm train --calibration METHOD (rerun the finished run), or load with "
+             "calibration='none'")
+_FIT_FIX = ("the held-out labels give the critic's values no usable ranking: check it (eval/auroc), or pass "
+            "--calibration none")
+
+
+def _finite(value) -> float | None:
+    """``value`` as a finite float; None for a bool, a non-number, NaN, inf or an integer too large for a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _validate_map(method, parameters, where: str, fix: str) -> None:
+    """A strictly increasing Platt map (0 < slope <= MAX_PLATT_SLOPE), or a monotone isotonic map in [0, 1]."""
     if method == "platt":
         if not isinstance(parameters, dict) or set(parameters) != {"slope", "intercept"}:
             raise CalibrationError(f"{where}: platt parameters must be {{'slope', 'intercept'}}, got "
-                                   f"{parameters!r}; {fix}")
-        slope, intercept = parameters["slope"], parameters["intercept"]
-        if not all(isinstance(p, (int, float)) and not isinstance(p, bool) and math.isfinite(p)
-                   for p in (slope, intercept)):
-            raise CalibrationError(f"{where}: platt slope and intercept must be finite numbers, got {slope!r}, "
-                                   f"{intercept!r}; {fix}")
+                                   f"{_shown(parameters)}; {fix}")
+        slope, intercept = (_finite(parameters[k]) for k in ("slope", "intercept"))
+        if slope is None or intercept is None:
+            raise CalibrationError(f"{where}: platt slope and intercept must be finite numbers, got "
+                                   f"{_shown(parameters['slope'])}, {_shown(parameters['intercept'])}; {fix}")
         if slope <= 0:
             raise CalibrationError(f"{where}: platt slope {slope} <= 0 is not an increasing map (it would reverse "
                                    f"the critic's ranking); {fix}")
+        if slope > MAX_PLATT_SLOPE:
+            raise CalibrationError(f"{where}: platt slope {slope:g} is above {MAX_PLATT_SLOPE:g}: a step function, "
+                                   f"not a calibration (a fit refuses it as diverged); {fix}")
     elif method == "isotonic":
         if not isinstance(parameters, dict) or set(parameters) != {"x", "y"}:
-            raise CalibrationError(f"{where}: isotonic parameters must be {{'x', 'y'}}, got {parameters!r}; {fix}")
+            raise CalibrationError(f"{where}: isotonic parameters must be {{'x', 'y'}}, got {_shown(parameters)}; "
+                                   f"{fix}")
         try:
             x, y = (np.asarray(parameters[k], dtype=np.float64) for k in ("x", "y"))
-        except (TypeError, ValueError):
-            raise CalibrationError(f"{where}: isotonic x and y must be lists of numbers; {fix}") from None
+        except (TypeError, ValueError, OverflowError):
+            raise CalibrationError(f"{where}: isotonic x and y must be lists of finite numbers; {fix}") from None
         if x.ndim != 1 or x.shape != y.shape or x.size < 2:
             raise CalibrationError(f"{where}: isotonic x and y must be lists of one length >= 2, got {x.size} and "
                                    f"{y.size}; {fix}")
@@ -286,8 +330,25 @@ def _validate(method: str, parameters: dict, where: str) -> None:
         if np.any((y < 0) | (y > 1)):
             raise CalibrationError(f"{where}: isotonic values y must lie in [0, 1]; {fix}")
     else:
-        raise CalibrationError(f"{where}: unknown calibration method {method!r}; expected 'platt' or 'isotonic'; "
+        raise CalibrationError(f"{where}: unknown calibration method {_shown(method)}; expected 'platt' or "
+                               f"'isotonic'; {fix}")
+
+
+def _validate_record(num_labels, weights_digest, metrics, where: str, fix: str, from_file: bool) -> None:
+    """num_labels an integer >= MIN_CALIBRATION_LABELS (no fit uses fewer); metrics {name: number or text}; the
+    weights digest a sha256 hex digest (a fitted map not yet tied to weights, as in cross-fitting, has "")."""
+    integer = isinstance(num_labels, numbers.Integral) and not isinstance(num_labels, bool)
+    if not integer or num_labels < MIN_CALIBRATION_LABELS:
+        raise CalibrationError(f"{where}: num_labels (the held-out labels it was fitted on) must be an integer >= "
+                               f"{MIN_CALIBRATION_LABELS}, got {_shown(num_labels)}; {fix}")
+    if not isinstance(metrics, dict) or not all(isinstance(name, str) and (isinstance(value, str) or
+                                                                           _finite(value) is not None)
+                                                for name, value in metrics.items()):
+        raise CalibrationError(f"{where}: metrics must be an object of numbers and strings, got {_shown(metrics)}; "
                                f"{fix}")
+    if not isinstance(weights_digest, str) or (from_file or weights_digest) and not _SHA256.fullmatch(weights_digest):
+        raise CalibrationError(f"{where}: weights_digest must be a sha256 digest (64 hex digits), got "
+                               f"{_shown(weights_digest)}; {fix}")
 
 
 def fit_calibration(method: str, values, targets, weights, weights_digest: str) -> Calibration:
@@ -329,31 +390,44 @@ def write_calibration(calibration: Calibration, directory: str | Path) -> Path:
     return path
 
 
-def read_calibration(path: str | Path, checkpoint: str | Path | None = None) -> Calibration:
-    """Read and check a calibration file; with ``checkpoint``, also that it was fitted for that checkpoint's
-    weights (:func:`verl_prm.checkpoints.weights_digest`). Every problem is a CalibrationError naming the file."""
+def _read_json(path: Path):
+    """The JSON of the calibration file ``path``; a CalibrationError naming it if it is absent, a dangling or
+    looping link, a directory or another non-file, unreadable, or not JSON."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        if path.is_symlink():
+            raise CalibrationError(f"{path} is a symbolic link to {os.readlink(path)}, which does not exist: restore "
+                                   f"that file or remove the link; {_FILE_FIX}") from None
+        raise CalibrationError(f"no calibration file {path}: fit one with verl-prm train --calibration platt (or "
+                               "isotonic), or load with calibration='none'") from None
+    except OSError as error:
+        raise CalibrationError(f"{path} cannot be read ({error.strerror}); {_FILE_FIX}") from None
+    if stat.S_ISDIR(mode):
+        raise CalibrationError(f"{path} is a directory, not a calibration file: remove it (move a calibration.json "
+                               f"it holds in its place); {_FILE_FIX}")
+    if not stat.S_ISREG(mode):
+        raise CalibrationError(f"{path} is not a regular file; {_FILE_FIX}")
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as error:
+        raise CalibrationError(f"{path} cannot be read ({error.strerror}); {_FILE_FIX}") from None
+    except ValueError as error:  # not UTF-8, not JSON
+        raise CalibrationError(f"{path} is not JSON ({error}); {_FILE_FIX}") from None
+
+
+def _read_file(path: Path, checkpoint: str | Path | None) -> Calibration:
     from verl_prm.checkpoints import weights_digest
 
-    path = Path(path)
-    if path.is_dir():
-        path = path / CALIBRATION_FILE
-    if not path.is_file():
-        raise CalibrationError(f"no calibration file {path}: fit one with verl-prm train --calibration platt (or "
-                               "isotonic), or load with calibration='none'")
-    try:
-        data = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as error:
-        raise CalibrationError(f"{path} is not JSON ({error}); refit it with verl-prm train --calibration METHOD "
-                               "or load with calibration='none'") from None
+    data = _read_json(path)
     if not isinstance(data, dict) or data.get("format") != _FORMAT or data.get("version") != _VERSION:
         raise CalibrationError(f"{path} is not a verl-prm calibration (format {_FORMAT!r} version {_VERSION}); "
-                               "refit it with verl-prm train --calibration METHOD or load with calibration='none'")
+                               f"{_FILE_FIX}")
     missing = [k for k in ("method", "parameters", "num_labels", "weights_digest") if k not in data]
     if missing:
-        raise CalibrationError(f"{path} lacks {', '.join(missing)}; refit it with verl-prm train --calibration "
-                               "METHOD or load with calibration='none'")
-    calibration = Calibration(data["method"], data["parameters"], int(data["num_labels"]),
-                              str(data["weights_digest"]), dict(data.get("metrics", {})), str(path))
+        raise CalibrationError(f"{path} lacks {', '.join(missing)}; {_FILE_FIX}")
+    calibration = Calibration(data["method"], data["parameters"], data["num_labels"], data["weights_digest"],
+                              data.get("metrics", {}), str(path))
     if checkpoint is not None:
         actual = weights_digest(checkpoint)
         if actual != calibration.weights_digest:
@@ -363,16 +437,39 @@ def read_calibration(path: str | Path, checkpoint: str | Path | None = None) -> 
     return calibration
 
 
-def checkpoint_calibration(checkpoint: str | Path, choice: str | os.PathLike = "auto") -> Calibration | None:
-    """The calibration a critic loaded from ``checkpoint`` applies.
+def read_calibration(path: str | Path, checkpoint: str | Path | None = None) -> Calibration:
+    """Read and check a calibration file (or ``path/calibration.json`` of a directory); with ``checkpoint``, also
+    that it was fitted for that checkpoint's weights (:func:`verl_prm.checkpoints.weights_digest`). Every problem
+    is a CalibrationError naming the file (and the field) and the fix."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / CALIBRATION_FILE
+    return _read_file(path, checkpoint)
 
-    ``"auto"``: ``checkpoint/calibration.json`` when the checkpoint is a local directory that has one, else
-    None. ``"none"``: None. A path (a file, or a directory holding calibration.json): that file; it must exist.
-    In every case a file that is read must match the checkpoint's weights.
+
+def _present(path: Path) -> bool:
+    """Whether anything is at ``path`` (a file, a directory, a dangling link): only a genuinely absent name is."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:  # e.g. a checkpoint directory that cannot be searched: reading it names the problem
+        return True
+    return True
+
+
+def checkpoint_calibration(checkpoint: str | Path, choice: str | os.PathLike = "auto") -> Calibration | None:
+    """The calibration a critic loaded from ``checkpoint`` applies: the one function that reads and checks it,
+    for the critic workers and for the startup check of a verl run alike.
+
+    ``"auto"``: ``checkpoint/calibration.json`` when there is anything of that name (a dangling link, a directory
+    or an unreadable file is an error, not an uncalibrated critic), else None. ``"none"``: None. A path (a file,
+    or a directory holding calibration.json): that file; it must exist. In every case a file that is read must
+    be a valid, non-flat map fitted for the checkpoint's weights.
     """
     if isinstance(choice, str) and choice == "none":
         return None
     if isinstance(choice, str) and choice == "auto":
         local = Path(checkpoint) / CALIBRATION_FILE
-        return read_calibration(local, checkpoint) if local.is_file() else None
+        return _read_file(local, checkpoint) if _present(local) else None
     return read_calibration(choice, checkpoint)

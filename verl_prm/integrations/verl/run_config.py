@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 from typing import Any, Optional
 
+from verl_prm.checkpoints import CheckpointError, resolve_checkpoint
 from verl_prm.config import PavConfig, read_pav_config
 from verl_prm.config.hook import (
     EXACT_CRITIC_FORMAT,
@@ -25,6 +26,7 @@ from verl_prm.config.hook import (
     read_hook_config,
 )
 from verl_prm.estimators import ESTIMATORS
+from verl_prm.training.calibration import CalibrationError, checkpoint_calibration, read_calibration
 
 __all__ = ["known_estimators", "validate_run_config"]
 
@@ -52,6 +54,28 @@ def _check_estimator(estimator: Any) -> None:
     )
 
 
+def _check_calibration(hook: HookConfig) -> None:
+    """Read and check the calibration a checkpoint critic will apply, with the function its workers load it with
+    (``checkpoint_calibration``): a broken, flat or non-monotone file, a directory without calibration.json and a
+    file fitted for other weights stop the run here, and so does a refresh of a calibrated critic."""
+    critic = hook.critic
+    path = str(critic.path)
+    try:
+        if "://" in path:  # a remote checkpoint is copied when the workers start: only a named file can be read now
+            calibration = None if critic.calibration in ("auto", "none") else read_calibration(critic.calibration)
+        else:
+            local = resolve_checkpoint(path, "critic", allow_pickle=critic.allow_pickle)
+            calibration = checkpoint_calibration(local, critic.calibration)
+    except (CalibrationError, CheckpointError) as error:
+        raise ConfigError(f"verl_prm.critic.calibration={critic.calibration}: {error}") from None
+    if calibration is not None and hook.refresh.every:
+        raise ConfigError(
+            f"verl_prm.refresh.every={hook.refresh.every} refits the value head of {path}, but "
+            f"verl_prm.critic.calibration={critic.calibration} applies {calibration.describe()}, a map fitted for the "
+            "checkpoint's head: set verl_prm.critic.calibration=none"
+        )
+
+
 def validate_run_config(config: Any) -> tuple[HookConfig, PavConfig]:
     """Check the verl-prm parts of a composed verl run config; return the typed hook and estimator configs.
 
@@ -61,7 +85,9 @@ def validate_run_config(config: Any) -> tuple[HookConfig, PavConfig]:
     that neither verl nor the plugin registers; a step estimator (pav_*, prm_aggregate) without
     ``trainer.v1.trainer_mode=pav_sync`` (the hook); the hook without ``verl_prm.critic.path``, or with a path
     that does not exist, is a file, has no weights or only pickle weights (``verl_prm.critic.allow_pickle``), or
-    is a hub id that is not cached while offline; with ``verl_prm.critic.format=exact``: a path set, no
+    is a hub id that is not cached while offline; the calibration file it would apply (``verl_prm.critic.calibration``:
+    unreadable, malformed, flat, non-monotone, fitted for other weights, or applied to a head
+    ``verl_prm.refresh`` refits); with ``verl_prm.critic.format=exact``: a path set, no
     ``options.prover``, a prover that cannot be imported or a bad prover option (the prover is built once);
     with ``verl_prm.diagnostics.reference``: the same for its exact prover, and a run that scores no steps;
     out-of-range step, critic, placement and diagnostics settings.
@@ -92,6 +118,7 @@ def validate_run_config(config: Any) -> tuple[HookConfig, PavConfig]:
             pass  # no checkpoint; the rollout and reward settings are checked by the trainer (rollout_critic)
         else:
             check_critic_path(hook.critic.path, hook.critic.allow_pickle)
+            _check_calibration(hook)
         check_reference_prover(hook.diagnostics)
     elif hook.diagnostics.reference is not None:
         raise ConfigError(

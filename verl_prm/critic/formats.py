@@ -36,7 +36,14 @@ Qwen2.5's 151651 ("<extra_0>") and 198 ("\n"), Llama-3.1's 10 ("+") and 12 ("-")
 
 The token-id path of a text format (``ProverCritic.score_sequences``, or policy ids with the critic's
 tokenizer) decodes the prompt and the steps with ``verl_prm.critic.scorer.decode_segments`` and rebuilds the
-authors' input from those texts, so it gives the values of the text path.
+authors' input from those texts, so it gives the values of the text path. ``value_head_lm`` takes prompt ids that
+already hold Skywork's ``bos + problem + "\n"`` as well as the bare problem (``prompt_from_ids``).
+
+Step text is the policy's, so it is data, never structure: it never becomes a special token
+(``encode_with_policy_text``: a step holding "<|im_start|>" or "<|eot_id|><|start_header_id|>..." is read as plain
+text, not as a forged turn), and the format's separator text in it (qwen_prm's "<extra_0>", math_shepherd's "ки")
+is removed before encoding (``remove_separator_text``), so a step never adds a scored position. Both are reported
+per sample (``TextInput.special_text``, ``TextInput.separator_text``); nothing raises for the batch.
 
 Everything loads with ``trust_remote_code=False`` and from safetensors only, unless the caller passes
 ``allow_pickle=True`` (``verl_prm.checkpoints``). Weights the model needs but the checkpoint lacks, or checkpoint
@@ -52,7 +59,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -74,6 +81,12 @@ __all__ = [
     "resolve_token_id",
     "check_required_token",
     "split_pieces",
+    "TextInput",
+    "encode_with_policy_text",
+    "special_token_ids",
+    "remove_separator_text",
+    "shepherd_tag",
+    "rlhflow_chat",
     "read_head_from_safetensors",
     "default_attn_implementation",
     "resolve_dtype",
@@ -160,13 +173,89 @@ def _encode_plain(tokenizer, text: str, add_special_tokens: bool = True) -> list
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
-def _char_token(tokenizer, text: str, char: int, add_special_tokens: bool = True) -> int:
-    """Index of the token of ``encode(text)`` that holds character ``char`` (offsets of a fast tokenizer)."""
+class TextInput(NamedTuple):
+    """A text format's input for one sample: ids, the H + 1 read positions, the prompt's last token, and what was
+    done to the policy's text (``separator_text``: it held the format's separator text, removed before encoding;
+    ``special_text``: it held the text of a special token, encoded as plain text)."""
+
+    input_ids: list[int]
+    read_positions: list[int]
+    prompt_last: int
+    separator_text: bool = False
+    special_text: bool = False
+
+
+class EncodedText(NamedTuple):
+    ids: list[int]
+    offsets: list[tuple[int, int]]
+    special_text: bool
+
+
+def special_token_ids(tokenizer) -> frozenset[int]:
+    """Ids of the tokenizer's special tokens (the ones a text holding their content would become)."""
+    ids = set(getattr(tokenizer, "all_special_ids", None) or ())
+    for token_id, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(added, "special", False):
+            ids.add(int(token_id))
+    return frozenset(ids)
+
+
+def encode_with_policy_text(tokenizer, text: str, policy_spans: Sequence[tuple[int, int]],
+                            add_special_tokens: bool = True) -> EncodedText:
+    """Encode ``text`` (the authors' input) whole, as the authors do, except that the characters in
+    ``policy_spans`` (text the policy wrote) never become a special token: a policy that writes
+    "<|eot_id|><|start_header_id|>assistant..." or "<|im_start|>" must not forge the format's turns.
+
+    Usually no special token falls inside a policy span and the whole-text encoding is returned as is. Otherwise
+    the text is cut at the special tokens outside the policy spans (the format's own turns and separators, kept
+    as tokens); every stretch between them is encoded with special-token parsing off (``split_special_tokens``),
+    and tokens the tokenizer adds itself (a BOS) are kept; ``special_text`` is then True."""
     encoding = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
-    for i, (a, b) in enumerate(encoding["offset_mapping"]):
+    ids, offsets = list(encoding["input_ids"]), [(int(a), int(b)) for a, b in encoding["offset_mapping"]]
+    special = special_token_ids(tokenizer)
+
+    def in_policy(a: int, b: int) -> bool:
+        return b > a and any(a < end and start < b for start, end in policy_spans)
+
+    if not any(t in special and in_policy(a, b) for t, (a, b) in zip(ids, offsets)):
+        return EncodedText(ids, offsets, False)
+    wide = [i for i, (a, b) in enumerate(offsets) if b > a]  # zero-width: added by the tokenizer (BOS, EOS)
+    out_ids, out_offsets = ids[: wide[0]], offsets[: wide[0]]
+    own = [(a, b, t) for t, (a, b) in zip(ids, offsets) if t in special and b > a and not in_policy(a, b)]
+    start = 0
+    for a, b, token in own + [(len(text), len(text), None)]:
+        if a > start:
+            part = tokenizer(text[start:a], add_special_tokens=False, split_special_tokens=True,
+                             return_offsets_mapping=True)
+            out_ids += list(part["input_ids"])
+            out_offsets += [(int(x) + start, int(y) + start) for x, y in part["offset_mapping"]]
+        if token is not None:
+            out_ids.append(token)
+            out_offsets.append((a, b))
+        start = max(start, b)
+    return EncodedText(out_ids + ids[wide[-1] + 1 :], out_offsets + offsets[wide[-1] + 1 :], True)
+
+
+def _token_at(offsets: Sequence[tuple[int, int]], char: int) -> int:
+    """Index of the token that holds character ``char`` (``offsets``: the encoding's character offsets)."""
+    for i, (a, b) in enumerate(offsets):
         if a <= char < b:
             return i
     raise ValueError(f"no token holds character {char} of the critic input")
+
+
+def remove_separator_text(pieces: list[str], separator: str) -> tuple[list[str], bool]:
+    """The pieces without any occurrence of ``separator`` (removed until none is left: removing one may join
+    another), and whether one was there. The format's separator is its own: text the policy wrote must not add
+    a scored step or a separator the PRM reads."""
+    found = False
+    out = []
+    for piece in pieces:
+        while separator and separator in piece:
+            piece = piece.replace(separator, "")
+            found = True
+        out.append(piece)
+    return out, found
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -296,9 +385,15 @@ class CriticFormat:
         marked, reads = insert_markers(ids, prompt_end, step_ends, self.marker_id, prompt_marker=self.prompt_marker)
         return marked, reads, prompt_end
 
-    def build_text_input(self, tokenizer, prompt: str, steps: Sequence[str]) -> tuple[list[int], list[int], int]:
-        """Text formats: the authors' input for ``prompt`` and our ``steps`` (texts with their delimiters)."""
+    def build_text_input(self, tokenizer, prompt: str, steps: Sequence[str]) -> TextInput:
+        """Text formats: the authors' input for ``prompt`` and our ``steps`` (texts with their delimiters). The
+        step texts are the policy's: they never become special tokens, separators or turns of the input."""
         raise NotImplementedError
+
+    def prompt_from_ids(self, tokenizer, prompt: str) -> str:
+        """Text formats, token-id path: the prompt text the format builds its input from, given the text decoded
+        from the prompt ids (``decode_segments``). Default: that text."""
+        return prompt
 
     def logits_to_values(self, logits: torch.Tensor) -> torch.Tensor:
         """Values [n] from head logits [n, C] (fp32)."""
@@ -499,7 +594,7 @@ class QwenPrmFormat(CriticFormat):
         marker_id = resolve_token_id(tokenizer, separator, "qwen_prm separator")
         if separator == "<extra_0>":
             check_required_token(cls.name, tokenizer, marker_id, QWEN_SEPARATOR)
-        separator_text = tokenizer.convert_ids_to_tokens(marker_id) if isinstance(separator, int) else separator
+        separator_text = _token_text(tokenizer, marker_id) if isinstance(separator, int) else separator
         model, backbone, head = _load_two_class_head(cls.name, path, dtype, attn_implementation, allow_pickle, device,
                                                      head_prefix)
         check_vocabulary(path, tokenizer, model)
@@ -507,21 +602,17 @@ class QwenPrmFormat(CriticFormat):
                    separator_text=separator_text, step_delimiter=_check_delimiter(step_delimiter))
 
     def build_text_input(self, tokenizer, prompt, steps):
-        pieces_per_step = [split_pieces(step, self.step_delimiter) for step in steps]
-        content = "".join(piece + self.separator_text for pieces in pieces_per_step for piece in pieces)
-        text = prompt + content
-        ids = _encode_plain(tokenizer, text)
-        markers = [i for i, t in enumerate(ids) if t == self.marker_id]
-        prompt_last = _char_token(tokenizer, text, len(prompt) - 1)
-        markers = [i for i in markers if i > prompt_last]
-        if len(markers) != sum(len(p) for p in pieces_per_step):
-            raise ValueError(f"qwen_prm: the input holds {len(markers)} separators after the prompt, expected "
-                             f"{sum(len(p) for p in pieces_per_step)}; a step text contains {self.separator_text!r}")
-        reads, k = [prompt_last], -1
+        pieces_per_step, separator_text = _policy_pieces(steps, self.step_delimiter, self.separator_text)
+        text, spans = prompt, []
         for pieces in pieces_per_step:
-            k += len(pieces)
-            reads.append(markers[k])
-        return ids, reads, prompt_last
+            for piece in pieces:
+                spans.append((len(text), len(text) + len(piece)))
+                text += piece + self.separator_text
+        encoded = encode_with_policy_text(tokenizer, text, spans)
+        prompt_last = _token_at(encoded.offsets, len(prompt) - 1)
+        markers = [i for i, t in enumerate(encoded.ids) if t == self.marker_id and i > prompt_last]
+        reads = _last_of_each(markers, pieces_per_step, self.name, self.separator_text)
+        return TextInput(encoded.ids, [prompt_last] + reads, prompt_last, separator_text, encoded.special_text)
 
     def logits_to_values(self, logits):
         return torch.softmax(logits, dim=-1)[:, self.positive_label]
@@ -620,13 +711,10 @@ class MathShepherdFormat(CriticFormat):
 
         _no_options(cls.name, options)
         # The authors' resolution: the last pieces of encode("+ -") and encode("ки") ("▁"-prefixed pieces).
-        if isinstance(tag, int):
-            marker_id = tag
-        else:
-            marker_id = _encode_plain(tokenizer, tag)[-1]
-            if tag == "ки":
-                check_required_token(cls.name, tokenizer, marker_id,
-                                     RequiredToken("math_shepherd tag 'ки'", "▁ки", 12902, MATH_SHEPHERD_SOURCE))
+        marker_id, tag_text = shepherd_tag(tokenizer, tag)
+        if tag == "ки":
+            check_required_token(cls.name, tokenizer, marker_id,
+                                 RequiredToken("math_shepherd tag 'ки'", "▁ки", 12902, MATH_SHEPHERD_SOURCE))
         pair = _encode_plain(tokenizer, f"{positive_token} {negative_token}", add_special_tokens=False)
         candidates = []
         for k, (token, role, piece, documented) in enumerate(((positive_token, "positive", "▁+", 648),
@@ -647,18 +735,21 @@ class MathShepherdFormat(CriticFormat):
         model.eval()
         head = candidate_rows_head(model, candidates)
         softcap = getattr(model.config, "final_logit_softcapping", None)
-        tag_text = tokenizer.convert_ids_to_tokens(tag) if isinstance(tag, int) else tag
         return cls(model, _base_model(model), head.eval(), marker_id=marker_id, softcap=softcap, tag_text=tag_text,
                    step_delimiter=_check_delimiter(step_delimiter))
 
     def build_text_input(self, tokenizer, prompt, steps):
-        pieces_per_step = [split_pieces(step, self.step_delimiter) for step in steps]
-        output = "\n".join(f"{piece} {self.tag_text}" for pieces in pieces_per_step for piece in pieces)
-        text = f"{prompt} {output}"
-        ids = _encode_plain(tokenizer, text)
-        prompt_last = _char_token(tokenizer, text, len(prompt) - 1)
-        tags = [i for i, t in enumerate(ids) if t == self.marker_id and i > prompt_last]
-        return ids, [prompt_last] + _last_of_each(tags, pieces_per_step, self.name, self.tag_text), prompt_last
+        pieces_per_step, separator_text = _policy_pieces(steps, self.step_delimiter, self.tag_text)
+        text, spans = f"{prompt} ", []
+        for k, piece in enumerate(piece for pieces in pieces_per_step for piece in pieces):
+            text += "\n" if k else ""
+            spans.append((len(text), len(text) + len(piece)))
+            text += f"{piece} {self.tag_text}"
+        encoded = encode_with_policy_text(tokenizer, text, spans)
+        prompt_last = _token_at(encoded.offsets, len(prompt) - 1)
+        tags = [i for i, t in enumerate(encoded.ids) if t == self.marker_id and i > prompt_last]
+        reads = _last_of_each(tags, pieces_per_step, self.name, self.tag_text)
+        return TextInput(encoded.ids, [prompt_last] + reads, prompt_last, separator_text, encoded.special_text)
 
     def logits_to_values(self, logits):
         if self.softcap:
@@ -711,27 +802,13 @@ class RlhflowFormat(CriticFormat):
     def build_text_input(self, tokenizer, prompt, steps):
         pieces_per_step = [split_pieces(step, self.step_delimiter) for step in steps]
         turns = [piece.strip() for pieces in pieces_per_step for piece in pieces]
-        if not turns:
-            turns_text = [prompt]
-        else:
-            turns_text = [prompt + " " + turns[0]] + turns[1:]
-        conversation: list[dict[str, str]] = []
-        answer_chars = []
-        for content in turns_text:
-            conversation.append({"role": "user", "content": content})
-            # where the assistant's "+" starts: the length of the conversation so far with the generation prompt
-            answer_chars.append(len(tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                                  add_generation_prompt=True)))
-            conversation.append({"role": "assistant", "content": "+"})
-        if not steps:
-            conversation.pop()
-        text = tokenizer.apply_chat_template(conversation, tokenize=False)
-        ids = _encode_plain(tokenizer, text, add_special_tokens=False)  # apply_chat_template(tokenize=True) adds none
-        first = text.index(turns_text[0])
-        prompt_last = _char_token(tokenizer, text, first + len(prompt) - 1, add_special_tokens=False)
-        answers = [_char_token(tokenizer, text, c, add_special_tokens=False) for c in answer_chars[: len(turns)]]
+        text, spans, answer_chars, prompt_char = rlhflow_chat(tokenizer, prompt, turns)
+        # the rendered chat is tokenised without added BOS (apply_chat_template(tokenize=True) adds none)
+        encoded = encode_with_policy_text(tokenizer, text, spans, add_special_tokens=False)
+        prompt_last = _token_at(encoded.offsets, prompt_char)
+        answers = [_token_at(encoded.offsets, c) for c in answer_chars]
         for a in answers:
-            if ids[a] != self.positive_id:
+            if encoded.ids[a] != self.positive_id:
                 raise ValueError("rlhflow: the chat template does not put the assistant answer right after the "
                                  "generation prompt; check the tokenizer's chat template")
         reads = [prompt_last]
@@ -739,10 +816,52 @@ class RlhflowFormat(CriticFormat):
         for pieces in pieces_per_step:
             k += len(pieces)
             reads.append(answers[k] - 1)
-        return ids, reads, prompt_last
+        return TextInput(encoded.ids, reads, prompt_last, False, encoded.special_text)
 
     def logits_to_values(self, logits):
         return torch.softmax(logits, dim=-1)[:, 0]
+
+
+def rlhflow_chat(tokenizer, prompt: str, turns: Sequence[str]
+                 ) -> tuple[str, list[tuple[int, int]], list[int], int]:
+    """RLHFlow's chat for ``prompt`` and the step ``turns``: (text, the character span of each turn in it, where
+    each "+" answer starts, the prompt's last character). The template is rendered with a placeholder for each
+    turn, replaced afterwards, so the spans come from the template, whatever text the policy wrote; the result
+    must equal the template rendered on the turns themselves."""
+    marks = [f"\ue000{k}\ue001" for k in range(len(turns))]
+    contents = [prompt + " " + marks[0]] + marks[1:] if turns else [prompt]
+    conversation: list[dict[str, str]] = []
+    answer_marks = []
+    for content in contents:
+        conversation.append({"role": "user", "content": content})
+        # where the assistant's "+" starts: the length of the conversation so far with the generation prompt
+        answer_marks.append(len(tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                              add_generation_prompt=True)))
+        conversation.append({"role": "assistant", "content": "+"})
+    if not turns:
+        conversation.pop()
+    rendered = tokenizer.apply_chat_template(conversation, tokenize=False)
+    text, spans, shifts, start = "", [], [], 0
+    for mark, turn in zip(marks, turns):
+        at = rendered.find(mark, start)
+        if at < 0 or rendered.count(mark) != 1:
+            raise ValueError("rlhflow: the chat template does not render a user message's content as it is; check "
+                             "the tokenizer's chat template")
+        text += rendered[start:at]
+        spans.append((len(text), len(text) + len(turn)))
+        text += turn
+        start = at + len(mark)
+        shifts.append((start, len(text) - start))  # characters from `start` on move by this much
+    text += rendered[start:]
+    answers = [c + ([d for at, d in shifts if at <= c] or [0])[-1] for c in answer_marks[: len(turns)]]
+    if not turns:
+        return text, spans, answers, text.index(prompt) + len(prompt) - 1
+    for message, content in zip(conversation[::2], [prompt + " " + turns[0], *turns[1:]]):
+        message["content"] = content
+    if text != tokenizer.apply_chat_template(conversation, tokenize=False):
+        raise ValueError("rlhflow: the chat template renders a user message's content differently from the text "
+                         "around it; check the tokenizer's chat template")
+    return text, spans, answers, spans[0][0] - 2  # the prompt's last character, before " " + the first turn
 
 
 SKYWORK_NEWLINE = RequiredToken("value_head_lm step token '\\n'", "Ċ", 198,
@@ -788,21 +907,92 @@ class ValueHeadLMFormat(CriticFormat):
         ids = _encode_plain(tokenizer, (tokenizer.bos_token or "") + prompt + "\n")
         reads = [len(ids) - 1]
         prompt_last = len(ids) - 1
+        special_text = False
         for step in steps:
             for piece in split_pieces(step, self.step_delimiter):
-                ids += (_encode_plain(tokenizer, piece) if piece else []) + [self.marker_id]
+                if piece:
+                    encoded = encode_with_policy_text(tokenizer, piece, [(0, len(piece))])
+                    ids += encoded.ids
+                    special_text = special_text or encoded.special_text
+                ids.append(self.marker_id)
             reads.append(len(ids) - 1)
-        return ids, reads, prompt_last
+        return TextInput(ids, reads, prompt_last, False, special_text)
+
+    def prompt_from_ids(self, tokenizer, prompt):
+        """The token-id contract: prompt ids that start with the BOS hold Skywork's prompt, ``encode(bos + problem
+        + "\n")`` (what ``prepare_input`` and ``build_text_input`` make), so their text must end with "\n" and the
+        problem is read between the two; other prompt ids hold the problem itself (BOS and "\n" are added)."""
+        bos = tokenizer.bos_token
+        if not bos or not prompt.startswith(bos):
+            return prompt
+        if not prompt.endswith("\n"):
+            raise ValueError(
+                f"value_head_lm: the prompt ids start with the BOS {bos!r}, so they must hold Skywork's prompt "
+                f"bos + problem + '\\n' (its prepare_input), but their text ends with {prompt[-20:]!r}; end them "
+                "with the '\\n' token, or pass the problem's ids without the BOS"
+            )
+        return prompt[len(bos) : -1]
 
     def logits_to_values(self, logits):
         return torch.sigmoid(logits[:, 0])
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    """The text a token id stands for as a text holds it (an added token's content; else the decoded id without
+    the space a SentencePiece decoder strips or a byte-level "Ġ" adds), not the raw vocabulary piece ("▁ки")."""
+    return tokenizer.decode([int(token_id)], skip_special_tokens=False, clean_up_tokenization_spaces=False).strip()
+
+
+def shepherd_tag(tokenizer, tag: str | int) -> tuple[int, str]:
+    """(id, text) of math_shepherd's step tag, as the authors' input holds it: the text written after a step
+    (``step + " " + text``) must be one vocabulary token, other than the unknown token. A tag given as an id gives
+    the text that id stands for (``_token_text``), and that text must encode back to the id."""
+    if isinstance(tag, bool) or not isinstance(tag, (int, str)):
+        raise TypeError(f"format 'math_shepherd': tag must be a token text or id, got {tag!r}")
+    if isinstance(tag, int) and not 0 <= tag < len(tokenizer):
+        raise ValueError(f"format 'math_shepherd': tag id {tag} is outside the tokenizer's {len(tokenizer)} ids")
+    text = _token_text(tokenizer, tag) if isinstance(tag, int) else tag
+    if not text or text != text.strip():
+        raise ValueError(f"format 'math_shepherd': tag {tag!r} gives the text {text!r}; the tag must be a "
+                         "non-empty text without surrounding spaces (the authors' 'ки')")
+    context = f"a {text}"  # a step, then the tag as the authors write it
+    encoding = tokenizer(context, add_special_tokens=False, return_offsets_mapping=True)
+    covering = [int(t) for t, (a, b) in zip(encoding["input_ids"], encoding["offset_mapping"]) if b > 2]
+    pieces = tokenizer.convert_ids_to_tokens(covering)
+    if len(covering) != 1 or covering[0] == tokenizer.unk_token_id:
+        written = [int(t) for t, (a, b) in zip(encoding["input_ids"], encoding["offset_mapping"]) if b > 1]
+        raise ValueError(
+            f"format 'math_shepherd': the tag {text!r} is not one token of the critic's tokenizer (' {text}' after a "
+            f"step encodes to {tokenizer.convert_ids_to_tokens(written)}"
+            f"{', the unknown token' if tokenizer.unk_token_id in covering else ''}); "
+            "use the checkpoint's own tag ('ки' for math-shepherd-mistral-7b-prm) and tokenizer, or add the tag to "
+            "the tokenizer (tokenizer.add_tokens) and resize the model's embeddings"
+        )
+    if isinstance(tag, int) and covering[0] != tag:
+        raise ValueError(
+            f"format 'math_shepherd': tag id {tag} stands for the text {text!r}, but that text written after a step "
+            f"is the token {covering[0]} ({pieces[0]!r}); pass the tag as text (tag={text!r}) or the id of that token"
+        )
+    return covering[0], text
+
+
+def _policy_pieces(steps: Sequence[str], delimiter: str, separator: str) -> tuple[list[list[str]], bool]:
+    """Our steps cut into the authors' steps, each without the format's separator text (``remove_separator_text``),
+    and whether a step held it."""
+    pieces_per_step, found = [], False
+    for step in steps:
+        pieces, removed = remove_separator_text(split_pieces(step, delimiter), separator)
+        pieces_per_step.append(pieces)
+        found = found or removed
+    return pieces_per_step, found
 
 
 def _last_of_each(markers: list[int], pieces_per_step: list[list[str]], name: str, marker: str) -> list[int]:
     expected = sum(len(p) for p in pieces_per_step)
     if len(markers) != expected:
         raise ValueError(f"{name}: the input holds {len(markers)} {marker!r} tokens after the prompt, expected "
-                         f"{expected}; a step text contains {marker!r}")
+                         f"{expected}, although the step texts hold no {marker!r}: the tokenizer makes the separator "
+                         "token from other text; use the checkpoint's own tokenizer")
     reads, k = [], -1
     for pieces in pieces_per_step:
         k += len(pieces)

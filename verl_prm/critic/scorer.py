@@ -25,7 +25,7 @@ import torch
 from verl_prm.advantages import best_of_k as best_of_k_transform
 from verl_prm.checkpoints import allow_pickle_default, resolve_checkpoint
 from verl_prm.checks import check_number
-from verl_prm.critic.formats import FORMATS, CriticFormat, default_attn_implementation, resolve_dtype
+from verl_prm.critic.formats import FORMATS, CriticFormat, TextInput, default_attn_implementation, resolve_dtype
 from verl_prm.critic.packing import (
     BatchTensors,
     CriticInput,
@@ -65,17 +65,25 @@ class CriticScores:
         num_steps: [B] int64, H per response (0 allowed).
         features: [B, S + 1, d] fp32 or None: what the value head read at the prompt (position 0) and after each
             step (positions 1..H; zeros beyond), only when asked for (``with_features=True``).
+        separator_text: [B] bool or None: the response's step text held the format's separator text (qwen_prm's
+            "<extra_0>", math_shepherd's "ки"), removed before scoring (``verl_prm.critic.formats``); False for
+            formats that read token ids.
+        special_text: [B] bool or None: the response's step text held a special token's text ("<|im_start|>"),
+            read as plain text.
     """
 
     prompt_values: torch.Tensor
     step_values: torch.Tensor
     num_steps: torch.Tensor
     features: torch.Tensor | None = None
+    separator_text: torch.Tensor | None = None
+    special_text: torch.Tensor | None = None
 
     def as_dict(self) -> dict[str, torch.Tensor]:
         out = {"prompt_values": self.prompt_values, "step_values": self.step_values, "num_steps": self.num_steps}
-        if self.features is not None:
-            out["features"] = self.features
+        for name in ("features", "separator_text", "special_text"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
 
 
@@ -91,8 +99,8 @@ class ProverCritic:
 
     Every value the entry points return passes through :meth:`_assemble`: first the critic's ``calibration``
     (a monotone map fitted on held-out labels, ``verl_prm.training.calibration``; None = raw values), then, if
-    ``best_of_k > 1``, ``v -> 1 - (1 - v)^K``. :meth:`forward_values` gives the raw values.
-    (The PAV estimators apply Best-of-K themselves from ``algorithm.pav.best_of_k``: do not apply it twice.)
+    ``best_of_k > 1``, Best-of-K (``verl_prm.advantages.best_of_k``, which says where it is applied: once).
+    :meth:`forward_values` gives the raw values.
     """
 
     def __init__(
@@ -294,10 +302,11 @@ class ProverCritic:
             raise ValueError(
                 f"score_sequences: {len(input_ids)} sequences, {len(prompt_ends)} prompt_ends, {len(step_ends)} step_ends"
             )
-        inputs = self.build_inputs(input_ids, prompt_ends, step_ends, sample_offset=sample_offset)
+        built = self._build(input_ids, prompt_ends, step_ends, sample_offset)
+        inputs = self._fit([b[:3] for b in built], sample_offset)
         features = [None] * len(inputs) if with_features else None
         values = self.forward_values(inputs, sample_offset=sample_offset, features=features)
-        return self._assemble(values, num_step_slots, features)
+        return self._assemble(values, num_step_slots, features, _text_flags(built, sample_offset, self.adapter.name))
 
     def score_policy_batch(
         self,
@@ -371,6 +380,11 @@ class ProverCritic:
     ) -> list[CriticInput]:
         """Validate positions, build the format's input (its markers, or its authors' input rebuilt from the
         decoded prompt and steps for a text format), and fit the critic's context (see ``packing``)."""
+        built = self._build(input_ids, prompt_ends, step_ends, sample_offset)
+        return self._fit([b[:3] for b in built], sample_offset)
+
+    def _build(self, input_ids, prompt_ends, step_ends, sample_offset: int) -> list[tuple]:
+        """Per sample: (ids, read positions, prompt's last token), plus a text format's ``TextInput`` flags."""
         built = []
         for i, (ids, prompt_end, ends) in enumerate(zip(input_ids, prompt_ends, step_ends)):
             sample = sample_offset + i
@@ -380,14 +394,15 @@ class ProverCritic:
             if self.adapter.text_input:  # decode the segments; the format rebuilds its authors' input from them
                 try:
                     prompt, steps = decode_segments(self.tokenizer, ids, int(prompt_end), ends)
+                    prompt = self.adapter.prompt_from_ids(self.tokenizer, prompt)
                 except ValueError as error:
                     raise ValueError(f"sample {sample}: {error}") from None
                 built.append(self._text_input(sample, prompt, steps))
             else:
                 built.append(self.adapter.build_token_input(ids, int(prompt_end), ends))
-        return self._fit(built, sample_offset)
+        return built
 
-    def _text_input(self, sample: int, prompt: str, steps: Sequence[str]) -> tuple[list[int], list[int], int]:
+    def _text_input(self, sample: int, prompt: str, steps: Sequence[str]) -> TextInput:
         if not prompt:
             raise ValueError(f"sample {sample}: the prompt is empty; the critic reads v_0 at its last token")
         try:
@@ -399,10 +414,10 @@ class ProverCritic:
                           num_step_slots: int | None, sample_offset: int, with_features: bool = False) -> CriticScores:
         """Text formats: prompts and their step texts (with delimiters) -> the authors' inputs -> values."""
         built = [self._text_input(sample_offset + i, p, s) for i, (p, s) in enumerate(zip(prompts, step_texts))]
-        inputs = self._fit(built, sample_offset)
+        inputs = self._fit([b[:3] for b in built], sample_offset)
         features = [None] * len(inputs) if with_features else None
         values = self.forward_values(inputs, sample_offset=sample_offset, features=features)
-        return self._assemble(values, num_step_slots, features)
+        return self._assemble(values, num_step_slots, features, _text_flags(built, sample_offset, self.adapter.name))
 
     def _fit(self, built: Sequence[tuple[list[int], list[int], int]], sample_offset: int) -> list[CriticInput]:
         inputs = [fit_context(sample_offset + i, ids, reads, prompt_last, self.max_length, self.truncation)
@@ -548,7 +563,8 @@ class ProverCritic:
             head.bias.copy_(bias.to(head.bias.device, head.bias.dtype))
 
     def _assemble(self, values: Sequence[torch.Tensor], num_step_slots: int | None,
-                  features: Sequence[torch.Tensor] | None = None) -> CriticScores:
+                  features: Sequence[torch.Tensor] | None = None,
+                  text_flags: tuple[torch.Tensor, torch.Tensor] | None = None) -> CriticScores:
         if self.calibration is not None and values:  # the one place values are calibrated
             flat = torch.cat(list(values)).numpy()
             calibrated = torch.from_numpy(self.calibration(flat).astype("float32"))
@@ -572,7 +588,20 @@ class ProverCritic:
             read = torch.zeros(len(values), width + 1, dim, dtype=torch.float32)
             for row, f in enumerate(features):
                 read[row, : len(f)] = f
-        return CriticScores(prompt_values.float(), step_values, num_steps, read)
+        flags = text_flags or (torch.zeros(len(values), dtype=torch.bool),) * 2
+        return CriticScores(prompt_values.float(), step_values, num_steps, read, *flags)
+
+
+def _text_flags(built: Sequence[tuple], sample_offset: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B] separator_text, [B] special_text) of the built inputs (False for token formats), logged when set."""
+    separator = torch.tensor([isinstance(b, TextInput) and b.separator_text for b in built], dtype=torch.bool)
+    special = torch.tensor([isinstance(b, TextInput) and b.special_text for b in built], dtype=torch.bool)
+    for flags, what in ((separator, "the format's separator text, removed"),
+                        (special, "special-token text, read as plain text")):
+        if bool(flags.any()):
+            logger.warning("critic format %r: %d response(s) held %s (first: sample %d)", name,
+                           int(flags.sum()), what, sample_offset + int(flags.nonzero()[0]))
+    return separator, special
 
 
 def _adds_bos(tokenizer) -> bool:
@@ -585,18 +614,20 @@ def decode_segments(tokenizer, ids: Sequence[int], prompt_end: int, step_ends: S
     """(prompt text, step texts) of critic ids, as a text format reads them.
 
     The prompt is ``decode(ids[:prompt_end + 1])`` without a leading BOS that the tokenizer's own encode adds
-    (the format encodes its input itself; decoding the BOS as text would double it). Step h's text is
+    (the format encodes its input itself; decoding the BOS as text would double it). The response is decoded
+    without special tokens (an EOS the policy generated is no step text; the verl step split decodes the same
+    way). Step h's text is
     ``decode(r[:e_h + 1])[len(decode(r[:e_{h-1} + 1])):]`` over the response ids ``r``: decoding a step alone
     would drop the leading space of a SentencePiece "▁" piece (the decoder strips it at the first token), while
     the response decoded as a whole keeps it. A step end that cuts a character (a byte-level token holding part
     of a multi-byte character) makes the decoded prefixes disagree: a ValueError, not a garbled text.
     """
-    def decode(part: list[int]) -> str:
-        return tokenizer.decode(part, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    def decode(part: list[int], skip_special_tokens: bool = True) -> str:
+        return tokenizer.decode(part, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
     ids = list(ids)
     first = 1 if ids and _adds_bos(tokenizer) and ids[0] == tokenizer.bos_token_id else 0
-    prompt = decode(ids[first : prompt_end + 1])
+    prompt = decode(ids[first : prompt_end + 1], skip_special_tokens=False)
     response = ids[prompt_end + 1 :]
     steps, done = [], ""
     for h, end in enumerate(step_ends):

@@ -97,7 +97,9 @@ def _encode_batch(
             )
     span_ends = [_check_spans(s, len(r), sample) for s, r, sample in zip(spans, responses, samples)]
     prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"] if prompts else []
-    response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"] if responses else []
+    # the response is the policy's text: never special tokens (a written "<|im_start|>" must not forge a turn)
+    response_ids = (tokenizer(responses, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+                    if responses else [])
     char_ends = _response_char_ends(tokenizer, responses, response_ids)
     out = []
     for b, sample in enumerate(samples):
@@ -106,7 +108,8 @@ def _encode_batch(
         if char_ends[b] is not None:
             ends = _end_tokens_from_char_ends(char_ends[b], span_ends[b])
         else:
-            offsets = tokenizer(responses[b], add_special_tokens=False, return_offsets_mapping=True)
+            offsets = tokenizer(responses[b], add_special_tokens=False, split_special_tokens=True,
+                                return_offsets_mapping=True)
             if list(offsets["input_ids"]) != list(response_ids[b]):
                 raise ValueError(f"sample {sample}: the tokenizer encodes the response differently on a second call")
             ends = _end_tokens_from_offsets(list(offsets["offset_mapping"]), span_ends[b])

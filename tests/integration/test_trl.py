@@ -26,9 +26,10 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from verl_prm import advantages as adv  # noqa: E402
 from verl_prm.critic import ProverCritic  # noqa: E402
-from verl_prm.integrations.trl import PavGRPOTrainer, truncated_completions  # noqa: E402
+from verl_prm.integrations.trl import PavGRPOTrainer  # noqa: E402
 from verl_prm.apps.arithmetic.model import ModelConfig, build_model, build_tokenizer, render  # noqa: E402
 from verl_prm.apps.arithmetic.task import TaskConfig, extract_answer, generate_problems  # noqa: E402
+from verl_prm.responses import truncated_responses  # noqa: E402
 from verl_prm.steps import split_steps  # noqa: E402
 
 TINY = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -204,7 +205,7 @@ def test_drop_truncated_and_unscorable_completions_get_no_process_term(tmp_path,
     lengths = output["completion_mask"].sum(dim=1)
     for i in (0, 2, 5):
         output["completion_ids"][i, lengths[i] - 1] = tokenizer.eos_token_id
-    truncated = truncated_completions(output["completion_ids"], output["completion_mask"], trainer.eos_token_ids)
+    truncated = truncated_responses(output["completion_ids"], lengths, trainer.eos_token_ids)
     assert truncated.tolist() == [i not in (0, 2, 5) for i in range(8)]
     ours, metrics = trainer.pav_advantages(output)
     outcome_only = output["advantages"][:, None] * output["completion_mask"]
@@ -262,12 +263,6 @@ def test_several_processes_score_their_rows_and_normalise_over_the_whole_batch(t
         trainer.accelerator = single
 
 
-def test_truncated_completions_reads_the_last_valid_token():
-    ids = torch.tensor([[5, 6, 1, 0], [5, 6, 7, 8], [1, 0, 0, 0], [0, 0, 0, 0]])
-    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0]])
-    assert truncated_completions(ids, mask, [1]).tolist() == [False, True, False, True]
-
-
 # ----------------------------------------------------------------------------------------------------------
 # a real run
 # ----------------------------------------------------------------------------------------------------------
@@ -311,7 +306,8 @@ def test_three_step_run_trains_and_logs_pav_metrics(tmp_path, tokenizer, critic,
 
 
 @pytest.mark.parametrize("pav, steps, message", [
-    ({"alpha": -1.0}, None, "algorithm.pav.alpha must be >= 0"),
+    ({"alpha": -1.0}, None, r"algorithm.pav.alpha must be in \[0, 1e\+06\]"),
+    ({"alpha": 1e39}, None, r"algorithm.pav.alpha must be in \[0, 1e\+06\] \(a finite number\), got 1e\+39"),
     ({"best_of_k": 0}, None, "algorithm.pav.best_of_k must be an integer >= 1"),
     ({"clip": 0}, None, "algorithm.pav.clip must be > 0"),
     ({"normalize": "yes"}, None, "algorithm.pav.normalize must be true or false"),

@@ -23,7 +23,8 @@ clipping, KL, vLLM generation, logging) is TRL's own; the ``pav/*`` metrics join
     )
 
 This module holds only the translation (TRL's batch -> step split, critic scores -> the advantage math); it
-imports no verl module. The math is ``verl_prm.advantages``, the steps ``verl_prm.steps`` (through the step
+imports no verl module. The math is ``verl_prm.advantages``, the truncation rule ``verl_prm.responses``, the
+``pav/*`` metrics ``verl_prm.metrics`` (shared with the verl hook), the steps ``verl_prm.steps`` (through the step
 rule ``verl_prm.config.hook.StepsSection``), the critic ``verl_prm.critic.ProverCritic``.
 """
 
@@ -48,9 +49,11 @@ from verl_prm import advantages as adv
 from verl_prm.config import PavConfig, read_pav_config
 from verl_prm.config.hook import StepsSection, read_hook_config
 from verl_prm.critic import ProverCritic
+from verl_prm.metrics import pav_metrics
+from verl_prm.responses import truncated_responses
 from verl_prm.steps import same_tokenizer
 
-__all__ = ["PavGRPOTrainer", "TESTED_TRL_VERSION", "TRL_PAV_KEYS", "pav_config_for_trl", "truncated_completions"]
+__all__ = ["PavGRPOTrainer", "TESTED_TRL_VERSION", "TRL_PAV_KEYS", "pav_config_for_trl"]
 
 TESTED_TRL_VERSION = "1.16.0"
 # The algorithm.pav knobs PAV-GRPO in TRL reads. The others belong to other verl estimators (prm_aggregate,
@@ -93,20 +96,6 @@ def _step_rule(steps: StepsSection | Mapping[str, Any] | None) -> StepsSection:
                         f"got {type(steps).__name__}")
     section = asdict(steps) if isinstance(steps, StepsSection) else (dict(steps) if steps is not None else None)
     return read_hook_config({"steps": section} if section is not None else None).steps
-
-
-def truncated_completions(completion_ids: torch.Tensor, completion_mask: torch.Tensor, eos_token_ids) -> torch.Tensor:
-    """[B] bool: True where a completion does not end with an EOS id (it hit ``max_completion_length``).
-
-    The last valid token is the last position where ``completion_mask`` is set (completions are right-padded);
-    a completion with no valid token (TRL's ``mask_truncated_completions`` masks truncated ones) counts as
-    truncated.
-    """
-    lengths = completion_mask.long().sum(dim=1)
-    last = (lengths.clamp(min=1) - 1)[:, None]
-    last_ids = completion_ids.gather(1, last).squeeze(1)
-    eos = torch.as_tensor(sorted({int(e) for e in eos_token_ids}), device=completion_ids.device)
-    return ~torch.isin(last_ids, eos) | (lengths == 0)
 
 
 class PavGRPOTrainer(GRPOTrainer):
@@ -229,7 +218,9 @@ class PavGRPOTrainer(GRPOTrainer):
         if pav.check_inputs:
             adv.check_step_inputs(steps["step_ids"], steps["step_values"], steps["prompt_values"], steps["num_steps"],
                                   completion_mask)
-        truncated = truncated_completions(completion_ids, completion_mask, self.eos_token_ids)
+        # the last valid token is the mask's last set one (right-padded); a completion TRL masked whole
+        # (mask_truncated_completions) has length 0 and counts as truncated
+        truncated = truncated_responses(completion_ids, completion_mask.long().sum(dim=1), self.eos_token_ids)
         keep = ~truncated if pav.drop_truncated else torch.ones_like(truncated)
         keep = keep & self._scorable_rows(outcome.shape[0], outcome.device)
         # The process scores of the whole (gathered) batch: normalize's std is a batch statistic.
@@ -245,9 +236,7 @@ class PavGRPOTrainer(GRPOTrainer):
             )
             advantages = adv.process_advantage(outcome.float(), scores[local], steps["step_ids"], completion_mask,
                                                pav.alpha, compile=pav.compile)
-        metrics = _pav_metrics(scores, prompt_values, num_steps, truncated_all, pav.best_of_k)
-        metrics["pav/critic_seconds"] = critic_seconds
-        return advantages, metrics
+        return advantages, pav_metrics(scores, prompt_values, num_steps, truncated_all, pav.best_of_k, critic_seconds)
 
     def _scorable_rows(self, batch: int, device) -> torch.Tensor:
         """[B] bool of this process's rows: False where every reward function returned None."""
@@ -267,18 +256,3 @@ class PavGRPOTrainer(GRPOTrainer):
             tensor = self.accelerator.pad_across_processes(tensor, dim=1, pad_index=0)
         return self.accelerator.gather(tensor)
 
-
-def _pav_metrics(scores, prompt_values, num_steps, truncated, best_of_k: int) -> dict[str, float]:
-    """The verl hook's ``pav/*`` metrics (same names and meaning) over one batch."""
-    real = scores[adv.valid_steps(num_steps, scores.shape[1])]
-    count = len(num_steps)
-    if count == 0:
-        return {}
-    return {
-        "pav/steps_per_response": num_steps.float().mean().item(),
-        "pav/zero_step_share": (num_steps == 0).float().mean().item(),
-        "pav/process_term/mean": real.mean().item() if real.numel() else 0.0,
-        "pav/process_term/std": real.std().item() if real.numel() > 1 else 0.0,
-        "pav/v0_mean": adv.best_of_k(prompt_values.float(), best_of_k).mean().item(),
-        "pav/truncated_share": truncated.float().mean().item(),
-    }

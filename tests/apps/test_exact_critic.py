@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
+from verl_prm.choices import EXACT_CRITIC_FORMAT
 from verl_prm.critic.exact import (
-    EXACT_FORMAT,
     ExactCritic,
     ExactPrefixCritic,
     ProverOptionError,
@@ -364,7 +364,7 @@ def test_worker_with_format_exact_equals_the_prover(worker_env, arithmetic_token
     from verl_prm.integrations.verl.critic_worker import ProverCriticWorker
     from verl_prm.apps.arithmetic.model import render
     from verl_prm.steps import split_steps
-    from verl_prm.integrations.verl.hook_trainer import critic_worker_kwargs
+    from verl_prm.integrations.verl.critic_group import critic_worker_kwargs
 
     tokenizer = arithmetic_tokenizer
     tokenizer.save_pretrained(tmp_path)
@@ -395,19 +395,23 @@ def test_worker_with_format_exact_equals_the_prover(worker_env, arithmetic_token
     # the exact critic reads text: without the policy tokenizer the worker refuses to start
     with pytest.raises(ValueError, match="format 'exact' reads the response text, so it needs policy_tokenizer_path"):
         ProverCriticWorker(None, kwargs).init_model()
-    assert HookConfig().critic.format != EXACT_FORMAT
+    assert HookConfig().critic.format != EXACT_CRITIC_FORMAT
 
 
-def test_hook_score_steps_with_format_exact(worker_env, arithmetic_tokenizer, tmp_path):
-    """PavSyncTrainer._score_steps (jagged TransferQueue fields in, step tensors out) with an exact critic
-    worker == split_steps + the prover on the texts."""
+def test_hook_values_with_format_exact(worker_env, arithmetic_tokenizer, tmp_path):
+    """The hook's critic worker values (jagged TransferQueue fields in, ``read_step_batch``, ``StepValues`` out)
+    with an exact critic worker == split_steps + the prover on the texts."""
     from types import SimpleNamespace
 
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
     from verl_prm.config.hook import read_hook_config
+    from verl_prm.integrations.verl.critic_group import critic_worker_kwargs
     from verl_prm.integrations.verl.critic_worker import ProverCriticWorker
+    from verl_prm.integrations.verl.step_batch import read_step_batch
+    from verl_prm.integrations.verl.value_sources import CriticWorkerValues
     from verl_prm.apps.arithmetic.model import render
     from verl_prm.steps import split_steps
-    from verl_prm.integrations.verl.hook_trainer import PavSyncTrainer, critic_worker_kwargs
 
     tokenizer = arithmetic_tokenizer
     tokenizer.save_pretrained(tmp_path)
@@ -418,27 +422,27 @@ def test_hook_score_steps_with_format_exact(worker_env, arithmetic_tokenizer, tm
     worker = ProverCriticWorker(None, critic_worker_kwargs(hook), policy_tokenizer_path=str(tmp_path))
     worker.init_model()
     group = SimpleNamespace(world_size=1, compute_step_values=worker.compute_step_values)
-    trainer = SimpleNamespace(hook_config=hook, tokenizer=tokenizer, prover_wg=group,
-                              _eos_token_ids=lambda: [tokenizer.eos_token_id], _samples_values=lambda: False)
 
     samples = arithmetic_samples(seed=2)
     prompt_rows = [tokenizer(render(tokenizer, p.prompt_text), add_special_tokens=False)["input_ids"]
                    for p, _ in samples]
     response_rows = [tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                      for _, r in samples]
-    jagged = lambda rows: torch.nested.nested_tensor([torch.tensor(r) for r in rows], layout=torch.jagged)  # noqa: E731
-    data = {"prompts": jagged(prompt_rows), "responses": jagged(response_rows),
-            "response_mask": jagged([[1] * len(r) for r in response_rows])}
-    tensors, _ = PavSyncTrainer._score_steps(trainer, data, [f"key{i}" for i in range(len(samples))])
+    data = list_of_dict_to_tensordict([
+        {"prompts": torch.tensor(p), "responses": torch.tensor(r), "response_mask": torch.ones(len(r), dtype=torch.long),
+         "rm_scores": torch.zeros(len(r)), "uid": f"u{i}"} for i, (p, r) in enumerate(zip(prompt_rows, response_rows))])
+    keys = [f"u{i}_0_0" for i in range(len(samples))]
+    batch = read_step_batch(data, keys, [{}] * len(keys), 1, tokenizer, hook.steps, [tokenizer.eos_token_id])
+    values = CriticWorkerValues(group).values(batch)
 
     _, responses, mask = policy_batch(tokenizer, [p.prompt_text for p, _ in samples], [r for _, r in samples])
     split = split_steps(responses, mask[:, -responses.shape[1]:], tokenizer, None, regex=STEP_REGEX)
     rendered = [render(tokenizer, p.prompt_text) for p, _ in samples]
     prompt_values, step_values = expected_scores(ArithmeticProver(0.75), rendered, [r for _, r in samples], split)
-    assert torch.equal(tensors["num_steps"], split.num_steps)
-    assert torch.equal(tensors["prompt_values"], prompt_values)
-    assert torch.equal(tensors["step_values"], step_values)
-    assert not tensors["truncated"].any()
+    assert torch.equal(batch.split.num_steps, split.num_steps)
+    assert torch.equal(values.prompt_values, prompt_values)
+    assert torch.equal(values.step_values, step_values)
+    assert not batch.truncated.any()
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -463,7 +467,7 @@ def compose_verl(overrides):
 def test_exact_overrides_compose_with_verl_and_pass_the_startup_check():
     """(verl's own config validation of a whole launcher with these overrides: tests/integration/test_launchers.py)"""
     from verl_prm.integrations.verl.run_config import validate_run_config
-    from verl_prm.integrations.verl.hook_trainer import critic_worker_kwargs
+    from verl_prm.integrations.verl.critic_group import critic_worker_kwargs
 
     config = compose_verl(EXACT_OVERRIDES)
     hook, _ = validate_run_config(config)

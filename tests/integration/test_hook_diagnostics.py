@@ -1,13 +1,12 @@
 """``verl_prm.diagnostics.reference``: the trainer hook scores the batch's steps with an exact reference prover too
 and logs the ``pav/*`` diagnostics of ``verl_prm.diagnostics``; the reference never reaches the advantages.
 
-The hook's advantage phase runs without a Ray cluster: ``PavSyncTrainer._compute_advantage`` on a plain object
-holding what it reads, with TransferQueue replaced by an in-memory store and the critic worker called in-process
-(as ``tests/apps/test_exact_critic.py`` drives ``_score_steps``)."""
+The hook's advantage phase runs without a Ray cluster: ``PavSyncTrainer._compute_advantage`` on a trainer holding
+what it reads (verl's constructor is not run), with TransferQueue replaced by an in-memory store and the critic
+worker called in-process."""
 
 from __future__ import annotations
 
-import functools
 import math
 from types import SimpleNamespace
 
@@ -127,39 +126,42 @@ def arithmetic_batch(tokenizer):
 
 
 def hook_trainer(config, tokenizer, critic_dir, policy_tokenizer_path=None):
-    """What ``PavSyncTrainer._compute_advantage`` reads of the trainer, with the run's validated config and an
+    """A ``PavSyncTrainer`` holding what its advantage phase reads, with the run's validated config and an
     in-process critic worker (world size 1; ``critic_dir`` None for format=exact, which reads the text with the
     tokenizer saved at ``policy_tokenizer_path``)."""
     from verl_prm.config.hook import build_exact_critic
+    from verl_prm.integrations.verl.critic_group import critic_worker_kwargs
     from verl_prm.integrations.verl.critic_worker import ProverCriticWorker
-    from verl_prm.integrations.verl.hook_trainer import PavSyncTrainer, critic_worker_kwargs
+    from verl_prm.integrations.verl.hook_trainer import PavSyncTrainer
     from verl_prm.integrations.verl.run_config import validate_run_config
+    from verl_prm.integrations.verl.value_sources import CriticWorkerValues, ExactReferenceValues
 
     hook, pav = validate_run_config(config)
     worker = ProverCriticWorker(str(critic_dir) if critic_dir else None, critic_worker_kwargs(hook),
                                 policy_tokenizer_path=policy_tokenizer_path)
     worker.init_model()
     reference = hook.diagnostics.reference
-    trainer = SimpleNamespace(
-        config=config, hook_config=hook, pav_config=pav, tokenizer=tokenizer,
-        prover_wg=SimpleNamespace(world_size=1, compute_step_values=worker.compute_step_values),
-        reference_critic=build_exact_critic(reference, "verl_prm.diagnostics.reference") if reference else None,
-        _eos_token_ids=lambda: [tokenizer.eos_token_id], _samples_values=lambda: False, _runs_critic=lambda: True,
-        _restore_refresh=lambda: None, _refreshes_now=lambda: False,
-    )
-    trainer._score_steps = functools.partial(PavSyncTrainer._score_steps, trainer)
+    trainer = object.__new__(PavSyncTrainer)  # verl's constructor would start its workers
+    trainer.config, trainer.hook_config, trainer.pav_config, trainer.tokenizer = config, hook, pav, tokenizer
+    trainer.global_steps, trainer._eos_ids = 1, [tokenizer.eos_token_id]
+    trainer.value_source = CriticWorkerValues(SimpleNamespace(world_size=1,
+                                                              compute_step_values=worker.compute_step_values))
+    trainer.reference = (ExactReferenceValues(build_exact_critic(reference, "verl_prm.diagnostics.reference"),
+                                              tokenizer) if reference else None)
     return trainer
 
 
 def advantage_phase(trainer, stored, keys, tags, monkeypatch):
     from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.v1 import trainer_base
 
     from verl_prm.integrations.verl import hook_trainer as module
 
     queue = MemoryQueue(stored)
-    monkeypatch.setattr(module, "tq", queue)
+    monkeypatch.setattr(module, "tq", queue)  # what the hook reads
+    monkeypatch.setattr(trainer_base, "tq", queue)  # what verl's own advantage phase reads and writes
     metrics: dict = {}
-    module.PavSyncTrainer._compute_advantage(trainer, KVBatchMeta(partition_id="train", keys=keys, tags=tags), metrics)
+    trainer._compute_advantage(KVBatchMeta(partition_id="train", keys=keys, tags=tags), metrics)
     return queue.written, metrics
 
 

@@ -88,7 +88,7 @@ def test_launcher_with_an_exact_critic_composes_and_passes_verl_validation(launc
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    from verl_prm.integrations.verl.hook_trainer import critic_worker_kwargs
+    from verl_prm.integrations.verl.critic_group import critic_worker_kwargs
 
     launcher = verl_overrides(launcher_calls["run_qwen2_5_0_5b_gsm8k_pav_grpo.sh"][-1])
     kept = [o for o in launcher if not o.startswith("verl_prm.critic.path=")]

@@ -177,7 +177,8 @@ def make_hook_trainer(policy_dir, critic_dir, policy_tokenizer, pool_prefix, cri
     trainer.resource_pool_manager.resource_pool_dict["global_pool"] = RayResourcePool(
         process_on_nodes=[2], use_gpu=False, max_colocate_count=1, name_prefix=pool_prefix
     )
-    trainer.prover_wg = trainer._init_prover_critic()
+    trainer.init_value_sources()
+    trainer.global_steps = 1  # verl's fit() sets it before the first step
     return trainer
 
 
@@ -194,7 +195,7 @@ def test_hook_trainer_is_sync_everywhere_verl_checks(hook_trainer):
     assert hook_trainer.registered_trainer_mode == "pav_sync"
     assert type(hook_trainer.replay_buffer) is ReplayBuffer  # the sync trainer's buffer, not ReplayBufferAsync
     assert hook_trainer.parameter_sync_step == 1
-    assert hook_trainer.prover_wg.world_size == 2
+    assert hook_trainer.value_source.group.world_size == 2
 
 
 @pytest.mark.ray
@@ -242,6 +243,7 @@ def test_hook_with_an_exact_critic(transfer_queue, policy_dir, bpe_small):
     """format=exact: the worker group starts without a checkpoint (the policy's tokenizer reads the text), and
     the advantage phase equals split_steps + the arithmetic prover on the texts + the estimator."""
     from verl_prm.critic.exact import ExactCritic
+    from verl_prm.integrations.verl.critic_group import policy_tokenizer_path
     from verl_prm.apps.arithmetic.task import STEP_REGEX, Problem
 
     exact = ["verl_prm.critic.format=exact", "+verl_prm.critic.options.prover=verl_prm.apps.arithmetic.prover:ArithmeticProver",
@@ -250,7 +252,7 @@ def test_hook_with_an_exact_critic(transfer_queue, policy_dir, bpe_small):
     trainer = make_hook_trainer(policy_dir, None, bpe_small, "pav_test_pool_exact", critic_overrides=exact,
                                 steps_overrides=steps)
     assert trainer.hook_config.steps.regex == STEP_REGEX
-    assert trainer._policy_tokenizer_path() == str(policy_dir)
+    assert policy_tokenizer_path(trainer.hook_config, trainer.config.actor_rollout_ref.model, bpe_small) == str(policy_dir)
     problems = [Problem(5, (("+", 7), ("*", 3), ("-", 4)), 13), Problem(2, (("*", 5), ("+", 9), ("*", 2)), 11)]
     critic = ExactCritic.from_options("verl_prm.apps.arithmetic.prover:ArithmeticProver", step_accuracy=0.8)
     check_advantage_phase(trainer, transfer_queue, arithmetic_responses_for(problems, bpe_small), bpe_small,
@@ -267,7 +269,8 @@ def check_advantage_phase(hook_trainer, transfer_queue, samples, bpe_small, scor
 
     from verl_prm.integrations.verl.advantage import compute_advantage_with_steps
     from verl_prm.steps import split_steps
-    from verl_prm.integrations.verl.hook_trainer import pav_metrics, truncated_responses
+    from verl_prm.integrations.verl.batch_metrics import step_metrics
+    from verl_prm.responses import truncated_responses
 
     tq = transfer_queue
     keys, tags, prompts = put_trajectories(tq, bpe_small, samples)
@@ -316,8 +319,8 @@ def check_advantage_phase(hook_trainer, transfer_queue, samples, bpe_small, scor
     # the process term really is in there: alpha = 0 would give verl's grpo
     assert (advantages * response_mask).std(dim=1).max() > 1e-4
 
-    expected_metrics = pav_metrics(scores.step_values, scores.prompt_values, split.num_steps, truncated,
-                                   hook_trainer.pav_config, critic_seconds=0.0)
+    expected_metrics = step_metrics(scores.step_values, scores.prompt_values, split.num_steps, truncated,
+                                    hook_trainer.pav_config, critic_seconds=0.0)
     for name, value in expected_metrics.items():
         if name != "pav/critic_seconds":
             assert metrics[name] == pytest.approx(value, abs=1e-5), name
@@ -369,11 +372,3 @@ def test_hook_with_grpo_keeps_verl_advantages_and_pav_alpha_zero_equals_them(hoo
     torch.testing.assert_close(pav_zero.to_padded_tensor(padding=0.0), expected.batch["advantages"],
                                atol=1e-6, rtol=1e-5)
     tq.kv_clear(keys=keys, partition_id="train")
-
-def test_truncated_responses_reads_every_eos_id():
-    from verl_prm.integrations.verl.hook_trainer import truncated_responses
-
-    responses = torch.tensor([[5, 6, 1, 0], [5, 2, 0, 0], [5, 6, 7, 8], [0, 0, 0, 0]])
-    lengths = torch.tensor([3, 2, 4, 0])
-    assert truncated_responses(responses, lengths, [1, 2]).tolist() == [False, False, True, True]
-    assert truncated_responses(responses, lengths, 1).tolist() == [False, True, True, True]

@@ -119,9 +119,16 @@ def _trainer(policy_dir, tokenizer, events, extra=()):
     trainer.tokenizer = tokenizer
     trainer.get_llm_client = lambda: ScriptedClient(tokenizer, events)
     trainer.checkpoint_manager = CheckpointRecorder(events)
-    trainer.rollout_critic = trainer._init_rollout_critic()
+    trainer.init_value_sources()
     trainer.global_steps = 3
     return trainer
+
+
+def _step_batch(trainer, transfer_queue, keys, tags):
+    """The hook's StepBatch of the stored rows (as its advantage phase reads them)."""
+    from transfer_queue import KVBatchMeta
+
+    return trainer.read_step_batch(KVBatchMeta(partition_id="train", keys=keys, tags=tags))
 
 
 @pytest.mark.ray
@@ -134,9 +141,7 @@ def test_hook_samples_values_equal_to_a_direct_monte_carlo_loop(transfer_queue, 
     trainer = _trainer(policy_dir, tokenizer, events)
     rows = _rows(tokenizer)
     keys, tags = _put(transfer_queue, rows)
-    raw = transfer_queue.kv_batch_get(keys=keys, partition_id="train", select_fields=[
-        "uid", "response_mask", "rm_scores", "prompts", "responses", "data_source", "reward_model", "extra_info"])
-    tensors, _ = trainer._score_steps(raw, keys, torch.ones(len(rows), dtype=torch.bool))
+    tensors = trainer.value_source.values(_step_batch(trainer, transfer_queue, keys, tags))
 
     # the reference: n continuations of prompt + response[:end_h + 1] for every step but the last, from a fresh
     # client over the same policy, scored by the task; the last step is the outcome, v0 the group's success rate
@@ -162,10 +167,10 @@ def test_hook_samples_values_equal_to_a_direct_monte_carlo_loop(transfer_queue, 
             exact = exact_prefix_value(tokenizer.decode(prefix, skip_special_tokens=True), H, P_CORRECT)
             assert abs(wins / N_MC - exact) <= 4.5 * math.sqrt(exact * (1 - exact) / N_MC) + 1e-9
         expected.append(outcomes[b])
-        assert tensors["step_values"][b, :H].tolist() == pytest.approx(expected, abs=1e-6), b
+        assert tensors.step_values[b, :H].tolist() == pytest.approx(expected, abs=1e-6), b
         members = [o for (g, *_), o in zip(rows, outcomes) if g == group]
-        assert tensors["prompt_values"][b].item() == pytest.approx(sum(members) / len(members))
-    values = tensors["mc"]
+        assert tensors.prompt_values[b].item() == pytest.approx(sum(members) / len(members))
+    values = tensors.sampled
     assert values.prefixes_evaluated == len(rows) * (H - 1) and values.continuations == len(rows) * (H - 1) * N_MC
 
     # the replicas are woken with the batch's weights (version global_steps - 1) before sampling, put to sleep after;
@@ -204,11 +209,8 @@ def test_hook_token_budget_is_never_exceeded(transfer_queue, policy_dir, bpe_sma
     budget = 600
     trainer = _trainer(policy_dir, tokenizer, events, [f"verl_prm.critic.mc_token_budget={budget}"])
     rows = _rows(tokenizer)
-    keys, _ = _put(transfer_queue, rows)
-    raw = transfer_queue.kv_batch_get(keys=keys, partition_id="train", select_fields=[
-        "uid", "response_mask", "rm_scores", "prompts", "responses", "data_source", "reward_model", "extra_info"])
-    tensors, _ = trainer._score_steps(raw, keys, torch.ones(len(rows), dtype=torch.bool))
-    values = tensors["mc"]
+    keys, tags = _put(transfer_queue, rows)
+    values = trainer.value_source.values(_step_batch(trainer, transfer_queue, keys, tags)).sampled
     generated = [params for name, params in events if name == "generate"]
     # the reservations of the admitted prefixes fit the budget, so the tokens do
     assert sum(p["max_tokens"] for p in generated) <= budget
@@ -332,8 +334,8 @@ class LocalCriticGroup:
 
 
 def _refresh_trainer(policy_dir, critic_dir, tokenizer, events, directory, global_steps, extra=()):
+    from verl_prm.integrations.verl.critic_group import critic_worker_kwargs
     from verl_prm.integrations.verl.critic_worker import ProverCriticWorker
-    from verl_prm.integrations.verl.hook_trainer import critic_worker_kwargs
 
     from verl.trainer.ppo.v1 import get_trainer_cls
 
@@ -345,11 +347,10 @@ def _refresh_trainer(policy_dir, critic_dir, tokenizer, events, directory, globa
     trainer.tokenizer = tokenizer
     trainer.get_llm_client = lambda: ScriptedClient(tokenizer, events)
     trainer.checkpoint_manager = CheckpointRecorder(events)
-    trainer.rollout_critic = trainer._init_rollout_critic()
     worker = ProverCriticWorker(str(critic_dir), critic_worker_kwargs(trainer.hook_config))
     worker.init_model()
-    trainer.prover_wg = LocalCriticGroup(worker)
-    trainer.refresh_store = trainer._open_refresh_store()
+    trainer._init_prover_critic = lambda: LocalCriticGroup(worker)
+    trainer.init_value_sources()
     trainer.global_steps = global_steps
     return trainer, worker
 
@@ -367,15 +368,13 @@ def test_hook_refresh_refits_the_head_to_the_samples_and_a_resumed_run_starts_wi
     trainer, worker = _refresh_trainer(policy_dir, critic_dir, tokenizer, events, directory, global_steps=2)
     rows = _rows(tokenizer)
     keys, tags = _put(transfer_queue, rows)
-    raw = transfer_queue.kv_batch_get(keys=keys, partition_id="train", select_fields=[
-        "uid", "response_mask", "rm_scores", "prompts", "responses", "data_source", "reward_model", "extra_info"])
-    before, _ = trainer._score_steps(raw, keys, torch.ones(len(rows), dtype=torch.bool),
-                                  refresh=trainer._refreshes_now())
+    refresh = trainer.value_source
+    before = refresh.values(_step_batch(trainer, transfer_queue, keys, tags))
     # the refresh step's own values are the PAV's before its refit; its samples are the labels
-    metrics = before.pop("refresh_metrics")
+    metrics = before.metrics
     labels = read_labels(directory / "labels")
     assert len(labels) == len(rows) and metrics["pav/refresh/labels"] == len(rows) * (1 + (H - 1) + 1)
-    state_rows, weight, bias = trainer.refresh_store.read(2)
+    state_rows, weight, bias = refresh.store.read(2)
     for b, row in enumerate(labels.itertuples()):
         assert row.n_mc[: H - 1] == [N_MC] * (H - 1) and row.n_mc[H - 1] == 0
         assert row.response == tokenizer.decode(rows[b][3], skip_special_tokens=True)
@@ -383,24 +382,23 @@ def test_hook_refresh_refits_the_head_to_the_samples_and_a_resumed_run_starts_wi
     fit = refit_value_head([state_rows])
     assert torch.allclose(fit.weight, weight) and fit.bias == pytest.approx(bias)
     assert torch.allclose(worker.critic.adapter.head.weight[0].double(), weight, atol=1e-6)
-    after, _ = trainer._score_steps(raw, keys, torch.ones(len(rows), dtype=torch.bool),
-                                  refresh=trainer._refreshes_now())
-    assert "refresh_metrics" in after  # (still step 2: scored and refreshed again; the head stays the refit's)
+    after = refresh.values(_step_batch(trainer, transfer_queue, keys, tags))
+    assert "pav/refresh/labels" in after.metrics  # (still step 2: scored and refreshed again; the head stays the refit's)
     expected = torch.sigmoid(state_rows.features.double() @ weight + bias)
-    got = torch.cat([after["prompt_values"][:, None], after["step_values"][:, :H]], dim=1).flatten()
+    got = torch.cat([after.prompt_values[:, None], after.step_values[:, :H]], dim=1).flatten()
     assert torch.allclose(got.double(), expected, atol=2e-4)  # the head runs in fp32
-    _, weight, _ = trainer.refresh_store.read(2)  # the second refresh of step 2 replaced the first
+    _, weight, _ = refresh.store.read(2)  # the second refresh of step 2 replaced the first
     assert torch.allclose(worker.critic.adapter.head.weight[0].double(), weight, atol=1e-6)
 
     # a resumed run at step 3: a fresh worker from the checkpoint, the head of the refresh at step 2
-    trainer.refresh_store.close()
+    refresh.store.close()
     resumed, fresh = _refresh_trainer(policy_dir, critic_dir, tokenizer, events, directory, global_steps=3)
     assert not torch.allclose(fresh.critic.adapter.head.weight[0].double(), weight, atol=1e-3)
     metrics = {}
     resumed._compute_advantage(KVBatchMeta(partition_id="train", keys=keys, tags=tags), metrics)
     assert not any(key.startswith("pav/refresh/") for key in metrics)  # step 3 is no refresh step
     assert torch.allclose(fresh.critic.adapter.head.weight[0].double(), weight, atol=1e-6)
-    resumed.refresh_store.close()
+    resumed.value_source.store.close()
     with pytest.raises(ConfigError, match=r"other settings \(window: 2 -> 3\)"):
         _refresh_trainer(policy_dir, critic_dir, tokenizer, events, directory, global_steps=3,
                          extra=["verl_prm.refresh.window=3"])

@@ -1,18 +1,96 @@
-"""verl's ``DataProto`` -> the registered estimator: the one place that reads the step tensors from a batch.
+"""verl's ``DataProto`` -> the registered estimator: the one place that hands the step tensors to an estimator.
 
-verl's own ``compute_advantage`` passes no step tensors to plugin estimators (patch 0001 would), so the trainer
-hook and the demo call :func:`compute_advantage_with_steps` instead.
+verl's own ``compute_advantage`` passes a plugin estimator only the rewards, mask, uid and config (patch 0001
+would pass more). Two ways in, both here:
+
+- the trainer hook calls verl's own ``_compute_advantage`` inside :func:`estimator_step_inputs`, a context
+  that holds the batch's step tensors (:class:`StepInputs`); the estimators registered in verl
+  (:data:`VERL_ESTIMATORS`, each :func:`verl_estimator` of an entry of ``verl_prm.estimators.ESTIMATORS``) read
+  them from it when verl calls them;
+- the demo and tests outside a trainer call :func:`compute_advantage_with_steps` on a ``DataProto`` that carries
+  the step tensors.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import functools
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
+import torch
 from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
 from verl_prm.estimators import ESTIMATORS, STEP_KEYS
 
-__all__ = ["compute_advantage_with_steps"]
+__all__ = ["StepInputs", "VERL_ESTIMATORS", "compute_advantage_with_steps", "estimator_step_inputs", "verl_estimator"]
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One batch's step tensors (docs: concepts, "tensor contract"), rows in the batch's order.
+
+    ``step_ids`` [B, T'] (-1 outside every step; T' the split's width), ``step_values`` [B, S],
+    ``prompt_values`` [B], ``num_steps`` [B], ``truncated`` [B] bool.
+    """
+
+    step_ids: torch.Tensor
+    step_values: torch.Tensor
+    prompt_values: torch.Tensor
+    num_steps: torch.Tensor
+    truncated: torch.Tensor
+
+    def estimator_kwargs(self, response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The estimator's step keyword arguments for verl's padded batch of ``response_mask`` [B, T]:
+        ``step_ids`` padded with -1 (or cut) to T, as verl pads the responses to the longest."""
+        rows, width = response_mask.shape
+        if self.step_ids.shape[0] != rows:
+            raise ValueError(
+                f"the step tensors hold {self.step_ids.shape[0]} responses but verl's advantage batch has {rows}: "
+                "the batch changed between the step scoring and verl's _compute_advantage"
+            )
+        step_ids = self.step_ids
+        if step_ids.shape[1] > width:
+            step_ids = step_ids[:, :width]
+        elif step_ids.shape[1] < width:
+            pad = step_ids.new_full((rows, width - step_ids.shape[1]), -1)
+            step_ids = torch.cat([step_ids, pad], dim=1)
+        return {"step_ids": step_ids.to(response_mask.device), "step_values": self.step_values,
+                "prompt_values": self.prompt_values, "num_steps": self.num_steps, "truncated": self.truncated}
+
+
+_STEP_INPUTS: ContextVar[StepInputs | None] = ContextVar("verl_prm_step_inputs", default=None)
+
+
+@contextlib.contextmanager
+def estimator_step_inputs(inputs: StepInputs) -> Iterator[None]:
+    """Within this context, a registered step estimator that verl calls without step tensors gets ``inputs``."""
+    token = _STEP_INPUTS.set(inputs)
+    try:
+        yield
+    finally:
+        _STEP_INPUTS.reset(token)
+
+
+def verl_estimator(estimator: Callable[..., Any]) -> Callable[..., Any]:
+    """``estimator`` as registered in verl: called without step tensors (verl's ``compute_advantage``) inside
+    :func:`estimator_step_inputs`, it gets the context's; otherwise the arguments pass through unchanged (so
+    outside the context the estimator's own error says what must supply them)."""
+
+    @functools.wraps(estimator)
+    def with_step_inputs(token_level_rewards, response_mask, index=None, config=None, **kwargs):
+        inputs = _STEP_INPUTS.get()
+        if inputs is not None and all(kwargs.get(key) is None for key in STEP_KEYS):
+            kwargs.update(inputs.estimator_kwargs(response_mask))
+        return estimator(token_level_rewards=token_level_rewards, response_mask=response_mask, index=index,
+                         config=config, **kwargs)
+
+    return with_step_inputs
+
+
+# What the plugin registers in verl's ADV_ESTIMATOR_REGISTRY (name -> estimator).
+VERL_ESTIMATORS: dict[str, Callable[..., Any]] = {name: verl_estimator(fn) for name, fn in ESTIMATORS.items()}
 
 
 def compute_advantage_with_steps(data, config) -> Any:

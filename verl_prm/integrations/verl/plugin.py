@@ -75,7 +75,10 @@ def register_all() -> None:
     check_verl_version(verl.__version__)
     from verl.trainer.ppo.core_algos import register_adv_est
 
-    for name, estimator in ESTIMATORS.items():
+    from verl_prm.integrations.verl.advantage import VERL_ESTIMATORS
+
+    # each estimator of ESTIMATORS, reading the trainer hook's step tensors when verl calls it (advantage.py)
+    for name, estimator in VERL_ESTIMATORS.items():
         register_adv_est(name)(estimator)
     from verl_prm.integrations.verl.platform import register_platform, register_rollout_when_imported
     from verl_prm.integrations.verl.trl_fix import install_trl_fix

@@ -10,9 +10,9 @@ e.g. on GitHub); an unknown directive fails the build:
     <!-- gen:config verl_prm -->     the hook's settings (``verl_prm.config.hook.HookConfig``)
     <!-- gen:layout -->              the package map: each module's first docstring line, and which import verl
 
-The config tables read each dataclass field's default from ``dataclasses.fields`` and its meaning from the
-``#`` comment lines right above the field in the source (where the project documents its knobs). A field
-without such a comment is an error that names it: the docs must not list a knob without saying what it does.
+The config tables read each dataclass field's default and its doc from ``dataclasses.fields`` (declared together
+by ``verl_prm.settings.setting``, which also gives pav.yaml its comments and the command lines their help). A field
+without a doc is an error that names it: the docs must not list a knob without saying what it does.
 """
 
 from __future__ import annotations
@@ -22,12 +22,10 @@ import contextlib
 import dataclasses
 import importlib
 import importlib.util
-import inspect
 import io
 import json
 import os
 import re
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -82,25 +80,6 @@ def cli_all() -> str:
 
 
 # ------------------------------------------------------------------------------------------------ config tables
-def field_comments(cls: type) -> dict[str, str]:
-    """The ``#`` comment lines right above each annotated field of a class, joined into one text per field."""
-    lines, _ = inspect.getsourcelines(cls)
-    source = textwrap.dedent("".join(lines))
-    body = ast.parse(source).body[0]
-    source_lines = source.splitlines()
-    comments = {}
-    for node in body.body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            collected = []
-            row = node.lineno - 2  # 0-based index of the line above the field
-            while row >= 0 and source_lines[row].strip().startswith("#"):
-                collected.insert(0, source_lines[row].strip().lstrip("#").strip())
-                row -= 1
-            if collected:
-                comments[node.target.id] = " ".join(collected)
-    return comments
-
-
 def format_default(value: Any) -> str:
     """A default as a user writes it in verl's YAML/Hydra config."""
     if value is None:
@@ -120,7 +99,6 @@ def _cell(text: str) -> str:
 
 def config_rows(cls: type, prefix: str) -> list[tuple[str, str, str]]:
     """(key, default, meaning) for every field of a config dataclass; nested dataclasses become dotted keys."""
-    comments = field_comments(cls)
     rows = []
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
@@ -128,11 +106,11 @@ def config_rows(cls: type, prefix: str) -> list[tuple[str, str, str]]:
         if dataclasses.is_dataclass(default):
             rows += config_rows(type(default), key)
             continue
-        meaning = comments.get(f.name)
+        meaning = f.metadata.get("doc")
         if not meaning:
             raise ValueError(
-                f"{cls.__module__}.{cls.__name__}.{f.name} ({key}) has no comment: document it with '#' lines right "
-                "above the field, where the docs' config reference reads it"
+                f"{cls.__module__}.{cls.__name__}.{f.name} ({key}) has no doc: declare it with "
+                "verl_prm.settings.setting(default, doc), where the docs' config reference reads it"
             )
         rows.append((key, format_default(default), meaning))
     return rows

@@ -91,8 +91,15 @@ def best_of_k(q: torch.Tensor, k: int) -> torch.Tensor:
     """Value of the Best-of-K policy of a prover whose value is ``q``: ``1 - (1 - q)^k``.
 
     The Best-of-K policy of pi_b succeeds if any of K independent samples of pi_b succeeds, so a critic trained
-    on Monte-Carlo labels of pi_b gives the BoK prover's value through this transform (PAV paper, Sec. 4).
-    ``k = 1`` returns ``q`` unchanged.
+    on Monte-Carlo labels of pi_b gives the BoK prover's value through this transform (PAV paper, Sec. 4; its
+    best provers were Bo4). ``k = 1`` returns ``q`` unchanged.
+
+    This is the one description of Best-of-K; every setting of it refers here. It must be applied once to a
+    critic's raw values: the estimators and the search apply it (``algorithm.pav.best_of_k``, ``--best-of-k``), so
+    a critic that already gives Best-of-K values keeps K = 1 there: one loaded with
+    ``ProverCritic(best_of_k=K)``, or one trained by ``verl-prm train --best-of-k K`` (whose labels were
+    transformed from their counts, ``verl_prm.labeling.format.best_of_k_from_counts``). The verl hook therefore
+    loads its critic with K = 1, and the TRL trainer refuses a critic and ``pav.best_of_k`` that both apply it.
 
     Args:
         q: values in [0, 1], any shape.

@@ -1,15 +1,82 @@
-"""Choice names shared by the library and the command lines, in a module that imports nothing, so that a
-command's ``--help`` and argument checks load no torch (or omegaconf)."""
+"""Every choice a setting of verl-prm takes, defined once as a ``Literal`` type, with its runtime tuple.
+
+A config field is annotated with the type (``format: CriticFormat = "value_head"``); the validation, the
+command lines' ``choices=`` and the generated ``pav.yaml`` read the tuple (``typing.get_args`` of the type), so a
+new choice is added here and nowhere else. What each choice means is documented at the field that takes it.
+
+This module imports nothing heavy, so that a command's ``--help`` and argument checks load no torch or omegaconf.
+"""
 
 from __future__ import annotations
 
-__all__ = ["AGGREGATIONS", "CODE_STEP_RULES"]
+from typing import Literal, get_args
 
-# How the step scores of a response become one score (verl_prm.advantages.aggregate_step_scores).
-AGGREGATIONS = ("min", "max", "mean", "sum", "product", "last")
-# verl_prm.steps.code.CODE_STEP_RULES without "delimiter" (the text rules cover it); a test holds them equal.
-CODE_STEP_RULES = ("line", "block", "indent")
-# Which step prefixes Monte-Carlo values are continued at (verl_prm.monte_carlo), and how a first-pit search labels
-# successful responses.
-PREFIX_RULES = ("every", "fixed", "first_pit")
-SUCCESS_LABELS = ("every", "outcome")
+__all__ = [
+    "AGGREGATIONS", "CALIBRATION_METHODS", "CHECKPOINT_FORMATS", "CODE_SPLIT_RULES", "CODE_STEP_RULES", "COMPILE_MODES", "CRITIC_DTYPES",
+    "CRITIC_FORMATS", "EXACT_CRITIC_FORMAT", "GENERATOR_BACKENDS", "HEAD_FITS", "LABEL_STRATEGIES", "MIN_FORM_BASELINES",
+    "MIXED_PRECISIONS", "OFFLOAD_MODES", "PLACEMENT_POOLS", "PREFIX_RULES", "PRIME_REWARD_MASKS", "PROCESS_TERMS",
+    "ROLLOUT_CRITIC_FORMAT", "SHARDABLE_FORMATS", "SHARD_MODES", "SUCCESS_LABELS", "TRUNCATIONS",
+    "Aggregation", "CalibrationMethod", "CheckpointFormat", "CodeSplitRule", "CodeStepRule", "CompileMode", "CriticDtype",
+    "CriticFormat", "GeneratorBackend", "HeadFit", "LabelStrategy", "MinFormBaseline", "MixedPrecision",
+    "OffloadMode", "PlacementPool", "PrefixRule", "PrimeRewardMask", "ProcessTerm", "ShardMode", "ShardableFormat",
+    "SuccessLabels", "Truncation",
+]
+
+# Estimator knobs (algorithm.pav; verl_prm.config.PavConfig).
+Aggregation = Literal["min", "max", "mean", "sum", "product", "last"]
+ProcessTerm = Literal["progress", "value"]
+CompileMode = Literal["auto", "always", "never"]
+MinFormBaseline = Literal["token", "step", "none"]
+PrimeRewardMask = Literal["step_end", "response"]
+
+# The prover critic (verl_prm.critic; verl_prm.config.hook.CriticSection). The checkpoint formats are the keys of
+# verl_prm.critic.formats.FORMATS; "exact" and "rollout" read no checkpoint.
+CheckpointFormat = Literal["value_head", "qwen_prm", "pure_prm", "math_shepherd", "rlhflow", "value_head_lm"]
+EXACT_CRITIC_FORMAT = "exact"
+ROLLOUT_CRITIC_FORMAT = "rollout"
+CriticFormat = Literal[CheckpointFormat, "exact", "rollout"]
+ShardableFormat = Literal["value_head"]
+CriticDtype = Literal["auto", "bfloat16", "float16", "float32"]
+Truncation = Literal["error", "left_prompt"]
+# Which step prefixes Monte-Carlo values are sampled at (verl_prm.critic.sampled), and the labeler's subset.
+PrefixRule = Literal["every", "fixed", "first_pit"]
+LabelStrategy = Literal["every", "first_pit"]
+SuccessLabels = Literal["every", "outcome"]
+# Rules of verl_prm.steps.code that a setting can name; the splitter also takes "delimiter" (the text rule, which
+# the settings set by their own keys).
+CodeStepRule = Literal["line", "block", "indent"]
+CodeSplitRule = Literal[CodeStepRule, "delimiter"]
+
+# Placement of the critic's workers in a verl run.
+PlacementPool = Literal["colocated", "own"]
+OffloadMode = Literal["none", "cpu"]
+ShardMode = Literal["none", "fsdp"]
+
+# `verl-prm train` and `verl-prm label`.
+CalibrationMethod = Literal["platt", "isotonic", "none"]
+HeadFit = Literal["adam", "newton"]
+MixedPrecision = Literal["no", "bf16", "fp16"]
+GeneratorBackend = Literal["hf", "vllm"]
+
+AGGREGATIONS = get_args(Aggregation)
+PROCESS_TERMS = get_args(ProcessTerm)
+COMPILE_MODES = get_args(CompileMode)
+MIN_FORM_BASELINES = get_args(MinFormBaseline)
+PRIME_REWARD_MASKS = get_args(PrimeRewardMask)
+CHECKPOINT_FORMATS = get_args(CheckpointFormat)
+CRITIC_FORMATS = get_args(CriticFormat)
+SHARDABLE_FORMATS = get_args(ShardableFormat)
+CRITIC_DTYPES = get_args(CriticDtype)
+TRUNCATIONS = get_args(Truncation)
+PREFIX_RULES = get_args(PrefixRule)
+LABEL_STRATEGIES = get_args(LabelStrategy)
+SUCCESS_LABELS = get_args(SuccessLabels)
+CODE_STEP_RULES = get_args(CodeStepRule)
+CODE_SPLIT_RULES = get_args(CodeSplitRule)
+PLACEMENT_POOLS = get_args(PlacementPool)
+OFFLOAD_MODES = get_args(OffloadMode)
+SHARD_MODES = get_args(ShardMode)
+CALIBRATION_METHODS = get_args(CalibrationMethod)
+HEAD_FITS = get_args(HeadFit)
+MIXED_PRECISIONS = get_args(MixedPrecision)
+GENERATOR_BACKENDS = get_args(GeneratorBackend)

@@ -57,22 +57,21 @@ def test_config_reference_lists_every_field_with_its_default(hooks, section, mod
     assert "| `verl_prm.steps.delimiter` | `\"\\n\\n\"` |" in hooks.config_table("verl_prm")
 
 
-def test_config_docs_come_from_the_comments_above_each_field(hooks):
-    from verl_prm.config import PavConfig
-
-    comments = hooks.field_comments(PavConfig)
-    assert comments["alpha"].startswith("Weight of the process term: adv = out + alpha * A_h.")
-    assert comments["clip"] == "Clip the process term to [-clip, clip]; None: no clipping."
+def test_config_docs_come_from_each_fields_doc(hooks):
+    table = hooks.config_table("algorithm.pav")
+    assert "| `algorithm.pav.alpha` | `3.0` | Weight of the process term: adv = outcome advantage + alpha * A_h." in table
+    assert "| `algorithm.pav.clip` | `null` | Clip the process term to [-clip, clip]; null: no clipping. |" in table
 
 
 def test_a_field_without_a_comment_fails_the_build(hooks):
+    from verl_prm.settings import setting
+
     @dataclasses.dataclass
     class Knobs:
-        # Documented.
-        first: int = 1
+        first: int = setting(1, "Documented.")
         second: float = 0.5
 
-    with pytest.raises(ValueError, match=r"Knobs\.second \(x\.second\) has no comment: document it"):
+    with pytest.raises(ValueError, match=r"Knobs\.second \(x\.second\) has no doc: declare it"):
         hooks.config_rows(Knobs, "x")
 
 

@@ -81,12 +81,12 @@ def test_main_ppo_startup_check_rejects_a_bad_config_before_ray(main_ppo_runs):
     result = main_ppo_runs["negative_alpha"]
     output = result.stdout + result.stderr
     assert result.returncode != 0
-    assert "verl-prm startup check failed: algorithm.pav.alpha must be >= 0 (a finite number), got -1.0" in output
+    assert "verl-prm startup check failed: algorithm.pav.alpha must be in [0, 1e+06] (a finite number), got -1.0" in output
     assert "Please set at least one of" not in output and "ray init kwargs" not in output
 
 
 @pytest.mark.parametrize("run, message", [
-    ("nan_alpha", "verl-prm startup check failed: algorithm.pav.alpha must be >= 0 (a finite number), got nan"),
+    ("nan_alpha", "verl-prm startup check failed: algorithm.pav.alpha must be in [0, 1e+06] (a finite number), got nan"),
     ("unknown_estimator", "verl-prm startup check failed: algorithm.adv_estimator='pav_grop' is not a registered "
                           "advantage estimator (did you mean 'pav_grpo'?)"),
     ("critic_path_is_a_file", "verl-prm startup check failed: verl_prm.critic.path: critic checkpoint "),

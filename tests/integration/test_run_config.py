@@ -3,6 +3,7 @@ the typed sections, and the startup validation's errors (unknown keys, NaN knobs
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 import re
@@ -13,7 +14,8 @@ from omegaconf import OmegaConf
 from verl_support import PLUGIN_OVERRIDES, compose_verl
 
 from verl_prm.config import PavConfig
-from verl_prm.config.hook import CRITIC_FORMATS, ConfigError, HookConfig, read_hook_config
+from verl_prm.choices import CHECKPOINT_FORMATS, CODE_STEP_RULES, CRITIC_FORMATS
+from verl_prm.config.hook import ConfigError, HookConfig, read_hook_config
 from verl_prm.integrations.verl.run_config import validate_run_config
 
 
@@ -21,32 +23,34 @@ from verl_prm.integrations.verl.run_config import validate_run_config
 
 
 def test_yaml_defaults_equal_the_typed_configs():
+    """Hydra composes pav.yaml (generated from the dataclasses) into exactly the dataclasses' defaults: no key more,
+    none less, no value different."""
     config = compose_verl(PLUGIN_OVERRIDES)
-    assert OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(HookConfig), config.verl_prm)) == HookConfig()
+    assert OmegaConf.to_container(config.verl_prm, resolve=True) == asdict(HookConfig())
     assert read_hook_config(config.verl_prm) == HookConfig()
-    assert OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PavConfig), config.algorithm.pav)) == PavConfig()
+    assert OmegaConf.to_container(config.algorithm.pav, resolve=True) == asdict(PavConfig())
     assert config.trainer.v1.trainer_mode == "pav_sync"
     assert config.reward.reward_manager.name == "pav"
     assert config.algorithm.adv_estimator == "pav_grpo"
 
 
-def test_critic_formats_match_the_critic_module():
-    """The config's formats are the checkpoint formats of verl_prm.critic.formats plus the exact critic's and
-    the sampling one (rollout)."""
-    from verl_prm.config.hook import CHECKPOINT_CRITIC_FORMATS, EXACT_CRITIC_FORMAT
-    from verl_prm.critic.exact import EXACT_FORMAT
+def test_every_checkpoint_format_a_config_names_has_a_loader():
+    """A format the config accepts must load: the checkpoint formats are the loaders' registry; exact and rollout
+    read no checkpoint."""
     from verl_prm.critic.formats import FORMATS
 
-    assert set(CHECKPOINT_CRITIC_FORMATS) == set(FORMATS)
-    assert EXACT_CRITIC_FORMAT == EXACT_FORMAT and EXACT_FORMAT not in FORMATS
-    assert CRITIC_FORMATS == CHECKPOINT_CRITIC_FORMATS + (EXACT_FORMAT, "rollout")
+    assert set(CHECKPOINT_FORMATS) == set(FORMATS)
+    assert set(CRITIC_FORMATS) - set(FORMATS) == {"exact", "rollout"}
 
 
-def test_code_step_rules_match_the_code_module():
-    from verl_prm.steps.code import CODE_STEP_RULES as CODE_MODULE_RULES
-    from verl_prm.config.hook import CODE_STEP_RULES
+def test_every_code_rule_a_config_names_splits_code():
+    from verl_prm.steps.code import code_step_char_spans
 
-    assert set(CODE_STEP_RULES) == set(CODE_MODULE_RULES) - {"delimiter"}
+    code = "def f(x):\n    y = x + 1\n    return y\n"
+    for rule in CODE_STEP_RULES:
+        spans = code_step_char_spans(code, rule, depth=1)
+        assert len(spans) >= 2 and spans[-1][1] == len(code), rule
+        read_hook_config({"steps": {"delimiter": None, "code_rule": rule}})
 
 
 def test_steps_section_splits_with_its_rule(bpe_small):
@@ -81,16 +85,17 @@ def test_steps_section_splits_with_its_rule(bpe_small):
         (["+verl_prm.critic.colour=red"], "verl_prm.critic.colour"),
         (["+verl_prm.stepz.delimiter=x"], "verl_prm.stepz"),
         (["+algorithm.pav.alphaa=1"], "alphaa"),
-        (["algorithm.pav.alpha=-0.5"], "algorithm.pav.alpha must be >= 0"),
+        (["algorithm.pav.alpha=-0.5"], "algorithm.pav.alpha must be in [0, 1e+06]"),
+        (["algorithm.pav.alpha=1e7"], "algorithm.pav.alpha must be in [0, 1e+06] (a finite number), got 10000000.0"),
         (["algorithm.pav.best_of_k=0"], "algorithm.pav.best_of_k must be an integer >= 1"),
         (["verl_prm.critic.path=null"], "verl_prm.critic.path is required"),
         (["verl_prm.critic.path=/no/such/critic"], "verl_prm.critic.path: critic checkpoint '/no/such/critic': no such directory"),
         # NaN and inf knobs: checked at startup, the key named
-        (["algorithm.pav.alpha=nan"], "algorithm.pav.alpha must be >= 0 (a finite number), got nan"),
-        (["algorithm.pav.alpha=inf"], "algorithm.pav.alpha must be >= 0 (a finite number), got inf"),
+        (["algorithm.pav.alpha=nan"], "algorithm.pav.alpha must be in [0, 1e+06] (a finite number), got nan"),
+        (["algorithm.pav.alpha=inf"], "algorithm.pav.alpha must be in [0, 1e+06] (a finite number), got inf"),
         (["algorithm.pav.clip=nan"], "algorithm.pav.clip must be > 0 (a finite number), got nan"),
         (["algorithm.pav.epsilon=inf"], "algorithm.pav.epsilon must be > 0 (a finite number), got inf"),
-        (["algorithm.pav.aggregate_weight=-inf"], "algorithm.pav.aggregate_weight must be a finite number, got -inf"),
+        (["algorithm.pav.aggregate_weight=-inf"], "algorithm.pav.aggregate_weight must be in [-1e+06, 1e+06] (a finite number), got -inf"),
         (["algorithm.pav.best_of_k=nan"], "algorithm.pav.best_of_k must be an integer >= 1, got nan"),
         (["+verl_prm.critic.options.softcap=nan"], "verl_prm.critic.options.softcap must be a finite number, got nan"),
         (["algorithm.adv_estimator=pav_grp"],
@@ -102,6 +107,8 @@ def test_steps_section_splits_with_its_rule(bpe_small):
         (["verl_prm.placement.pool=elsewhere"], "verl_prm.placement.pool must be one of"),
         (["verl_prm.steps.regex='(?=Step'"], "is not a valid regex"),
         (["verl_prm.steps.max_tokens=0"], "verl_prm.steps.max_tokens must be >= 1"),
+        (["verl_prm.critic.n_mc=2.5"], "verl_prm.critic.n_mc must be an integer, got 2.5"),
+        (["verl_prm.critic.dtype=fp8"], "verl_prm.critic.dtype must be one of ('auto', 'bfloat16', 'float16', 'float32'), got 'fp8'"),
         (["verl_prm.steps.regex=Step", "verl_prm.steps.max_tokens=8"], "not both"),
         (["verl_prm.critic.max_tokens_per_batch=0"], "max_tokens_per_batch must be >= 1"),
         (["verl_prm.steps.code_rule=ast"], "verl_prm.steps.code_rule must be one of"),
@@ -175,7 +182,7 @@ def test_startup_rejects_an_uncached_hub_id_offline(critic_dir, monkeypatch, tmp
 
 
 def test_critic_worker_gets_the_pickle_opt_in(critic_dir):
-    from verl_prm.integrations.verl.hook_trainer import critic_worker_kwargs
+    from verl_prm.integrations.verl.critic_group import critic_worker_kwargs
 
     config = compose_verl(PLUGIN_OVERRIDES + [f"verl_prm.critic.path={critic_dir}", "verl_prm.critic.allow_pickle=true"])
     hook, _ = validate_run_config(config)
@@ -187,7 +194,7 @@ def test_critic_calibration_choice_reaches_the_worker_and_is_checked_at_startup(
     """verl_prm.critic.calibration goes to ProverCritic.from_pretrained as is (auto: the checkpoint's
     calibration.json; none: raw values; tests/unit/test_calibration.py loads both); a missing file, or a choice
     for a critic without weights, stops the run at startup naming the key."""
-    from verl_prm.integrations.verl.hook_trainer import critic_worker_kwargs
+    from verl_prm.integrations.verl.critic_group import critic_worker_kwargs
 
     base = PLUGIN_OVERRIDES + [f"verl_prm.critic.path={critic_dir}"]
     assert critic_worker_kwargs(validate_run_config(compose_verl(base))[0])["calibration"] == "auto"
@@ -272,7 +279,7 @@ def test_own_placement_adds_the_critic_pool_to_verl_resource_pools(critic_dir, p
     (so verl's GPU-availability check counts it); colocated adds nothing (the critic uses global_pool)."""
     from verl.trainer.ppo.v1 import get_trainer_cls
 
-    from verl_prm.integrations.verl.hook_trainer import CRITIC_POOL_NAME
+    from verl_prm.integrations.verl.critic_group import CRITIC_POOL_NAME
 
     base = PLUGIN_OVERRIDES + [f"verl_prm.critic.path={critic_dir}", f"actor_rollout_ref.model.path={policy_dir}"]
     own = get_trainer_cls("pav_sync")(compose_verl(base + [

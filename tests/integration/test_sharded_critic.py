@@ -326,15 +326,6 @@ def test_sharded_load_peak_rss_is_below_a_full_load(tmp_path, bpe_small):
 
 
 # ---------------------------------------------------------------------------------------------- config
-def test_placement_constants_match_the_workers():
-    from verl_prm.config.hook import PLACEMENT_OFFLOADS, SHARDABLE_CRITIC_FORMATS
-    from verl_prm.integrations.verl.critic_worker import OFFLOAD_MODES
-    from verl_prm.integrations.verl.sharded_critic import SHARDABLE_FORMATS
-
-    assert PLACEMENT_OFFLOADS == OFFLOAD_MODES
-    assert SHARDABLE_CRITIC_FORMATS == SHARDABLE_FORMATS
-
-
 @pytest.mark.parametrize("section,message", [
     ({"placement": {"offload": "disk"}},
      "verl_prm.placement.offload must be one of ('none', 'cpu'), got 'disk'"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +41,8 @@ from verl_prm.training.calibration import (
     write_calibration,
 )
 from verl_prm.training.metrics import expected_calibration_error, reliability_bins
-from verl_prm.training.trainer import TrainConfig, train
+from verl_prm.training.config import TrainConfig
+from verl_prm.training.trainer import train
 
 # ------------------------------------------------------------------------------------------------ isotonic
 
@@ -480,7 +482,7 @@ def test_too_few_held_out_labels_or_none_held_out_are_refused_at_start(trained):
     with pytest.raises(ValueError, match=r"--calibration platt needs at least 32 held-out labels to fit; .* leaves "
                                          r"\d+: hold out more prompts"):
         train(TrainConfig(**settings, eval_fraction=0.02))
-    with pytest.raises(ValueError, match="calibration .* must be one of platt, isotonic, none"):
+    with pytest.raises(ValueError, match=re.escape("calibration (--calibration) must be one of ('platt', 'isotonic', 'none'), got 'beta'")):
         TrainConfig(**settings, calibration="beta")
     one_class = [dict(row, q=[1.0] * len(row["q"]), n_success=[0] * len(row["q"]), n_mc=[0] * len(row["q"]),
                       first_pit=-1, outcome=1.0, prompt_value=math.nan, prompt_n_mc=0, prompt_n_success=0)

@@ -470,7 +470,8 @@ def test_label_settings_split_by_a_code_rule():
     assert LabelSettings().step_spans("A.\n\nB.") == [(0, 4), (4, 6)]
     for options, message in (({"code_rule": "ast"}, "code_rule must be"),
                              ({"code_rule": "line", "step_regex": "x"}, "not both"),
-                             ({"code_depth": -1}, "code_depth must be >= 0")):
+                             ({"code_depth": -1}, "code_depth must be an integer >= 0"),
+                             ({"code_depth": 1}, "code_depth \\(--code-depth 1\\) applies to a code rule only")):
         with pytest.raises(ValueError, match=message):
             LabelSettings(**options)
     args = label_parser().parse_args(["--input", "x", "--output-dir", "o", "--policy", "p", "--reward-fn", "f",

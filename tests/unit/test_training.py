@@ -32,7 +32,8 @@ from verl_prm.training.data import (
 )
 from verl_prm.training.losses import gather_step_logits, soft_label_bce, warmup_cosine_factor
 from verl_prm.training.metrics import auroc, expected_calibration_error, mse, value_metrics
-from verl_prm.training.trainer import TrainConfig, latest_checkpoint, train
+from verl_prm.training.config import TrainConfig
+from verl_prm.training.trainer import latest_checkpoint, train
 
 P_PROVER, P_POLICY, NUM_STEPS = 0.7, 0.75, 4
 
@@ -328,7 +329,7 @@ def test_head_fit_newton_sets_the_head_at_the_optimum_of_the_frozen_features(cri
         _config(root, "refused", head_fit="newton", init=base["checkpoint"], init_config=None, tokenizer=None)
     with pytest.raises(ValueError, match=re.escape("weight_decay (--weight-decay 0.01) is AdamW's")):
         _config(root, "refused", head_fit="newton", weight_decay=0.01, **frozen)
-    with pytest.raises(ValueError, match=re.escape("head_fit (--head-fit) must be one of adam, newton, got 'lbfgs'")):
+    with pytest.raises(ValueError, match=re.escape("head_fit (--head-fit) must be one of ('adam', 'newton'), got 'lbfgs'")):
         _config(root, "refused", head_fit="lbfgs", **frozen)
 
 
@@ -398,7 +399,8 @@ def test_keep_checkpoints_zero_is_refused_and_rotation_keeps_the_final_model(cri
 _STALLING_TRAINER = """
 import json, sys, time
 import torch
-from verl_prm.training.trainer import TrainConfig, train
+from verl_prm.training.config import TrainConfig
+from verl_prm.training.trainer import train
 
 torch.set_num_threads(1)
 

@@ -20,6 +20,7 @@ parallel (a bounded pool).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 from verl_prm.code.sandbox_config import SandboxConfig
@@ -27,14 +28,13 @@ from verl_prm.code.verifier import CodeTask, verify, verify_many
 
 __all__ = ["compute_score", "compute_score_batch", "sandbox_config"]
 
-_LIMIT_KEYS = ("timeout_s", "cpu_s", "memory_mb", "max_output_bytes", "file_mb", "nproc", "mode")
-
-
 def sandbox_config(**kwargs: Any) -> SandboxConfig:
-    """A `SandboxConfig` from reward kwargs (unknown keys are an error: a typo must not silently pass)."""
-    unknown = sorted(set(kwargs) - set(_LIMIT_KEYS))
+    """A `SandboxConfig` from reward kwargs, one per field of it (unknown keys are an error: a typo must not
+    silently pass)."""
+    known = [field.name for field in dataclasses.fields(SandboxConfig)]
+    unknown = sorted(set(kwargs) - set(known))
     if unknown:
-        raise TypeError(f"verl_prm.code.verl_score: unknown reward_kwargs {unknown}; known: {list(_LIMIT_KEYS)}")
+        raise TypeError(f"verl_prm.code.verl_score: unknown reward_kwargs {unknown}; known: {known}")
     return SandboxConfig(**kwargs)
 
 

@@ -35,7 +35,6 @@ from verl_prm.checks import is_class_path
 from verl_prm.critic.scorer import CriticScores
 
 __all__ = [
-    "EXACT_FORMAT",
     "ExactCritic",
     "ExactPrefixCritic",
     "ExactProver",
@@ -44,9 +43,6 @@ __all__ = [
     "step_texts_at_char_ends",
 ]
 
-# The value of ``verl_prm.critic.format`` that selects an exact critic (not a checkpoint format of
-# ``verl_prm.critic.formats.FORMATS``).
-EXACT_FORMAT = "exact"
 
 class ProverOptionError(ValueError):
     """An option of an exact prover is missing, unknown or out of range; ``option`` names it."""

@@ -12,6 +12,8 @@ from typing import Literal, Sequence
 
 import torch
 
+from verl_prm.choices import Truncation
+
 __all__ = [
     "CriticInput",
     "MicroBatch",
@@ -26,7 +28,6 @@ __all__ = [
     "padding_share",
 ]
 
-Truncation = Literal["error", "left_prompt"]
 
 
 @dataclass(frozen=True)

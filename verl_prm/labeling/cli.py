@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import dataclasses
 import functools
 import json
 import sys
 from typing import Sequence
 
 from verl_prm.checkpoints import resolve_checkpoint
-from verl_prm.choices import CODE_STEP_RULES, PREFIX_RULES, SUCCESS_LABELS
-from verl_prm.cli_types import finite_float
+from verl_prm.choices import GENERATOR_BACKENDS
+from verl_prm.cli_types import add_dataclass_arguments, finite_float
+from verl_prm.labeling.monte_carlo import LabelSettings
 
 __all__ = ["main", "build_generator"]
 
@@ -65,25 +67,9 @@ def label_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", required=True, help="base policy (seed rollouts): local HF model directory")
     p.add_argument("--prover", default=None, help="prover for the continuations (default: the policy; then "
                    "the stored counts give Best-of-K values: verl-prm train --best-of-k K)")
-    p.add_argument("--backend", choices=("hf", "vllm"), default="hf")
-    p.add_argument("--n-cov", type=int, default=4, help="seed rollouts per prompt")
-    p.add_argument("--n-mc", type=int, default=8, help="prover continuations per step prefix")
-    p.add_argument("--prefix-rule", choices=PREFIX_RULES, default="every",
-                   help="which step prefixes are continued: every, fixed (--prefixes-per-response evenly spaced "
-                   "steps) or first_pit (bisection for the first zero-value step of each failed rollout)")
-    p.add_argument("--prefixes-per-response", type=int, default=4, help="--prefix-rule fixed: steps per rollout")
-    p.add_argument("--success-labels", choices=SUCCESS_LABELS, default="every",
-                   help="first_pit: label successful rollouts at every prefix, or only by their outcome")
-    p.add_argument("--delimiter", default="\\n\\n", help="step delimiter (escapes like \\n are decoded)")
-    p.add_argument("--step-regex", default=None, help="steps end at matches of this regex instead")
-    p.add_argument("--code-rule", choices=CODE_STEP_RULES, default=None,
-                   help="code responses: steps by a rule of verl_prm.steps.code instead (block: Python statements "
-                   "by ast), as verl_prm.steps.code_rule in the trainer hook")
-    p.add_argument("--code-depth", type=int, default=None,
-                   help="--code-rule: statement depth that still starts a step (default 0; 1: each statement of a "
-                   "function)")
-    p.add_argument("--max-steps", type=int, default=None, help="merge steps beyond this count into the last")
-    p.add_argument("--no-prompt-value", action="store_true", help="skip the V(prompt) label")
+    p.add_argument("--backend", choices=GENERATOR_BACKENDS, default="hf")
+    # What is labelled and how: one flag per LabelSettings field (source is the prover's path).
+    add_dataclass_arguments(p, LabelSettings, skip=("source",))
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--temperature", type=finite_float(0.0), default=1.0, help="0: greedy")
     p.add_argument("--top-p", type=finite_float(0.0, 1.0, low_open=True), default=1.0)
@@ -109,7 +95,6 @@ def label_parser() -> argparse.ArgumentParser:
                    "(default: verl's extraction for known data sources: GSM8K '#### <number>', MATH last \\boxed{}; "
                    "'(?s)(.*)' keeps the whole answer)")
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -164,35 +149,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "convert":
         return convert_main(argv[1:])
-    parser = label_parser()
-    args = parser.parse_args(argv)
-    if args.code_depth is not None and args.code_rule is None:
-        parser.error("--code-depth applies to --code-rule only (the statement depth of code steps): add --code-rule "
-                     "block (or line, indent), or drop --code-depth")
+    args = label_parser().parse_args(argv)
+    # checked before anything is written (a --code-depth without --code-rule, ...)
+    settings = LabelSettings(**{**{f.name: getattr(args, f.name) for f in dataclasses.fields(LabelSettings)
+                                   if f.name != "source"}, "delimiter": _unescape(args.delimiter),
+                                "source": args.prover or args.policy})
     from verl_prm.locking import DirectoryLock
 
     # one writer per output directory: a second run would label the same prompts into duplicate shards
     with DirectoryLock(args.output_dir, "verl-prm label"):
-        return _label(args)
+        return _label(args, settings)
 
 
-def _label(args: argparse.Namespace) -> int:
+def _label(args: argparse.Namespace, settings: LabelSettings) -> int:
     from transformers import AutoTokenizer
 
     from verl_prm.labeling.inputs import read_prompts, render_prompt
-    from verl_prm.labeling.monte_carlo import LabelSettings, MonteCarloLabeler
+    from verl_prm.labeling.monte_carlo import MonteCarloLabeler
     from verl_prm.labeling.runner import run_labeling
     from verl_prm.labeling.scoring import OutcomeScorer, load_reward_function
     from verl_prm.labeling.store import ShardStore
 
-    delimiter = _unescape(args.delimiter)
-    prover_path = args.prover or args.policy
-    settings = LabelSettings(
-        n_cov=args.n_cov, n_mc=args.n_mc, prefix_rule=args.prefix_rule,
-        prefixes_per_response=args.prefixes_per_response, success_labels=args.success_labels,
-        delimiter=delimiter, step_regex=args.step_regex, max_steps=args.max_steps, code_rule=args.code_rule,
-        code_depth=args.code_depth or 0, prompt_value=not args.no_prompt_value, seed=args.seed, source=prover_path,
-    )
+    delimiter, prover_path = settings.delimiter, settings.source
     settings.step_spans("a")  # a bad step rule (e.g. a regex that matches the empty string) fails before any load
     # Inputs and the scorer are checked before anything is written to the output directory.
     notes: list[str] = []

@@ -23,51 +23,50 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from verl_prm.choices import CODE_STEP_RULES, PREFIX_RULES, SUCCESS_LABELS
+from verl_prm.choices import CodeStepRule, PrefixRule, SuccessLabels
 from verl_prm.labeling.generators import Generator, derive_seed
 from verl_prm.labeling.inputs import PromptItem
 from verl_prm.labeling.scoring import OutcomeScorer
 from verl_prm.monte_carlo import PrefixCounts, PrefixRequest, ResponseSteps, estimate_prefixes
+from verl_prm.settings import check_bounds, check_choices, setting
 
 __all__ = ["LabelSettings", "MonteCarloLabeler"]
 
 
 @dataclass(frozen=True)
 class LabelSettings:
-    n_cov: int = 4
-    n_mc: int = 8
-    # which step prefixes are continued (verl_prm.monte_carlo): "every", "fixed" (prefixes_per_response evenly
-    # spaced steps), "first_pit" (bisection for the first zero-value step of each failed rollout)
-    prefix_rule: str = "every"
-    prefixes_per_response: int = 4
-    # first_pit: successful rollouts labelled at every prefix ("every") or only by their outcome ("outcome")
-    success_labels: str = "every"
-    delimiter: str = "\n\n"
-    step_regex: str | None = None
-    max_steps: int | None = None
-    # code responses: a rule of verl_prm.steps.code ("block", "line", "indent") instead of delimiter/step_regex
-    code_rule: str | None = None
-    code_depth: int = 0
-    prompt_value: bool = True
-    seed: int = 0
-    source: str = ""
+    """What `verl-prm label` labels and how (its flags are these fields: verl_prm.labeling.cli)."""
+
+    n_cov: int = setting(4, "Seed rollouts of the policy per prompt.", low=1)
+    n_mc: int = setting(8, "Prover continuations per step prefix.", low=1)
+    prefix_rule: PrefixRule = setting("every", "Which step prefixes are continued (verl_prm.monte_carlo): every, "
+                                      "fixed (--prefixes-per-response evenly spaced steps) or first_pit (bisection "
+                                      "for the first zero-value step of each failed rollout).")
+    prefixes_per_response: int = setting(4, "With --prefix-rule fixed: steps continued per rollout.", low=1)
+    success_labels: SuccessLabels = setting("every", "With --prefix-rule first_pit: label successful rollouts at "
+                                            "every prefix, or only by their outcome.")
+    delimiter: str = setting("\n\n", "Step delimiter (the escapes \\n, \\t, ... are decoded by the command "
+                             "line).")
+    step_regex: str | None = setting(None, "Steps end at the matches of this regex instead of the delimiter.")
+    max_steps: int | None = setting(None, "Merge the steps beyond this count into the last.", low=1)
+    code_rule: CodeStepRule | None = setting(None, "Code responses: steps by a rule of verl_prm.steps.code instead "
+                                             "of the delimiter or the regex (block: Python statements by ast; line; "
+                                             "indent), as verl_prm.steps.code_rule in the trainer hook.")
+    code_depth: int = setting(0, "With --code-rule: the statement depth that still starts a step (1: each "
+                              "statement of a function).", low=0)
+    prompt_value: bool = setting(True, "Also label V(prompt) (continuations of the bare prompt).",
+                                 flag="--no-prompt-value")
+    seed: int = setting(0, "Seed of the sampling.", low=0)
+    source: str = setting("", "The prover's name or path, stored with the labels.")
 
     def __post_init__(self) -> None:
-        if self.n_cov < 1 or self.n_mc < 1:
-            raise ValueError(f"n_cov and n_mc must be >= 1, got n_cov={self.n_cov}, n_mc={self.n_mc}")
-        if self.prefix_rule not in PREFIX_RULES:
-            raise ValueError(f"prefix_rule must be one of {PREFIX_RULES}, got {self.prefix_rule!r}")
-        if self.prefixes_per_response < 1:
-            raise ValueError(f"prefixes_per_response must be >= 1, got {self.prefixes_per_response}")
-        if self.success_labels not in SUCCESS_LABELS:
-            raise ValueError(f"success_labels must be one of {SUCCESS_LABELS}, got {self.success_labels!r}")
-        if self.code_rule is not None:
-            if self.code_rule not in CODE_STEP_RULES:
-                raise ValueError(f"code_rule must be one of {CODE_STEP_RULES}, got {self.code_rule!r}")
-            if self.step_regex is not None:
-                raise ValueError("pass either a code rule or a step regex, not both")
-        if self.code_depth < 0:
-            raise ValueError(f"code_depth must be >= 0, got {self.code_depth}")
+        check_bounds(self, lambda name: name)
+        check_choices(self, lambda name: name)
+        if self.code_rule is not None and self.step_regex is not None:
+            raise ValueError("pass either a code rule or a step regex, not both")
+        if self.code_rule is None and self.code_depth != 0:
+            raise ValueError(f"code_depth (--code-depth {self.code_depth}) applies to a code rule only (the statement "
+                             "depth of code steps): add --code-rule block (or line, indent), or drop --code-depth")
 
     def step_spans(self, text: str) -> list[tuple[int, int]]:
         """Character spans of the steps of ``text`` under these settings."""

@@ -40,11 +40,11 @@ from typing import Any, Sequence
 
 import torch
 
+from verl_prm.choices import CODE_SPLIT_RULES
 from verl_prm.steps import StepSplit, decode_with_char_ends, step_char_spans, steps_at_char_ends
 
-__all__ = ["CODE_STEP_RULES", "ast_block_starts", "block_regex", "code_split_steps", "code_step_char_spans"]
+__all__ = ["ast_block_starts", "block_regex", "code_split_steps", "code_step_char_spans"]
 
-CODE_STEP_RULES = ("line", "block", "indent", "delimiter")
 _CONTINUATION = ("elif", "else", "except", "finally")
 
 
@@ -156,8 +156,8 @@ def code_step_char_spans(
         delimiter, regex: the "delimiter" rule's delimiter or regex.
         max_steps: steps past this count join the last step (as in ``verl_prm.steps``).
     """
-    if rule not in CODE_STEP_RULES:
-        raise ValueError(f"code step rule must be one of {CODE_STEP_RULES}, got {rule!r}")
+    if rule not in CODE_SPLIT_RULES:
+        raise ValueError(f"code step rule must be one of {CODE_SPLIT_RULES}, got {rule!r}")
     if rule == "line":
         return step_char_spans(text, "\n", max_steps=max_steps)
     if rule == "delimiter":

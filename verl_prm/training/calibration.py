@@ -33,11 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
+from verl_prm.choices import CALIBRATION_METHODS
 from verl_prm.training.head_fit import fit_logistic_head
 
 __all__ = [
     "CALIBRATION_FILE",
-    "CALIBRATION_METHODS",
     "DEFAULT_CALIBRATION",
     "MAX_PLATT_SLOPE",
     "MIN_CALIBRATED_SPAN",
@@ -59,7 +59,6 @@ __all__ = [
 ]
 
 CALIBRATION_FILE = "calibration.json"
-CALIBRATION_METHODS = ("platt", "isotonic", "none")
 DEFAULT_CALIBRATION = "platt"
 # Fewest held-out labelled steps a map is fitted on: the mean of 32 labels has a standard error up to
 # 0.5 / sqrt(32) = 0.088, about the size of the squashed drop being corrected; fewer labels fit noise.

@@ -18,11 +18,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["HEAD_FITS", "HeadFit", "fit_logistic_head", "weighted_soft_bce"]
+__all__ = ["HeadFit", "fit_logistic_head", "weighted_soft_bce"]
 
-# verl-prm train --head-fit: sampled AdamW steps, or this module's fit (torch is imported lazily: the recipe's
-# settings check these names without loading torch)
-HEAD_FITS = ("adam", "newton")
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ import pandas as pd
 import torch
 
 from verl_prm.resume import check_same_settings
+from verl_prm.training.config import TrainConfig
 from verl_prm.training.data import (
     EncodedRollout,
     class_balanced_weights,
@@ -53,12 +54,9 @@ from verl_prm.training.data import (
     sample_batch_indices,
     split_by_prompt,
 )
-from verl_prm.training.head_fit import HEAD_FITS
 from verl_prm.training.losses import gather_step_logits, soft_label_bce, warmup_cosine_factor
 from verl_prm.training.calibration import (
     CALIBRATION_FILE,
-    CALIBRATION_METHODS,
-    DEFAULT_CALIBRATION,
     MIN_CALIBRATION_LABELS,
     CalibrationError,
     cross_fitted_values,
@@ -68,7 +66,7 @@ from verl_prm.training.calibration import (
 )
 from verl_prm.training.metrics import expected_calibration_error, mse, plot_reliability, value_metrics
 
-__all__ = ["TrainConfig", "NonFiniteLossError", "train", "evaluate_examples", "latest_checkpoint", "build_model",
+__all__ = ["NonFiniteLossError", "train", "evaluate_examples", "latest_checkpoint", "build_model",
            "checkpoint_problem", "input_digests"]
 
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
@@ -76,114 +74,10 @@ _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 # Every other setting must be the one the checkpoint was written with.
 _RESUME_FREE_KEYS = ("output_dir", "resume", "progress", "log_every", "eval_every", "eval_batch_size", "save_every",
                      "keep_checkpoints", "gradient_checkpointing", "calibration")
-DEFAULT_EVAL_FRACTION = 0.1
 
 
 class NonFiniteLossError(ValueError):
     """The training loss or gradient norm became NaN or infinite; the run stopped before that step."""
-
-
-@dataclass
-class TrainConfig:
-    labels: list[str]
-    output_dir: str
-    init: str | None = None
-    init_config: str | None = None
-    tokenizer: str | None = None
-    eval_labels: list[str] | None = None
-    # share of prompts held out when there are no eval_labels (None: DEFAULT_EVAL_FRACTION)
-    eval_fraction: float | None = None
-    max_length: int | None = 4096
-    batch_size: int = 8
-    grad_accum: int = 1
-    max_steps: int = 1000
-    lr: float = 1e-5
-    min_lr_ratio: float = 0.0
-    warmup_steps: int = 50
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    balance: bool = True
-    best_of_k: int = 1
-    use_prompt_value: bool = True
-    # train only the value head; the backbone keeps the --init weights
-    freeze_backbone: bool = False
-    # how the head is fitted: "adam" (max_steps sampled AdamW steps, the schedule above) or, with
-    # freeze_backbone, "newton" (the convex head loss minimised on the full training set by Newton's method,
-    # max_steps iterations at most; verl_prm.training.head_fit)
-    head_fit: str = "adam"
-    eval_every: int = 0
-    eval_batch_size: int = 16
-    save_every: int = 0
-    keep_checkpoints: int = 2
-    resume: bool = True
-    seed: int = 0
-    mixed_precision: str = "no"
-    gradient_checkpointing: bool = False
-    cpu: bool = False
-    log_every: int = 10
-    progress: bool = True
-    # post-hoc map fitted on the held-out labels at the end, stored as checkpoint/calibration.json
-    # (verl_prm.training.calibration: "platt", "isotonic" or "none")
-    calibration: str = DEFAULT_CALIBRATION
-    extra: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        from verl_prm.checks import check_number
-
-        if (self.init is None) == (self.init_config is None):
-            raise ValueError("give exactly one of init (a checkpoint) and init_config (a config for a new model)")
-        if self.init_config is not None and self.tokenizer is None:
-            raise ValueError("a model built from init_config needs a tokenizer path (--tokenizer)")
-        if self.freeze_backbone and self.init_config is not None:
-            raise ValueError("freeze_backbone (--freeze-backbone) with init_config (--init-config) trains a value head "
-                             "on a random backbone that never learns: pass --init with a trained model, or drop "
-                             "--freeze-backbone")
-        if self.head_fit not in HEAD_FITS:
-            raise ValueError(f"head_fit (--head-fit) must be one of {', '.join(HEAD_FITS)}, got {self.head_fit!r}")
-        if self.head_fit == "newton" and not self.freeze_backbone:
-            raise ValueError("head_fit newton (--head-fit newton) fits the value head on frozen features: it needs "
-                             "--freeze-backbone (a whole model trains with --head-fit adam)")
-        if self.head_fit == "newton" and self.weight_decay != 0:
-            raise ValueError(f"weight_decay (--weight-decay {self.weight_decay}) is AdamW's; --head-fit newton fits the "
-                             "head without it: pass --weight-decay 0, or --head-fit adam")
-        if self.eval_labels and self.eval_fraction is not None:
-            raise ValueError("eval_fraction (--eval-fraction) splits --labels when there are no eval_labels; with "
-                             "--eval-labels nothing is split: drop one of the two")
-        minimum = {"max_steps": 1, "batch_size": 1, "grad_accum": 1, "best_of_k": 1, "eval_batch_size": 1,
-                   "log_every": 1, "warmup_steps": 0, "eval_every": 0, "save_every": 0, "seed": 0}
-        for key, low in minimum.items():
-            _check_int(key, getattr(self, key), low)
-        if self.max_length is not None:
-            _check_int("max_length", self.max_length, 1)
-        if isinstance(self.keep_checkpoints, bool) or int(self.keep_checkpoints) != self.keep_checkpoints \
-                or self.keep_checkpoints < 1:
-            raise ValueError(f"keep_checkpoints (--keep-checkpoints) must be an integer >= 1, got "
-                             f"{self.keep_checkpoints!r}: the newest checkpoint is the model the run produces and is "
-                             "always kept; 1 keeps only it")
-        check_number("lr (--lr)", self.lr, 0.0, low_open=True)
-        check_number("min_lr_ratio (--min-lr-ratio)", self.min_lr_ratio, 0.0, 1.0)
-        check_number("weight_decay (--weight-decay)", self.weight_decay, 0.0)
-        check_number("grad_clip (--grad-clip)", self.grad_clip, 0.0)
-        if self.eval_fraction is not None:
-            check_number("eval_fraction (--eval-fraction)", self.eval_fraction, 0.0, 1.0, high_open=True)
-        if self.calibration not in CALIBRATION_METHODS:
-            raise ValueError(f"calibration (--calibration) must be one of {', '.join(CALIBRATION_METHODS)}, got "
-                             f"{self.calibration!r}")
-        if self.calibration != "none" and not self.eval_labels and self.held_out_fraction == 0.0:
-            raise ValueError(f"calibration (--calibration {self.calibration}) is fitted on held-out labels, but "
-                             "--eval-fraction 0 holds none out: pass --eval-labels or a positive --eval-fraction, "
-                             "or --calibration none")
-
-    @property
-    def held_out_fraction(self) -> float:
-        """The share of prompts split off --labels for evaluation (when there are no eval_labels)."""
-        return DEFAULT_EVAL_FRACTION if self.eval_fraction is None else self.eval_fraction
-
-
-def _check_int(key: str, value, low: int) -> None:
-    flag = "--" + key.replace("_", "-")
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{key} ({flag}) must be an integer >= {low}, got {value!r}")
 
 
 def _checkpoint_dirs(output_dir: Path) -> list[tuple[int, Path]]:

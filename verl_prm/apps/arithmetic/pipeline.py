@@ -183,8 +183,7 @@ class Scale:
             raise ValueError("critic_init needs check_weight > 0: only the value head is trained on it, so the backbone "
                              "must have been taught the check (with check_weight 0 it only recomputes results, and a "
                              "linear value head reads no check from that; docs/arithmetic.md)")
-        from verl_prm.training.calibration import CALIBRATION_METHODS
-        from verl_prm.training.head_fit import HEAD_FITS
+        from verl_prm.choices import CALIBRATION_METHODS, HEAD_FITS
 
         if self.refined_head_fit not in HEAD_FITS:
             raise ValueError(f"refined_head_fit must be one of {', '.join(HEAD_FITS)}, got {self.refined_head_fit!r}")
@@ -520,7 +519,8 @@ def train_pav(labels: Path, init: Path, output: Path, *, steps: int, batch_size:
     fitted on the held-out labels (``--calibration``), the head fitted by ``head_fit`` (``--head-fit``); resumes from
     ``output``. Returns the training settings
     (``TrainConfig`` as a dict)."""
-    from verl_prm.training.trainer import TrainConfig, train
+    from verl_prm.training.config import TrainConfig
+    from verl_prm.training.trainer import train
 
     config = TrainConfig(labels=[str(labels)], output_dir=str(output), init=str(init), eval_fraction=0.2,
                          max_length=max_length, batch_size=batch_size, max_steps=steps, lr=lr,

@@ -31,6 +31,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from verl_prm.choices import PREFIX_RULES
 from verl_prm.cli_types import finite_float
 from verl_prm.apps.cpu_loop import LoopSize, main_ppo_args, prepare, run_main_ppo
 
@@ -39,7 +40,6 @@ PHASES = ("gen", "old_log_prob", "pav_critic", "pav_mc", "adv", "update_actor", 
 ARMS = ("grpo", "pav_grpo", "sampled")
 MC_METRICS = ("pav/mc_tokens", "pav/mc_token_ratio", "pav/mc_continuations", "pav/mc_prefixes_evaluated",
               "pav/mc_prefixes_skipped", "response_length/mean")
-MC_PREFIX_RULES = ("every", "fixed", "first_pit")
 
 
 def parity_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="verl-prm bench loop", description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("--steps", type=int, default=5, help="training steps per run (the first is not averaged)")
     p.add_argument("--n-mc", type=int, default=4, help="sampled arm: verl_prm.critic.n_mc (continuations per prefix)")
-    p.add_argument("--prefix-rule", choices=MC_PREFIX_RULES, default="every",
+    p.add_argument("--prefix-rule", choices=PREFIX_RULES, default="every",
                    help="sampled arm: verl_prm.critic.prefix_rule (which step prefixes are sampled)")
     p.add_argument("--work-dir", default=None, help="model, data, logs (default: a temporary directory)")
     p.add_argument("--timeout", type=finite_float(0.0, low_open=True), default=900, help="seconds per main_ppo run")

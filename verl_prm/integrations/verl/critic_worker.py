@@ -38,10 +38,11 @@ from verl.protocol import pad_dataproto_to_divisor, unpad_dataproto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 
+from verl_prm.choices import EXACT_CRITIC_FORMAT, OFFLOAD_MODES
 from verl_prm.integrations.verl.critic_placement import balanced_row_order, inverse_order
 
 __all__ = ["ProverCriticWorker", "compute_step_values", "move_critic", "INPUT_KEYS", "OUTPUT_KEYS", "ROW_INDEX_KEY",
-           "OFFLOAD_MODES", "OFFLOAD_SECONDS_KEY"]
+           "OFFLOAD_SECONDS_KEY"]
 
 # Input batch keys (verl layout + the step split of the responses):
 #   prompts [B, P] left-padded, responses [B, T], attention_mask [B, P + T],
@@ -55,9 +56,6 @@ INPUT_KEYS = ("prompts", "responses", "attention_mask", "step_ends", "num_steps"
 OUTPUT_KEYS = ("prompt_values", "step_values", "num_steps")
 # Each row's index in the padded batch, set by compute_step_values (rows are reordered for token balance).
 ROW_INDEX_KEY = "verl_prm_row_index"
-# verl_prm.placement.offload (verl_prm.config.hook.PLACEMENT_OFFLOADS, held equal by a test): "cpu" moves the
-# critic's weights to the host after scoring and back before the next scoring.
-OFFLOAD_MODES = ("none", "cpu")
 # meta_info["metrics"] key of each worker's output: seconds spent moving the weights (both ways) in this call.
 OFFLOAD_SECONDS_KEY = "pav_critic_offload_s"
 
@@ -92,12 +90,12 @@ class ProverCriticWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict[str, Any]:
         """Load the critic replica on this worker's device; returns a short description (rank, device)."""
-        from verl_prm.critic.exact import EXACT_FORMAT, ExactCritic
+        from verl_prm.critic.exact import ExactCritic
 
         kwargs = dict(self.critic_kwargs)
-        if kwargs.get("format") == EXACT_FORMAT and self.offload != "none":
+        if kwargs.get("format") == EXACT_CRITIC_FORMAT and self.offload != "none":
             raise ValueError("ProverCriticWorker: format 'exact' has no weights to offload; use offload='none'")
-        if kwargs.get("format") == EXACT_FORMAT:
+        if kwargs.get("format") == EXACT_CRITIC_FORMAT:
             if self.policy_tokenizer_path is None:
                 raise ValueError(
                     "ProverCriticWorker: format 'exact' reads the response text, so it needs policy_tokenizer_path "

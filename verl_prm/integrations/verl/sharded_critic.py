@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from verl_prm.choices import SHARDABLE_FORMATS
 from verl_prm.training.calibration import checkpoint_calibration
 from verl_prm.integrations.verl.critic_worker import ProverCriticWorker
 
 __all__ = [
-    "SHARDABLE_FORMATS",
     "JoinedForwards",
     "ShardedProverCriticWorker",
     "init_critic_process_group",
@@ -41,8 +41,6 @@ __all__ = [
     "shard_rows",
 ]
 
-# Formats the sharded loader builds (the native format: AutoModelForTokenClassification, num_labels=1).
-SHARDABLE_FORMATS = ("value_head",)
 
 
 def shard_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:

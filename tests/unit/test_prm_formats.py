@@ -740,3 +740,13 @@ def test_token_formats_read_step_text_as_plain_text(tmp_path):
     critic = ProverCritic.from_pretrained(str(tmp_path), format="pure_prm")
     scores = critic.score_texts([PROBLEM], [hostile], delimiter="\n\n")
     assert int(scores.num_steps[0]) == 2
+
+
+def test_qwen_separator_by_id_scores_as_the_model_card(tmp_path):
+    tok = qwen_prm_checkpoint(tmp_path)
+    prompt = tok.apply_chat_template([{"role": "system", "content": QWEN_SYSTEM}, {"role": "user", "content": PROBLEM}],
+                                     tokenize=False, add_generation_prompt=True)
+    critic = ProverCritic.from_pretrained(str(tmp_path), format="qwen_prm",
+                                          separator=tok.convert_tokens_to_ids("<extra_0>"))
+    scores = critic.score_texts([prompt], ["\n\n".join(STEPS)], delimiter="\n\n")
+    assert scores.step_values[0].tolist() == pytest.approx(qwen_prm_reference(tmp_path, tok, PROBLEM, STEPS), abs=1e-5)

@@ -594,7 +594,16 @@ class QwenPrmFormat(CriticFormat):
         marker_id = resolve_token_id(tokenizer, separator, "qwen_prm separator")
         if separator == "<extra_0>":
             check_required_token(cls.name, tokenizer, marker_id, QWEN_SEPARATOR)
-        separator_text = _token_text(tokenizer, marker_id) if isinstance(separator, int) else separator
+        separator_text = (tokenizer.decode([marker_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+                          if isinstance(separator, int) else separator)
+        encoding = tokenizer("a" + separator_text, add_special_tokens=False, return_offsets_mapping=True)
+        written = [int(t) for t, (_, b) in zip(encoding["input_ids"], encoding["offset_mapping"]) if b > 1]
+        if written != [marker_id]:  # the input writes the separator's text after each step
+            raise ValueError(
+                f"format 'qwen_prm': the separator {separator!r} is written after a step as {separator_text!r}, "
+                f"which encodes to {tokenizer.convert_ids_to_tokens(written)}, not the one token {marker_id}; pass "
+                "a separator that is one vocabulary token (the checkpoint's '<extra_0>')"
+            )
         model, backbone, head = _load_two_class_head(cls.name, path, dtype, attn_implementation, allow_pickle, device,
                                                      head_prefix)
         check_vocabulary(path, tokenizer, model)

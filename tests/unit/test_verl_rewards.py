@@ -92,3 +92,22 @@ def test_training_data_the_default_scorer_cannot_score_is_refused_at_startup(tmp
         check_default_scorer_data_sources(config([str(known), str(unknown)]))
     check_default_scorer_data_sources(config([str(unknown)], path="reward.py"))  # a custom function scores them
     check_default_scorer_data_sources(config(["hdfs://elsewhere/train.parquet", str(tmp_path / "none.parquet")]))
+
+
+def test_pav_truncated_counts_the_generation_config_s_eos_as_an_end(bpe_small, tmp_path):
+    """A response ending at the policy's generation-config EOS is finished even when the tokenizer names another
+    EOS (transformers' GGUF tokenizer of SmolLM2 says <|im_start|>, the model <|im_end|>); other ends are
+    truncated. Before, only the tokenizer's EOS counted, so every such response was called truncated."""
+    from omegaconf import OmegaConf
+    from transformers import GenerationConfig
+
+    from verl_prm.integrations.verl.reward_manager import PavRewardManager
+
+    other = bpe_small.eos_token_id + 5
+    GenerationConfig(eos_token_id=other).save_pretrained(tmp_path)
+    config = OmegaConf.create({"actor_rollout_ref": {"model": {"path": str(tmp_path)}}})
+    manager = PavRewardManager(config, bpe_small, None)
+    text = bpe_small.encode("x = 1\n\ny = 2", add_special_tokens=False)
+    assert manager.step_info(text + [other])["pav_truncated"] == 0.0
+    assert manager.step_info(text + [bpe_small.eos_token_id])["pav_truncated"] == 0.0
+    assert manager.step_info(text)["pav_truncated"] == 1.0

@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
+from verl_prm.special_tokens import ensure_pad_token, policy_eos_token_ids
+
 __all__ = [
     "Completion",
     "Generator",
@@ -71,7 +73,8 @@ class HFGenerator:
 
     Args:
         model: a ``PreTrainedModel`` with a LM head (on its device, eval mode is set here).
-        tokenizer: its tokenizer (a pad token is taken from EOS when missing).
+        tokenizer: its tokenizer (one without a pad token gets one: ``ensure_pad_token``); responses end at
+            ``policy_eos_token_ids`` (the tokenizer's EOS and the generation config's).
         max_new_tokens: cap on generated tokens per completion.
         temperature: 0 means greedy decoding (then all n completions are equal).
         top_p: nucleus sampling threshold (1.0 = off).
@@ -96,16 +99,9 @@ class HFGenerator:
         self.temperature = float(temperature)
         self.top_p = float(top_p)
         self.batch_size = int(batch_size)
-        eos = set()
-        for source in (getattr(model, "generation_config", None), tokenizer):
-            value = getattr(source, "eos_token_id", None)
-            if value is None:
-                continue
-            eos.update(value if isinstance(value, (list, tuple)) else [value])
-        if not eos:
-            raise ValueError("HFGenerator: neither the model's generation_config nor the tokenizer names an EOS token")
-        self.eos_token_ids = eos
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+        generation = getattr(model, "generation_config", None)
+        self.eos_token_ids = set(policy_eos_token_ids(tokenizer, generation, source="HFGenerator"))
+        self.pad_token_id = ensure_pad_token(tokenizer, generation, source="HFGenerator")
 
     @classmethod
     def from_pretrained(cls, path: str, *, device: str | None = None, dtype: str = "auto", **kwargs) -> "HFGenerator":

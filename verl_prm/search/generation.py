@@ -29,6 +29,7 @@ import warnings
 from typing import Any, Sequence
 
 from verl_prm.search import Node, StepSample
+from verl_prm.special_tokens import ensure_pad_token, policy_eos_token_ids
 
 __all__ = [
     "HFStepSampler",
@@ -125,15 +126,9 @@ class HFStepSampler:
         self.max_response_tokens = int(max_response_tokens)
         self.temperature, self.top_p = float(temperature), float(top_p)
         self.batch_size = int(batch_size)
-        eos: set[int] = set()
-        for source in (getattr(model, "generation_config", None), tokenizer):
-            value = getattr(source, "eos_token_id", None)
-            if value is not None:
-                eos.update(value if isinstance(value, (list, tuple)) else [value])
-        if not eos:
-            raise ValueError("HFStepSampler: neither the model's generation_config nor the tokenizer names an EOS token")
-        self.eos_token_ids = eos
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+        generation = getattr(model, "generation_config", None)
+        self.eos_token_ids = set(policy_eos_token_ids(tokenizer, generation, source="HFStepSampler"))
+        self.pad_token_id = ensure_pad_token(tokenizer, generation, source="HFStepSampler")
 
     @classmethod
     def from_pretrained(cls, path: str, prompts: Sequence[str], *, device: str | None = None, **kwargs) -> "HFStepSampler":

@@ -11,7 +11,8 @@ it returns what verl's streaming reward path accepts (one float, ``reward_score`
   steps in the response text decoded with ``skip_special_tokens=True, clean_up_tokenization_spaces=False``:
   text, not a list, because verl stacks every extra-info key with ``np.array`` over the batch and averages
   non-text values in validation, which ragged lists would break), ``pav_response_tokens`` (int),
-  ``pav_truncated`` (1.0 when the response does not end with the tokenizer's EOS token, else 0.0).
+  ``pav_truncated`` (1.0 when the response does not end with one of the policy's EOS ids, else 0.0: the
+  tokenizer's and the policy's generation config's, ``verl_prm.special_tokens.policy_eos_token_ids``).
 
 Steps are split by ``StepsSection.split`` with the rule of ``verl_prm.steps`` (``verl_prm.steps.split_steps``, or
 ``verl_prm.steps.code.code_split_steps`` for a code rule): the same call the trainer hook makes, so
@@ -30,6 +31,7 @@ from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 from verl_prm.config.hook import StepsSection, read_hook_config
 from verl_prm.integrations.verl.import_hooks import run_deferred_registration
 from verl_prm.labeling.scoring import reward_number
+from verl_prm.special_tokens import generation_config_of, policy_eos_token_ids
 
 __all__ = ["PavRewardManager", "REWARD_MANAGER_NAME", "register_reward_manager"]
 
@@ -55,6 +57,20 @@ class PavRewardManager(RewardManagerBase):
         self.reward_router_address = reward_router_address
         self.reward_model_tokenizer = reward_model_tokenizer
         self.steps = _steps_config(config)
+        self._eos_ids: set[int] | None = None
+
+    def eos_token_ids(self) -> set[int]:
+        """The ids a finished response ends with: the tokenizer's EOS and the policy's generation config's."""
+        if self._eos_ids is None:
+            from verl.utils.fs import copy_to_local
+
+            try:
+                path = self.config.actor_rollout_ref.model.path
+            except AttributeError:  # a config without a policy (the manager used on its own): the tokenizer's EOS
+                path = None
+            generation = generation_config_of(copy_to_local(path)) if path else None
+            self._eos_ids = set(policy_eos_token_ids(self.tokenizer, generation, source=f"the policy {path}"))
+        return self._eos_ids
 
     async def run_single(self, data: DataProto) -> dict:
         data_item = data[-1:][0]  # multi-output trajectories: the last output is scored, as verl's naive manager
@@ -119,9 +135,7 @@ class PavRewardManager(RewardManagerBase):
         num_steps = int(split.num_steps[0])
         ends = split.step_char_ends[0, :num_steps].tolist()
         spans = [[start, end] for start, end in zip([0] + ends[:-1], ends)]
-        eos = self.tokenizer.eos_token_id
-        eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
-        truncated = ids.shape[1] == 0 or int(ids[0, -1]) not in eos_ids
+        truncated = ids.shape[1] == 0 or int(ids[0, -1]) not in self.eos_token_ids()
         return {
             "pav_num_steps": num_steps,
             "pav_step_spans": json.dumps(spans),

@@ -51,6 +51,7 @@ from verl_prm.config.hook import StepsSection, read_hook_config
 from verl_prm.critic import ProverCritic
 from verl_prm.metrics import pav_metrics
 from verl_prm.responses import truncated_responses
+from verl_prm.special_tokens import policy_eos_token_ids
 from verl_prm.steps import same_tokenizer
 
 __all__ = ["PavGRPOTrainer", "TESTED_TRL_VERSION", "TRL_PAV_KEYS", "pav_config_for_trl"]
@@ -158,6 +159,9 @@ class PavGRPOTrainer(GRPOTrainer):
         self._critic_policy_tokenizer = None if same_tokenizer(self.processing_class, critic.tokenizer) else \
             self.processing_class
         self._pav_rewards_per_func: torch.Tensor | None = None
+        # TRL stops at the same ids (its eos_token_ids); this names a tokenizer/generation-config disagreement
+        self._policy_eos_ids = policy_eos_token_ids(self.processing_class, getattr(self.model, "generation_config", None),
+                                                    source="PavGRPOTrainer: the policy")
 
     # ------------------------------------------------------------------ TRL hooks
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -220,7 +224,7 @@ class PavGRPOTrainer(GRPOTrainer):
                                   completion_mask)
         # the last valid token is the mask's last set one (right-padded); a completion TRL masked whole
         # (mask_truncated_completions) has length 0 and counts as truncated
-        truncated = truncated_responses(completion_ids, completion_mask.long().sum(dim=1), self.eos_token_ids)
+        truncated = truncated_responses(completion_ids, completion_mask.long().sum(dim=1), self._policy_eos_ids)
         keep = ~truncated if pav.drop_truncated else torch.ones_like(truncated)
         keep = keep & self._scorable_rows(outcome.shape[0], outcome.device)
         # The process scores of the whole (gathered) batch: normalize's std is a batch statistic.

@@ -56,6 +56,7 @@ from verl_prm.integrations.verl.value_sources import (
     StepValueSource,
 )
 from verl_prm.labeling.scoring import OutcomeScorer
+from verl_prm.special_tokens import policy_eos_token_ids
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
@@ -148,21 +149,20 @@ class PavSyncTrainer(PPOTrainerSync):
         return marked_timer(name, timing_raw, color="purple") if timing_raw is not None else contextlib.nullcontext()
 
     def _eos_token_ids(self) -> list[int]:
-        """EOS ids a finished response ends with: the tokenizer's and the generation config's (Qwen2.5
-        instruct models stop at either <|im_end|> or <|endoftext|>)."""
+        """EOS ids a finished response ends with: the tokenizer's and the generation config's
+        (``verl_prm.special_tokens.policy_eos_token_ids``: Qwen2.5 instruct models stop at either <|im_end|> or
+        <|endoftext|>; a disagreement is logged)."""
         if getattr(self, "_eos_ids", None) is None:
             from verl.utils.fs import copy_to_local
             from verl.utils.model import get_generation_config
 
-            ids = {self.tokenizer.eos_token_id}
+            path = self.config.actor_rollout_ref.model.path
             try:
-                generation = get_generation_config(copy_to_local(self.config.actor_rollout_ref.model.path))
+                generation = get_generation_config(copy_to_local(path))
             except (OSError, ValueError) as error:  # a directory without a model config: the tokenizer's EOS
                 logger.warning("no generation config for the policy (%s): EOS is the tokenizer's only", error)
                 generation = None
-            eos = getattr(generation, "eos_token_id", None)
-            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-            self._eos_ids = sorted(int(i) for i in ids if i is not None)
+            self._eos_ids = sorted(policy_eos_token_ids(self.tokenizer, generation, source=f"the policy {path}"))
         return self._eos_ids
 
     def read_step_batch(self, batch) -> StepBatch:

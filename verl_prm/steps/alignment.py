@@ -87,8 +87,11 @@ def _encode_batch(
     responses: list[str],
     spans: list[Sequence[tuple[int, int]]],
     samples: list[Any],
+    *,
+    separable: bool = False,
 ) -> list[EncodedSteps]:
-    """Batched `encode_with_step_ends` (one tokenizer call for all prompts and one for all responses)."""
+    """Batched `encode_with_step_ends` (one tokenizer call for all prompts and one for all responses). With
+    ``separable``, two steps ending in one critic token are an error (``_check_separable``)."""
     for prompt, sample in zip(prompts, samples):
         if not isinstance(prompt, str) or prompt == "":
             raise ValueError(
@@ -113,7 +116,8 @@ def _encode_batch(
             if list(offsets["input_ids"]) != list(response_ids[b]):
                 raise ValueError(f"sample {sample}: the tokenizer encodes the response differently on a second call")
             ends = _end_tokens_from_offsets(list(offsets["offset_mapping"]), span_ends[b])
-        _check_separable(ends, response_ids[b], tokenizer, sample)
+        if separable:
+            _check_separable(ends, response_ids[b], tokenizer, sample)
         prompt_length = len(prompt_ids[b])
         out.append(
             EncodedSteps(
@@ -136,7 +140,10 @@ def encode_with_step_ends(
     ``step_ends[h]`` is the index in ``input_ids`` of the token that holds the last character of span h
     (``response[spans[h][1] - 1]``), found through the character ends of the response tokens (byte-level:
     the token holding the character's last byte), or through offset mappings when the tokenizer's decode does
-    not reproduce the response (normalisers).
+    not reproduce the response (normalisers). Ends never decrease; two consecutive steps share an end when one
+    token holds the last characters of both (a space merged with the next word: steps ``"- "`` and ``"b"`` end in
+    ``" b"``); the callers decide what that means (``align_to_critic`` refuses it, search and training read the
+    shared token for both).
 
     Args:
         tokenizer: the critic tokenizer (a transformers fast tokenizer).
@@ -304,4 +311,6 @@ def align_to_critic(
         ends = char_ends[b][: num_steps[b]]
         spans.append(list(zip([0] + ends[:-1], ends)))
     # invalid UTF-8 in a policy response decodes to U+FFFD, which the critic reads as a character
-    return _encode_batch(critic_tokenizer, list(prompts), list(split.texts), spans, list(range(batch)))
+    # the estimator's steps are the policy's: each needs a critic token of its own to read its value at
+    return _encode_batch(critic_tokenizer, list(prompts), list(split.texts), spans, list(range(batch)),
+                         separable=True)

@@ -26,6 +26,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
+from verl_prm.apps.arithmetic.model import ModelConfig, build_model, build_tokenizer, save_policy
+from verl_prm.apps.arithmetic.task import TaskConfig, generate_problems, verl_row
+from verl_prm.apps.arithmetic import score
 
 __all__ = [
     "LoopSize",
@@ -65,8 +68,6 @@ def prepare(work_dir: str | Path, size: LoopSize = LoopSize(), seed: int = 0) ->
     import torch
     from transformers import Qwen2Config, Qwen2ForTokenClassification
 
-    from verl_prm.apps.arithmetic.model import ModelConfig, build_model, build_tokenizer, save_policy
-    from verl_prm.apps.arithmetic.task import TaskConfig, generate_problems, verl_row
 
     work_dir = Path(work_dir)
     paths = {"policy": work_dir / "policy", "critic": work_dir / "critic",
@@ -144,8 +145,6 @@ def main_ppo_args(work_dir: str | Path, estimator: str, *, steps: int, size: Loo
     ``critic_pool``: ``verl_prm.placement.pool`` (``colocated``: the critic's worker shares verl's pool;
     ``own``: a pool of one more logical GPU). ``checkpoint_name``: the directory under ``WORK_DIR/checkpoints``
     the run saves to and resumes from (default: ``run_name``)."""
-    from verl_prm.apps.arithmetic import score
-
     work_dir = Path(work_dir)
     run_name = run_name or estimator
     batch = size.prompts_per_step

@@ -41,6 +41,8 @@ from typing import Any, Sequence
 import torch
 
 from verl_prm.advantages import best_of_k, step_progress, valid_steps
+from verl_prm.steps import encode_with_step_ends
+from verl_prm.critic import ProverCritic
 
 __all__ = [
     "FirstErrorSample",
@@ -278,8 +280,6 @@ def critic_values(critic, samples: Sequence[FirstErrorSample], prompt_format: st
 
     The critic reads ``prompt_format.format(problem=...)`` and the steps joined by ``separator``; each step's
     value is read at its last character (explicit spans: a step's own text is never re-split)."""
-    from verl_prm.steps import encode_with_step_ends
-
     input_ids, prompt_ends, step_ends = [], [], []
     for sample in samples:
         pieces = [step + (separator if h < len(sample.steps) - 1 else "") for h, step in enumerate(sample.steps)]
@@ -317,8 +317,6 @@ def evaluate(args, samples: Sequence[FirstErrorSample]) -> dict[str, Any]:
         if args.score == "progress":
             raise SystemExit("--score progress needs the critic's prompt value: use --critic, or precompute progress")
     elif args.critic is not None:
-        from verl_prm.critic import ProverCritic
-
         critic = ProverCritic.from_pretrained(args.critic, format=args.critic_format, device=args.device)
         prompt_values, step_values, num_steps = critic_values(
             critic, samples, args.prompt_format, codecs.decode(args.separator, "unicode_escape"))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 from typing import Iterable, Iterator
+from verl_prm.labeling.inputs import read_jsonl_records
 
 __all__ = ["convert_math_shepherd", "convert_prm800k", "read_jsonl", "PRM800K_RATING_TO_Q"]
 
@@ -35,8 +36,6 @@ PRM800K_RATING_TO_Q = {1: 1.0, 0: 1.0, -1: 0.0}
 
 def read_jsonl(path: str | Path) -> Iterator[dict]:
     """The records of a jsonl file; a line that is not UTF-8 or not JSON raises ValueError naming file and line."""
-    from verl_prm.labeling.inputs import read_jsonl_records
-
     for _, record in read_jsonl_records(path):
         yield record
 

@@ -17,6 +17,7 @@ import pandas as pd
 import torch
 
 from verl_prm.labeling.format import best_of_k_from_counts
+from verl_prm.steps import encode_with_step_ends
 
 __all__ = [
     "EncodedRollout",
@@ -84,8 +85,6 @@ def encode_labels(
     first ``max_length`` tokens and loses the labels of the steps that end beyond them (counted in the stats
     and reported; no label is moved to another position). Rows left without any label are counted and skipped.
     """
-    from verl_prm.steps import encode_with_step_ends
-
     stats = EncodingStats()
     examples: list[EncodedRollout] = []
     for row in frame.itertuples(index=False):

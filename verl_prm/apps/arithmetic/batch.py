@@ -16,6 +16,7 @@ import torch
 
 from verl_prm.apps.arithmetic.rollout import Rollouts
 from verl_prm.apps.arithmetic.task import DATA_SOURCE, STEP_REGEX, Problem, compute_score
+from verl_prm.steps import split_steps
 
 __all__ = ["build_data", "outcome_rewards", "step_tensors"]
 
@@ -43,8 +44,6 @@ def build_data(rollouts: Rollouts, rewards: torch.Tensor, uids: Sequence[str], s
 def step_tensors(critic, rollouts: Rollouts, tokenizer, *, return_split: bool = False):
     """``step_ids``/``num_steps`` (one step per operation, ``task.STEP_REGEX``) and the critic's raw
     ``step_values``/``prompt_values``."""
-    from verl_prm.steps import split_steps
-
     split = split_steps(rollouts.responses, rollouts.response_mask, tokenizer, regex=STEP_REGEX)
     scores = critic.score_policy_batch(rollouts.prompts, rollouts.responses, rollouts.attention_mask, split,
                                        policy_tokenizer=tokenizer)

@@ -33,6 +33,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
+from verl_prm.apps.arithmetic.task import apply_op
+from verl_prm.apps.arithmetic.model import lr_factor, render
 
 if TYPE_CHECKING:
     import torch
@@ -89,8 +91,6 @@ def result_targets(tokenizer, prompt_text: str, response: str, modulus: int) -> 
 
     Raises ``ValueError`` naming the line when an operation line's result does not end on a token boundary that
     the tokenizer maps (every written result must have a last token)."""
-    from verl_prm.apps.arithmetic.task import apply_op
-
     encoded = tokenizer(prompt_text + response, add_special_tokens=False, return_offsets_mapping=True)
     ends = [end for _, end in encoded["offset_mapping"]]
     positions, targets, slipped, prefix_right = [], [], [], []
@@ -204,7 +204,6 @@ def train_critic_init(policy: str | Path, output_dir: str | Path, prompts: Seque
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verl_prm.apps.arithmetic.model import lr_factor, render
 
     if len(prompts) != len(responses):
         raise ValueError(f"train_critic_init: {len(prompts)} prompts but {len(responses)} responses")

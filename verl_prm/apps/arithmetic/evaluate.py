@@ -26,6 +26,12 @@ from verl_prm.apps.arithmetic.machine import machine_line
 from verl_prm.apps.arithmetic.stats import bootstrap, bootstrap_se, first_crossing, interpolate, mean_curve, normalised_auc
 from verl_prm.apps.arithmetic.task import DATA_SOURCE, STEP_REGEX, Problem, compute_score, prefix_is_correct
 from verl_prm.apps.arithmetic.verl_rl import ARMS
+from verl_prm.apps.arithmetic.batch import outcome_rewards, step_tensors
+from verl_prm.apps.arithmetic.rollout import sample
+from verl_prm.critic.exact import ExactPrefixCritic
+from verl_prm.search import BeamConfig, BestOfNConfig, CachedCritic, beam_search, best_of_n as run_best_of_n
+from verl_prm.search.generation import HFStepSampler, TextCritic
+from verl_prm.training.metrics import auroc
 
 __all__ = ["efficiency_statistics", "summarise_arms", "critic_step_auroc", "search_sweep", "write_table",
            "plot_all", "learned_prefix_critic", "exact_prefix_critic"]
@@ -190,10 +196,6 @@ def summarise_arms(runs: dict, *, budget: int, reference: str = "grpo", level_fr
 def critic_step_auroc(critic, tokenizer, model, prompt_texts: Sequence[str], problems: Sequence[Problem], *,
                       samples: int, max_new_tokens: int, seed: int) -> dict:
     """AUROC of the critic's value after each step against the truth of the prefix (all lines right so far)."""
-    from verl_prm.apps.arithmetic.batch import step_tensors
-    from verl_prm.apps.arithmetic.rollout import sample
-    from verl_prm.training.metrics import auroc
-
     rollouts = sample(model, tokenizer, prompt_texts, samples, max_new_tokens=max_new_tokens, seed=seed)
     tensors, split = step_tensors(critic, rollouts, tokenizer, return_split=True)
     scores, labels = [], []
@@ -216,15 +218,11 @@ def critic_step_auroc(critic, tokenizer, model, prompt_texts: Sequence[str], pro
 
 def learned_prefix_critic(critic, prompt_texts: Sequence[str]):
     """A ``ProverCritic`` as the search's prefix critic (``verl_prm.search.generation.TextCritic``)."""
-    from verl_prm.search.generation import TextCritic
-
     return TextCritic(critic, prompt_texts)
 
 
 def exact_prefix_critic(prover, prompt_texts: Sequence[str]):
     """The exact prover as the search's prefix critic (``verl_prm.critic.exact.ExactPrefixCritic``)."""
-    from verl_prm.critic.exact import ExactPrefixCritic
-
     return ExactPrefixCritic(prover, prompt_texts)
 
 
@@ -234,9 +232,6 @@ def search_sweep(model, tokenizer, prefix_critic, prompt_texts: Sequence[str], p
     """Best-of-N (the critic's final value as the ranker) and PAV beam search (Q and A from the same critic)
     with the base policy; one row per (method, N): accuracy and mean generated / critic tokens per problem.
     Each search run gets a fresh cache, so its critic tokens are its own."""
-    from verl_prm.search import BeamConfig, BestOfNConfig, CachedCritic, beam_search, best_of_n as run_best_of_n
-    from verl_prm.search.generation import HFStepSampler
-
     sampler = HFStepSampler(model, tokenizer, list(prompt_texts), delimiter=None, regex=STEP_REGEX, max_step_tokens=24,
                             max_response_tokens=max_new_tokens, temperature=1.0, batch_size=512)
     ids = list(range(len(problems)))
@@ -502,8 +497,6 @@ def policy_accuracy(path: str | Path, prompt_texts_of, problems: Sequence[Proble
     """Sampled accuracy and mean response tokens of the policy at ``path``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verl_prm.apps.arithmetic.batch import outcome_rewards
-    from verl_prm.apps.arithmetic.rollout import sample
 
     tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, trust_remote_code=False)

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+from verl_prm.apps.arithmetic.task import prefix_correctness
+from verl_prm.apps.arithmetic.model import render
 
 __all__ = ["group_statistics", "measure_policy", "step_accuracy"]
 
@@ -31,8 +33,6 @@ def group_statistics(outcomes: np.ndarray) -> dict:
 def step_accuracy(problems, texts: Sequence[str], prompt_index: Sequence[int]) -> dict:
     """Per-step accuracy of operation steps given a correct prefix (``task.prefix_correctness``), pooled and
     per step index."""
-    from verl_prm.apps.arithmetic.task import prefix_correctness
-
     right: dict[int, list[bool]] = {}
     for text, index in zip(texts, prompt_index):
         problem = problems[index]
@@ -52,7 +52,6 @@ def measure_policy(policy: Path, problems, *, group_size: int, max_new_tokens: i
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verl_prm.apps.arithmetic.model import render
     from verl_prm.apps.arithmetic.batch import outcome_rewards
     from verl_prm.apps.arithmetic.rollout import sample
 

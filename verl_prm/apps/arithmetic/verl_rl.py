@@ -48,6 +48,8 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+from verl_prm.apps.arithmetic.task import STEP_REGEX
+from verl_prm.apps.cpu_loop import cpu_overrides, start_main_ppo
 
 __all__ = ["ARMS", "Arm", "CRITIC_STAGES", "LEARNED_ARMS", "MC_N", "DIAGNOSTIC_METRICS", "RLConfig", "RunPaths", "SCORE_FILE", "device_overrides", "main_ppo_command", "merge_final_policy", "read_run",
            "run_arms", "start_run"]
@@ -157,7 +159,6 @@ def device_overrides(scale, device: str) -> list[str]:
     batch = rl.prompts_per_step
     if device == "cpu":
         tokens = batch * rl.group_size * (scale.max_prompt_tokens + scale.max_new_tokens)
-        from verl_prm.apps.cpu_loop import cpu_overrides
 
         # the plugin's CPU platform (docs/cpu_loop.md explains each setting), one training process
         return cpu_overrides(n_procs=1) + [
@@ -190,7 +191,6 @@ def main_ppo_command(scale, arm_name: str, seed: int, paths: RunPaths, run_dir: 
                      python: str = sys.executable) -> list[str]:
     """``python -m verl.trainer.main_ppo`` with every override of one run (see the module docstring)."""
     from verl_prm.apps.arithmetic.prover import EXACT_PROVER
-    from verl_prm.apps.arithmetic.task import STEP_REGEX
 
     if arm_name not in ARMS:
         raise ValueError(f"unknown RL arm {arm_name!r}; known: {', '.join(ARMS)}")
@@ -284,8 +284,6 @@ def start_run(command: Sequence[str], run_dir: Path, *, threads: int = 1):
     """Start ``command`` in ``run_dir`` (``cpu_loop.start_main_ppo``: a session of its own, whose ``stop`` ends
     the Ray processes too) with verl's file logger at ``run_dir/metrics.jsonl``, its output appended to
     ``run_dir/main_ppo.log`` and the command in ``run_dir/command.sh``; returns the run's handle."""
-    from verl_prm.apps.cpu_loop import start_main_ppo
-
     run_dir.mkdir(parents=True, exist_ok=True)
     _keep_earlier_metrics(run_dir)
     (run_dir / "command.sh").write_text(

@@ -13,6 +13,8 @@ import torch
 from verl_prm.apps.demo.env import PlantedTask
 from verl_prm.apps.demo.report import PASS_AT_N_SAMPLES
 from verl_prm.apps.demo.settings import DemoSettings
+from verl_prm.apps.demo.policy import MadePolicy
+from verl_prm.apps.demo.critic import CriticConfig, ToyCritic, critic_values, train_toy_critic
 
 
 @dataclass
@@ -33,7 +35,6 @@ _BASE_CACHE: dict[tuple, dict[str, torch.Tensor]] = {}
 
 def base_policy(settings: DemoSettings, task: PlantedTask, seed: int):
     """The warm-started policy of ``seed`` (cached per process: every run of a seed starts from it)."""
-    from verl_prm.apps.demo.policy import MadePolicy
     from verl_prm.apps.demo.policy_gradient import make_base_policy
 
     key = (task.planted, settings.warm_iterations, seed)
@@ -51,8 +52,6 @@ def _success_count(task: PlantedTask, policy, seed: int, num: int = PASS_AT_N_SA
 
 def execute_run(settings: DemoSettings, spec: RunSpec, progress=None) -> dict[str, Any]:
     """Run one RL run (deterministic in ``spec.seed``; single-threaded). Returns its curves and counts."""
-    from verl_prm.apps.demo.critic import ToyCritic, critic_values
-    from verl_prm.apps.demo.policy import MadePolicy
     from verl_prm.apps.demo.policy_gradient import RLConfig, train_rl
 
     task = PlantedTask(planted=settings.planted)
@@ -81,8 +80,6 @@ def execute_run(settings: DemoSettings, spec: RunSpec, progress=None) -> dict[st
 
 
 def train_critic_job(settings: DemoSettings, gamma: float) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    from verl_prm.apps.demo.critic import CriticConfig, train_toy_critic
-
     task = PlantedTask(planted=settings.planted)
     base = base_policy(settings, task, settings.critic_seed)
     critic, quality = train_toy_critic(task, base, gamma, CriticConfig(), seed=settings.critic_seed)

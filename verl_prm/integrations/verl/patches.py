@@ -18,6 +18,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+import verl_prm
 
 __all__ = ["PatchStatus", "apply_patches", "check_patches", "find_patches", "installed_verl_root", "main"]
 
@@ -32,8 +33,6 @@ works without them, each removes one workaround, see patches/README.md).
 
 def find_patch_dir() -> Path:
     """The repository's ``patches/`` directory (next to the ``verl_prm`` package)."""
-    import verl_prm
-
     candidate = Path(verl_prm.__file__).resolve().parents[1] / "patches"
     if not candidate.is_dir():
         raise FileNotFoundError(

@@ -8,9 +8,10 @@ changed to the chat turn's end and its generation config left at the base model'
 policy's would call the responses that end at the other truncated.
 
 The rule here, used by every generator, truncation check and step split of the package: the policy's EOS ids are
-the **union** of the two, which is the stop set vLLM samples with (``SamplingParams.update_from_generation_config``
-adds the generation config's ids to the tokenizer's EOS), so what verl's vLLM rollouts stop at is what is called
-finished. A disagreement is logged, naming both ids and the fix.
+the **union** of the two, the tokenizer's first. It is the stop set vLLM samples with
+(``SamplingParams.update_from_generation_config`` adds the generation config's ids to the tokenizer's EOS) and the
+one TRL's ``GRPOTrainer`` builds (``eos_token_ids``), so what verl's vLLM rollouts and TRL stop at is what is
+called finished. A disagreement is logged, naming both ids and the fix.
 
 Many tokenizers (most Llama-family ones) have no pad token, and transformers refuses ``padding=True`` without one:
 ``ensure_pad_token`` sets it to the generation config's ``pad_token_id`` when there is one, else to the policy's

@@ -50,7 +50,8 @@ def test_policy_eos_ids_are_the_tokenizer_s_and_the_generation_config_s(bpe_smal
     assert policy_eos_token_ids(bpe_small, None, log=messages.append) == [eos]
     assert policy_eos_token_ids(bpe_small, GenerationConfig(eos_token_id=eos), log=messages.append) == [eos]
     # a list holding the tokenizer's EOS (Qwen2.5 instruct): all of them, tokenizer's first, no complaint
-    assert policy_eos_token_ids(bpe_small, GenerationConfig(eos_token_id=[other, eos]), log=messages.append) == [eos, other]
+    both = GenerationConfig(eos_token_id=[other, eos])
+    assert policy_eos_token_ids(bpe_small, both, log=messages.append) == [eos, other]
     assert messages == []
     # disagreement (transformers' GGUF tokenizer of SmolLM2): both ids end a response, and the line names both
     assert policy_eos_token_ids(bpe_small, GenerationConfig(eos_token_id=other), source="policy X",
@@ -111,7 +112,8 @@ def test_generators_without_a_pad_token_equal_those_with_one(bpe_small, tiny_lm,
 
     prompts = [t + "\n" for t in TEXTS]
     nodes = [Node(0), Node(1), Node(2, ("x y\n\n",), num_tokens=3)]
-    expected = HFStepSampler(tiny_lm, with_pad, prompts, max_step_tokens=5, temperature=0.0).sample_steps(nodes, 1, [1, 2, 3])
+    expected = HFStepSampler(tiny_lm, with_pad, prompts, max_step_tokens=5,
+                             temperature=0.0).sample_steps(nodes, 1, [1, 2, 3])
     sampler = HFStepSampler(tiny_lm, _without_pad(bpe_small), prompts, max_step_tokens=5, temperature=0.0)
     assert sampler.sample_steps(nodes, 1, [1, 2, 3]) == expected
 
@@ -128,7 +130,8 @@ def test_generators_stop_at_the_generation_config_s_eos_when_the_tokenizer_names
     assert stop != bpe_small.eos_token_id and bpe_small.eos_token_id not in raw[:4]
     model.generation_config.eos_token_id = [stop]
     messages: list[str] = []
-    assert policy_eos_token_ids(bpe_small, model.generation_config, log=messages.append) == [bpe_small.eos_token_id, stop]
+    eos_ids = policy_eos_token_ids(bpe_small, model.generation_config, log=messages.append)
+    assert eos_ids == [bpe_small.eos_token_id, stop]
     assert len(messages) == 1
     (completion,), *_ = HFGenerator(model, bpe_small, max_new_tokens=10, temperature=0.0).generate(TEXTS, 1, [0, 1, 2])
     cut = raw.index(stop)

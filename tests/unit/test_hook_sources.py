@@ -127,6 +127,23 @@ def test_critic_worker_values_are_typed_and_in_the_batch_order(step_batch):
     assert CriticWorkerValues(ShardedCritic()).values(step_batch).timing == {}
 
 
+def test_critic_worker_values_count_the_public_prm_text_flags(step_batch):
+    """A public PRM's per-response flags (CriticScores.separator_text / special_text) become pav/* counts."""
+    from verl_prm.integrations.verl.value_sources import CriticWorkerValues
+
+    class Flagging(ShardedCritic):
+        def compute_step_values(self, shards):
+            output = super().compute_step_values(shards)
+            output.batch["separator_text"] = output.batch["num_steps"] == 3  # rows 0, 2, 4
+            output.batch["special_text"] = torch.zeros(len(output), dtype=torch.bool)
+            return output
+
+    expected = 3.0
+    assert CriticWorkerValues(Flagging()).values(step_batch).metrics == {
+        "pav/critic_separator_text_responses": expected, "pav/critic_special_text_responses": 0.0}
+    assert CriticWorkerValues(ShardedCritic()).values(step_batch).metrics == {}  # formats without the flags
+
+
 def test_critic_worker_values_name_the_rows_whose_steps_differ(step_batch):
     from verl_prm.integrations.verl.value_sources import CriticWorkerValues
 

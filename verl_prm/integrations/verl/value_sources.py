@@ -36,6 +36,11 @@ class StepValueSource(Protocol):
         """The values of ``batch``'s steps (``batch.split``) and prompts."""
 
 
+# CriticScores' per-response flags of public PRM formats -> the metric that counts them
+TEXT_FLAG_METRICS = {"separator_text": "pav/critic_separator_text_responses",
+                     "special_text": "pav/critic_special_text_responses"}
+
+
 class CriticWorkerValues:
     """Step values from a ``ProverCriticWorker`` group (``critic_worker.compute_step_values``): the batch's steps
     scored in one forward pass per response, on the workers' devices."""
@@ -72,8 +77,13 @@ class CriticWorkerValues:
         if self.reports_offload and offload_seconds:
             # the workers move in parallel: the phase waits for the slowest (verl logs timing_s/pav_critic_offload)
             timing["pav_critic_offload"] = max(offload_seconds)
+        # public PRM formats flag responses whose step text held special-token or separator text (read as plain
+        # text, the separator removed): counted, never a failed batch
+        metrics = {name: float(scores.batch[flag].sum()) for flag, name in TEXT_FLAG_METRICS.items()
+                   if flag in scores.batch.keys()}
         return StepValues(scores.batch["step_values"].float(), scores.batch["prompt_values"].float(), seconds,
-                          timing=timing, features=scores.batch["features"].float() if with_features else None)
+                          metrics=metrics, timing=timing,
+                          features=scores.batch["features"].float() if with_features else None)
 
 
 class RolloutSampledValues:

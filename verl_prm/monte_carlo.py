@@ -33,11 +33,17 @@ Token budget: a prefix is admitted only if its worst case, n_mc times its contin
 admission), and the tokens actually generated are charged after each round, so the generated total never exceeds
 the budget. The prefixes of a round are admitted by step index first (all first steps, then all second steps, ...),
 so what the budget refuses are the late steps.
+
+Free samples (``shared_prefix_outcomes``): the responses of a prompt's group are i.i.d. samples of the policy, so
+a response y' of the group whose tokens begin with a prefix P = y[:end_h] of another response y and go on past it
+was, given that it begins with P, completed from P by the policy: its outcome is one more sample of Q(P) when the
+prover is the policy that wrote the group. The response y itself is not counted: whether P is asked for depends on
+y (its steps, its outcome under ``first_pit``), so its outcome is not a sample of Q(P).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from verl_prm.choices import PREFIX_RULES, SUCCESS_LABELS
 
@@ -50,6 +56,7 @@ __all__ = [
     "first_pit_search_step",
     "fixed_prefix_steps",
     "requested_steps",
+    "shared_prefix_outcomes",
 ]
 
 @dataclass(frozen=True)
@@ -261,3 +268,38 @@ def estimate_prefixes(
         pending = []
     result.pits = {row: span[0] for row, span in searches.items()}
     return result
+
+
+def shared_prefix_outcomes(
+    prefixes: Sequence[tuple[Hashable, Sequence[Hashable]]],
+    owners: Sequence[int | None],
+    groups: Sequence[Hashable],
+    responses: Sequence[Sequence[Hashable] | None],
+    successes: Sequence[bool],
+) -> list[tuple[int, int]]:
+    """(successes, samples) of each prefix from the responses that continue it (module docstring, free samples).
+
+    ``prefixes[j] = (group, tokens)``; response i (``responses[i]``: its tokens, None for a row that is no sample,
+    e.g. padding) is a sample of prefix j iff ``groups[i]`` is its group, i is not ``owners[j]`` (the response the
+    prefix was taken from; None: none is left out, as for a tree node, whose value is that of all its leaves), and
+
+        len(responses[i]) > len(tokens_j)  and  responses[i][:len(tokens_j)] == tokens_j,
+
+    and then ``successes[i]`` counts. Tokens are any hashable items (token ids; the steps of a scripted task).
+    """
+    if not len(groups) == len(responses) == len(successes):
+        raise ValueError(f"{len(groups)} groups, {len(responses)} responses and {len(successes)} successes")
+    if len(owners) != len(prefixes):
+        raise ValueError(f"{len(owners)} owners for {len(prefixes)} prefixes")
+    members: dict[Hashable, list[int]] = {}
+    for row, (group, tokens) in enumerate(zip(groups, responses)):
+        if tokens is not None:
+            members.setdefault(group, []).append(row)
+    as_tuples = [None if tokens is None else tuple(tokens) for tokens in responses]
+    pooled = []
+    for (group, prefix), owner in zip(prefixes, owners):
+        prefix = tuple(prefix)
+        rows = [row for row in members.get(group, ()) if row != owner and len(as_tuples[row]) > len(prefix)
+                and as_tuples[row][: len(prefix)] == prefix]
+        pooled.append((sum(int(bool(successes[row])) for row in rows), len(rows)))
+    return pooled

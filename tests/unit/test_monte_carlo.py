@@ -22,6 +22,7 @@ from verl_prm.monte_carlo import (
     ResponseSteps,
     estimate_prefixes,
     requested_steps,
+    shared_prefix_outcomes,
 )
 
 H, P_POLICY, P_PROVER, N_MC, SEED = 4, 0.7, 0.85, 16, 3
@@ -128,3 +129,16 @@ def test_a_sampler_reporting_impossible_counts_is_an_error(counts, message):
     with pytest.raises(RuntimeError, match=message):
         estimate_prefixes([ResponseSteps(num_steps=2, success=True)], lambda requests: [counts] * len(requests),
                           prefix_rule="every", n_mc=2)
+
+
+def test_shared_prefix_outcomes_count_the_group_responses_that_continue_a_prefix():
+    groups = ["a", "a", "a", "a", "b", "a"]
+    responses = [[1, 2, 3], [1, 2, 4, 5], [1, 2], [1, 3, 3], [1, 2, 3], None]  # row 5: padding, no sample
+    successes = [True, False, True, True, True, True]
+    prefixes = [("a", [1, 2]), ("a", [1, 2]), ("a", [1]), ("b", [1, 2]), ("a", (1, 2, 4)), ("c", [1])]
+    owners = [0, None, 3, None, 1, None]
+    # [1, 2] in a: rows 0 and 1 go on past it (row 2 ends there, row 3 parts at the second token); row 0 owns it
+    assert shared_prefix_outcomes(prefixes, owners, groups, responses, successes) == [
+        (0, 1), (1, 2), (2, 3), (1, 1), (0, 0), (0, 0)]
+    with pytest.raises(ValueError, match="2 owners for 6 prefixes"):
+        shared_prefix_outcomes(prefixes, owners[:2], groups, responses, successes)

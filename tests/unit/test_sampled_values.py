@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from verl_prm.critic.sampled import hold_fill, sampled_step_values
+from verl_prm.critic.sampled import hold_fill, sampled_step_values, shrink_labels, shrink_success_rates
 from verl_prm.labeling.generators import derive_seed
 from verl_prm.labeling.scripted import (
     ScriptedStepGenerator,
@@ -46,8 +46,9 @@ def _prefix(steps: list[str], h: int) -> str:
 class ScriptedSampler:
     """``sample`` over the scripted policy: continuations of prompt + response prefix, scored by the task."""
 
-    def __init__(self, rows):
+    def __init__(self, rows, salt=None):
         self.rows = rows
+        self.salt = () if salt is None else (salt,)  # a salt draws other continuations (fresh seeds)
         self.generator = ScriptedStepGenerator(P_CORRECT, DELIMITER)
         self.calls = []
 
@@ -58,7 +59,7 @@ class ScriptedSampler:
             group, steps = self.rows[request.row]
             prefix = _prefix(steps, request.step)
             [samples] = self.generator.generate([TASK.prompt(group) + prefix], request.n_mc,
-                                                [derive_seed("test", request.row, request.step)])
+                                                [derive_seed("test", *self.salt, request.row, request.step)])
             successes = sum(scripted_step_score("scripted", prefix + s.text, H, {"delimiter": DELIMITER}) == 1.0
                             for s in samples)
             counts.append(PrefixCounts(successes=successes, continuations=len(samples),
@@ -225,3 +226,157 @@ def test_a_sampler_over_its_limits_is_an_error():
     with pytest.raises(RuntimeError, match="over its limit n_mc \\* max_tokens"):
         _values(rows, greedy, prefix_rule="every", n_mc=2)
 
+
+
+# ------------------------------------------------------------------------------- free samples of the group
+
+def _shared_prefix_rows(seed: int, groups: int, per_group: int) -> list[tuple[int, list[str]]]:
+    """Responses of the scripted policy whose step h is always ``x=h`` or ``y=h``: a step's text is its
+    correctness alone, so responses of a group often share their first steps (a step is a "token" here)."""
+    rng = random.Random(seed)
+    return [(group, [("x" if rng.random() < P_CORRECT else "y") + f"={h}" for h in range(H)])
+            for group in range(groups) for _ in range(per_group)]
+
+
+def _pooled_loop(rows, n: int, sampled_keys) -> dict[tuple[int, int], tuple[int, int]]:
+    """The reference: for each sampled prefix (b, h), n continuations (seeded as the sampler is) plus every other
+    response of b's group whose steps begin with b's first h + 1 steps and go on past them (its outcome is a sample
+    of the prefix's value: it was written by the same policy from that prefix)."""
+    generator = ScriptedStepGenerator(P_CORRECT, DELIMITER)
+    outcomes = [scripted_step_score("scripted", DELIMITER.join(steps), H) for _, steps in rows]
+    pooled = {}
+    for b, h in sampled_keys:
+        group, steps = rows[b]
+        prefix = _prefix(steps, h)
+        [samples] = generator.generate([TASK.prompt(group) + prefix], n, [derive_seed("test", b, h)])
+        wins = sum(scripted_step_score("scripted", prefix + s.text, H) for s in samples)
+        count = n
+        for other, (other_group, other_steps) in enumerate(rows):
+            if other != b and other_group == group and other_steps[: h + 1] == steps[: h + 1] and len(other_steps) > h + 1:
+                wins += outcomes[other]
+                count += 1
+        pooled[(b, h)] = (int(wins), count)
+    return pooled
+
+
+@pytest.mark.parametrize("prefix_rule", ["every", "first_pit"])
+def test_pooled_group_samples_equal_a_loop_over_the_group(prefix_rule):
+    rows = _shared_prefix_rows(seed=11, groups=3, per_group=6)
+    n = 4
+    tokens = [steps for _, steps in rows]
+    result = _values(rows, ScriptedSampler(rows), prefix_rule=prefix_rule, n_mc=n, tokens=tokens,
+                     step_ends=[list(range(H))] * len(rows))
+    reference = _pooled_loop(rows, n, result.counts)
+    assert {key: (c.successes, c.continuations) for key, c in result.counts.items()} == reference
+    assert result.pooled_samples == sum(count - n for _, count in reference.values()) > 0
+    assert result.continuations == n * len(result.counts)  # generated ones only
+    plain = _values(rows, ScriptedSampler(rows), prefix_rule=prefix_rule, n_mc=n)
+    for (b, h), (wins, count) in reference.items():
+        if prefix_rule == "every" or h < result.first_pits[b] or result.first_pits[b] < 0:
+            assert result.step_values[b, h].item() == pytest.approx(wins / count, abs=1e-6)
+    assert plain.first_pits == result.first_pits  # the search reads the continuations only
+    # the last step is the outcome, the prompt value the group's rate, with or without pooling
+    assert result.step_values[:, H - 1].tolist() == plain.step_values[:, H - 1].tolist()
+    assert result.prompt_values.tolist() == plain.prompt_values.tolist()
+
+
+def test_a_padding_row_is_no_free_sample():
+    rows = [(0, ["x=0", "x=1", "y=2", "x=3", "x=4", "x=5"]), (0, ["x=0", "x=1", "x=2", "x=3", "x=4", "x=5"])]
+    inputs = _inputs(rows)
+    inputs[1] = ResponseSteps(num_steps=H, success=True, sample=False, continuation_limits=[H - h - 1 for h in range(H)])
+    steps = [steps for _, steps in rows]
+    ends = [list(range(H))] * 2
+    padded = sampled_step_values(inputs, [0, 0], ScriptedSampler(rows), prefix_rule="every", n_mc=2,
+                                 tokens=[steps[0], None], step_ends=ends)
+    assert padded.pooled_samples == 0
+    real = sampled_step_values(_inputs(rows), [0, 0], ScriptedSampler(rows), prefix_rule="every", n_mc=2,
+                               tokens=steps, step_ends=ends)
+    # both real: each is a free sample of the other's first two prefixes (they part at step 2)
+    assert real.pooled == {(0, 0): 1, (0, 1): 1, (0, 2): 0, (0, 3): 0, (0, 4): 0,
+                           (1, 0): 1, (1, 1): 1, (1, 2): 0, (1, 3): 0, (1, 4): 0}
+
+
+def test_pooled_values_are_unbiased_on_the_scripted_policy():
+    """E[(k + k') / (n + n')] = Q: given the group's prefixes, every pooled outcome is a Bernoulli(Q) sample. One
+    owner response whose first three steps are correct, seven others of the policy, one continuation of the
+    owner's prefix after step 2 (prefix_rule fixed): the mean of its pooled estimate over 600 groups is within 4
+    standard errors of Q = p^(H - 3) (closed form, verl_prm.labeling.scripted)."""
+    owner = ["x=0", "x=1", "x=2", "y=3", "x=4", "x=5"]
+    step = fixed_prefix_steps(H - 1, 1)[0]
+    assert step == 2
+    estimates, pooled = [], 0
+    for seed in range(600):
+        rows = [(0, owner)] + _shared_prefix_rows(seed=1000 + seed, groups=1, per_group=7)
+        result = _values(rows, ScriptedSampler(rows, salt=seed), prefix_rule="fixed", prefixes_per_response=1, n_mc=1,
+                         tokens=[steps for _, steps in rows], step_ends=[list(range(H))] * len(rows))
+        count = result.counts[(0, step)]
+        estimates.append(count.successes / count.continuations)
+        pooled += count.continuations - 1
+    exact = exact_prefix_value(_prefix(owner, step), H, P_CORRECT, DELIMITER)
+    assert exact == pytest.approx(P_CORRECT ** (H - 3))
+    mean = sum(estimates) / len(estimates)
+    spread = math.sqrt(sum((e - mean) ** 2 for e in estimates) / (len(estimates) - 1) / len(estimates))
+    assert abs(mean - exact) <= 4 * spread and pooled > 600  # more than one free sample per group on average
+
+
+# ------------------------------------------------------------------------------------ shrinkage toward a prior
+
+def _beta_posterior_mean(successes: int, samples: int, prior_mean: float, strength: float) -> float:
+    """Beta-binomial conjugacy: a Beta(a, b) prior and k successes of n give the posterior Beta(a + k, b + n - k),
+    of mean (a + k) / (a + b + n); the prior of mean m and strength s is a = s m, b = s (1 - m)."""
+    a, b = strength * prior_mean, strength * (1 - prior_mean)
+    return (a + successes) / (a + b + samples)
+
+
+def test_shrink_success_rates_equals_the_beta_posterior_mean_loop():
+    rng = random.Random(4)
+    samples = [rng.randrange(1, 20) for _ in range(200)]
+    successes = [rng.randrange(n + 1) for n in samples]
+    prior = [rng.random() for _ in samples]
+    for strength in (0.0, 0.5, 2.0, 7.0):
+        got = shrink_success_rates(torch.tensor(successes), torch.tensor(samples), torch.tensor(prior, dtype=torch.float64),
+                                   strength)
+        assert got.tolist() == pytest.approx([_beta_posterior_mean(k, n, m, strength)
+                                              for k, n, m in zip(successes, samples, prior)], abs=1e-12)
+    assert shrink_success_rates(torch.tensor([3]), torch.tensor([4]), torch.tensor([0.1]), 0).tolist() == [0.75]
+    for bad in (-1.0, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="prior_strength must be a finite number >= 0, got"):
+            shrink_success_rates(torch.tensor([1]), torch.tensor([2]), torch.tensor([0.5]), bad)
+
+
+def test_sampled_values_are_shrunk_toward_the_group_rate_or_the_given_prior():
+    rows = _responses(seed=5, groups=2, per_group=3)
+    n, strength = 3, 2.0
+    plain = _values(rows, ScriptedSampler(rows), prefix_rule="every", n_mc=n)
+    shrunk = _values(rows, ScriptedSampler(rows), prefix_rule="every", n_mc=n, prior_strength=strength)
+    prior = torch.rand(len(rows), H, generator=torch.Generator().manual_seed(0))
+    given = _values(rows, ScriptedSampler(rows), prefix_rule="every", n_mc=n, prior=prior, prior_strength=strength)
+    for (b, h), count in plain.counts.items():
+        group_rate = plain.prompt_values[b].item()
+        assert shrunk.step_values[b, h].item() == pytest.approx(
+            _beta_posterior_mean(count.successes, n, group_rate, strength), abs=1e-6)
+        assert given.step_values[b, h].item() == pytest.approx(
+            _beta_posterior_mean(count.successes, n, prior[b, h].item(), strength), abs=1e-6)
+    # the outcome of the last step and the prompt values are not shrunk; the counts stay the samples
+    for result in (shrunk, given):
+        assert result.step_values[:, H - 1].tolist() == plain.step_values[:, H - 1].tolist()
+        assert result.prompt_values.tolist() == plain.prompt_values.tolist()
+        assert result.counts == plain.counts
+    with pytest.raises(ValueError, match=r"prior has shape \(6, 2\), expected \(6, 6\)"):
+        _values(rows, ScriptedSampler(rows), prefix_rule="every", n_mc=n, prior=prior[:, :2], prior_strength=1.0)
+
+
+def test_shrunk_labels_add_the_prior_as_pseudo_samples():
+    """A label y of t samples shrunk with strength s: the Beta posterior mean of its t y successes, with t + s
+    trials; unmasked labels are unchanged (a loop over the entries)."""
+    rng = random.Random(8)
+    trials = [float(rng.randrange(1, 9)) for _ in range(60)]
+    rates = [rng.randrange(int(t) + 1) / t for t in trials]
+    prior = [rng.random() for _ in trials]
+    mask = [rng.random() < 0.6 for _ in trials]
+    got_rates, got_trials = shrink_labels(torch.tensor(rates, dtype=torch.float64), torch.tensor(trials),
+                                          torch.tensor(prior, dtype=torch.float64),
+                                          torch.tensor(mask), 3.0)
+    assert got_rates.tolist() == pytest.approx([_beta_posterior_mean(round(y * t), t, m, 3.0) if keep else y
+                                                for y, t, m, keep in zip(rates, trials, prior, mask)], abs=1e-12)
+    assert got_trials.tolist() == [t + 3.0 if keep else t for t, keep in zip(trials, mask)]

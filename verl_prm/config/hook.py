@@ -113,6 +113,14 @@ class CriticSection:
                                              "(pav/mc_prefixes_skipped).")
     mc_success_threshold: float = setting(0.5, "A continuation succeeds iff its reward is greater than this "
                                           "(verl's rule-based scorers give 1 or 0/-1).")
+    pool_group_samples: bool = setting(True, "Format rollout and verl_prm.refresh: the other responses of the "
+                                       "group that begin with a sampled prefix's tokens are samples of its value "
+                                       "too; their outcomes are pooled with the continuations' (unbiased; "
+                                       "pav/mc_pooled_samples).")
+    prior_strength: float = setting(0.0, "Shrinkage s of a sampled success rate toward a prior, (successes + s "
+                                    "prior) / (samples + s): format rollout, toward the group's success rate "
+                                    "before Best-of-K; verl_prm.refresh, the labels toward the learned PAV's values "
+                                    "(with samples + s trials). 0: the plain rate.", low=0.0)
 
 
 @dataclass
@@ -383,6 +391,9 @@ def _check_rollout_sampling(critic: CriticSection) -> None:
         )
     if not math.isfinite(critic.mc_success_threshold):
         raise ConfigError(f"verl_prm.critic.mc_success_threshold must be a finite number, got {critic.mc_success_threshold}")
+    if not math.isfinite(critic.prior_strength) or critic.prior_strength < 0:
+        raise ConfigError(f"verl_prm.critic.prior_strength must be a finite number >= 0 (0: no shrinkage), got "
+                          f"{critic.prior_strength}")
 
 
 def _check_exact_critic_section(critic: CriticSection) -> None:

@@ -15,7 +15,11 @@ translates:
   ``skip_special_tokens=True`` and passed with the row's ``data_source``, ``reward_model.ground_truth`` and
   ``extra_info`` to the run's reward function (``reward.custom_reward_function`` when set, else verl's
   ``default_compute_score``, as the ``pav`` and ``naive`` reward managers do); it succeeds iff its score is
-  greater than ``verl_prm.critic.mc_success_threshold``, and so does a response by its ``rm_scores``.
+  greater than ``verl_prm.critic.mc_success_threshold``, and so does a response by its ``rm_scores``;
+- with ``verl_prm.critic.pool_group_samples`` the other responses of the group whose response token ids begin
+  with a sampled prefix's (and go on past it) add their outcomes to its value (``verl_prm.critic.sampled``: free
+  samples); ``verl_prm.critic.prior_strength`` shrinks each sampled rate toward the group's success rate (the
+  refresh shrinks its labels toward the learned PAV's values instead: ``integrations.verl.head_refresh``).
 
 The trainer hook wakes the replicas with the actor's weights (``checkpoint_manager.update_weights``; the actor
 has not been updated yet in this step, so these are the weights that generated the batch), samples, and puts
@@ -130,7 +134,11 @@ def mc_metrics(values: SampledValues, response_mask: torch.Tensor, real_rows: to
         pav/mc_token_ratio = continuation tokens / response tokens of the batch,
 
     the response tokens being ``response_mask``'s ([B, T], padded or nested) ones of the real rows: how many
-    tokens the critic generated per token the rollout generated for the batch."""
+    tokens the critic generated per token the rollout generated for the batch. The samples of the real rows'
+    sampled values (``verl_prm.critic.sampled``): ``pav/mc_pooled_samples`` the group's responses pooled as free
+    samples, ``pav/mc_samples_per_value`` the mean samples (continuations + pooled) per sampled value."""
+    real = None if real_rows is None else set(torch.as_tensor(real_rows).nonzero().flatten().tolist())
+    counted = [key for key in values.counts if real is None or key[0] in real]
     sampled = values.sampled if real_rows is None else values.sampled[real_rows]
     num_steps = values.num_steps if real_rows is None else values.num_steps[real_rows]
     mask = response_mask.to_padded_tensor(padding=0) if response_mask.is_nested else response_mask
@@ -145,6 +153,9 @@ def mc_metrics(values: SampledValues, response_mask: torch.Tensor, real_rows: to
         "pav/mc_rounds": float(values.rounds),
         "pav/mc_sampled_step_share": float(sampled.sum()) / steps if steps else 0.0,
         "pav/mc_token_ratio": values.tokens / response_tokens if response_tokens else 0.0,
+        "pav/mc_pooled_samples": float(sum(values.pooled.get(key, 0) for key in counted)),
+        "pav/mc_samples_per_value": (sum(values.counts[key].continuations for key in counted) / len(counted)
+                                     if counted else 0.0),
     }
 
 
@@ -178,7 +189,7 @@ class RolloutCritic:
     ) -> SampledValues:
         """Values [B, S] (S = ``step_ends``' width) of the responses' steps; ``step_ends[b, h]`` is the position of
         step h's last token in ``responses[b]`` (``verl_prm.steps.StepSplit``); rows with ``sample_rows`` False
-        (padding) are not sampled."""
+        (padding) are not sampled nor pooled."""
         group_index: dict[Any, int] = {}
         inputs, row_groups = [], []
         for b, response in enumerate(responses):
@@ -202,9 +213,14 @@ class RolloutCritic:
                                 request_tag)
 
         critic = self.critic
+        tokens, ends = None, None
+        if critic.pool_group_samples:  # padding rows (not sampled) are no free samples either
+            tokens = [list(map(int, r)) if step.sample else None for r, step in zip(responses, inputs)]
+            ends = [step_ends[b, : step.num_steps].tolist() for b, step in enumerate(inputs)]
         return sampled_step_values(inputs, row_groups, sample, prefix_rule=critic.prefix_rule, n_mc=critic.n_mc,
                                    prefixes_per_response=critic.prefixes_per_response,
-                                   token_budget=critic.mc_token_budget, width=int(step_ends.shape[1]))
+                                   token_budget=critic.mc_token_budget, width=int(step_ends.shape[1]),
+                                   tokens=tokens, step_ends=ends, prior_strength=critic.prior_strength)
 
     def _sample(self, requests, prompts, responses, step_ends, data_sources, ground_truths, extra_infos,
                 request_tag) -> list[PrefixCounts]:

@@ -234,10 +234,7 @@ class PavGRPOTrainer(GRPOTrainer):
             self._gather_rows(steps["step_values"]), self._gather_rows(steps["prompt_values"]),
             self._gather_rows(steps["num_steps"]), self._gather_rows(keep), self._gather_rows(truncated))
         with torch.no_grad():
-            scores = adv.process_scores(
-                step_values, prompt_values, num_steps, best_of_k_k=pav.best_of_k, use_values=pav.uses_values,
-                clip=pav.clip, normalize=pav.normalize, keep=keep_all, epsilon=pav.epsilon,
-            )
+            scores = pav.process_scores(step_values, prompt_values, num_steps, keep_all)
             advantages = adv.process_advantage(outcome.float(), scores[local], steps["step_ids"], completion_mask,
                                                pav.alpha, compile=pav.compile)
         return advantages, pav_metrics(scores, prompt_values, num_steps, truncated_all, pav.best_of_k, critic_seconds)

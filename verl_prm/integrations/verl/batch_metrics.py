@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from verl_prm.advantages import group_ids, process_scores, step_progress, zero_signal_groups
+from verl_prm.advantages import group_ids, step_progress, zero_signal_groups
 from verl_prm.config import PavConfig
 from verl_prm.diagnostics import process_term_diagnostics, slipped_steps, zero_outcome_groups_with_signal
 from verl_prm.integrations.verl.step_batch import StepBatch, StepValues
@@ -41,9 +41,7 @@ def step_metrics(step_values: torch.Tensor, prompt_values: torch.Tensor, num_ste
     """``verl_prm.metrics.pav_metrics`` of the process scores the estimator adds (``algorithm.pav``: Best-of-K,
     progress or value, clip, truncated responses dropped, normalised over these rows)."""
     keep = ~truncated.bool() if pav.drop_truncated else None
-    scores = process_scores(step_values.float(), prompt_values.float(), num_steps, best_of_k_k=pav.best_of_k,
-                            use_values=pav.uses_values, clip=pav.clip, normalize=pav.normalize, keep=keep,
-                            epsilon=pav.epsilon)
+    scores = pav.process_scores(step_values.float(), prompt_values.float(), num_steps, keep)
     return pav_metrics(scores, prompt_values, num_steps, truncated, pav.best_of_k, critic_seconds)
 
 

@@ -35,6 +35,7 @@ from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
 
 from verl_prm.integrations.verl.import_hooks import run_deferred_registration
+from verl_prm.special_tokens import policy_eos_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class HFRolloutServer:
 
     def load(self) -> dict[str, Any]:
         """Load the policy from ``model_config.path``; returns a description."""
-        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         from verl.utils.fs import copy_to_local
 
@@ -87,10 +88,14 @@ class HFRolloutServer:
             generation = GenerationConfig.from_pretrained(path)
         except OSError:
             generation = self.model.generation_config
-        eos = generation.eos_token_id if generation.eos_token_id is not None else self.model.config.eos_token_id
-        self.eos_token_ids = sorted({int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None})
+        if generation.eos_token_id is None:
+            generation.eos_token_id = self.model.config.eos_token_id
+        # the policy's EOS ids, as the trainer hook reads them: the tokenizer's and the generation config's
+        tokenizer_path = copy_to_local(getattr(self.model_config, "tokenizer_path", None) or self.model_config.path)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=False)
+        self.eos_token_ids = sorted(policy_eos_token_ids(tokenizer, generation, source=f"hf rollout: the policy {path}"))
         pad = generation.pad_token_id if generation.pad_token_id is not None else self.model.config.pad_token_id
-        self.pad_token_id = int(pad) if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
+        self.pad_token_id = int(pad) if pad is not None else self.eos_token_ids[0]
         if getattr(self.config, "seed", None) is not None:
             torch.manual_seed(int(self.config.seed) + self.replica_rank)
         return {"replica_rank": self.replica_rank, "parameters": sum(p.numel() for p in self.model.parameters()),

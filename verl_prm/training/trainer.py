@@ -399,16 +399,7 @@ def _train(config: TrainConfig, on_step: Callable[[int, dict], None] | None) -> 
     pad_token_id = ensure_pad_token(tokenizer, generation, log=accelerator.print,
                                     source=f"verl-prm train: tokenizer {checkpoint or config.tokenizer or config.init}")
     train_examples, eval_examples = _examples(config, tokenizer, accelerator.print)
-    held_out_labels = sum(len(e.targets) for e in eval_examples)
-    if config.calibration != "none" and held_out_labels < MIN_CALIBRATION_LABELS:
-        raise ValueError(f"--calibration {config.calibration} needs at least {MIN_CALIBRATION_LABELS} held-out labels "
-                         f"to fit; {config.eval_labels or config.labels} leaves {held_out_labels}: hold out more "
-                         "prompts (--eval-fraction, --eval-labels) or pass --calibration none")
-    held_out_values = {t for e in eval_examples for t in e.targets}
-    if config.calibration != "none" and len(held_out_values) == 1:
-        raise ValueError(f"--calibration {config.calibration}: all {held_out_labels} held-out labels are "
-                         f"{held_out_values.pop()}, so there is no value-to-label relation to fit: hold out "
-                         "prompts with mixed outcomes (--eval-labels, --eval-fraction) or pass --calibration none")
+    _check_calibration_labels(config, eval_examples)
     weights = class_balanced_weights(train_examples) if config.balance else np.full(len(train_examples), 1.0 / len(train_examples))
     optimizer, scheduler = _optimizer(config, model)
     # The scheduler is not prepared: accelerate would step it once per process; ours counts optimizer steps.
@@ -460,20 +451,42 @@ def _train(config: TrainConfig, on_step: Callable[[int, dict], None] | None) -> 
     bar.close()
     if start_step >= config.max_steps:
         metrics = _evaluate(run, config.max_steps)
-    calibration_path = None
-    if accelerator.is_main_process:
-        if config.calibration != "none":
-            calibration_metrics, calibration_path = _calibrate(run, last_checkpoint)
-            metrics.update(calibration_metrics)
-        elif last_checkpoint is not None and (last_checkpoint / CALIBRATION_FILE).exists():  # a rerun with --calibration none: the model has none
-            (last_checkpoint / CALIBRATION_FILE).unlink()
-            accelerator.print(f"verl-prm train: --calibration none: removed {last_checkpoint / CALIBRATION_FILE} of "
-                              "an earlier fit")
-        (output_dir / "eval_metrics.json").write_text(json.dumps(metrics, indent=2))
+    calibration_path = _finish(run, last_checkpoint, metrics) if accelerator.is_main_process else None
     accelerator.wait_for_everyone()
     return {"checkpoint": str(last_checkpoint) if last_checkpoint else None, "metrics": metrics,
             "calibration": str(calibration_path) if calibration_path else None,
             "train_rollouts": len(train_examples), "eval_rollouts": len(eval_examples), "start_step": start_step}
+
+
+def _check_calibration_labels(config: TrainConfig, eval_examples: list[EncodedRollout]) -> None:
+    """A calibration needs enough held-out labels, of more than one value, to fit (checked before training)."""
+    if config.calibration == "none":
+        return
+    held_out_labels = sum(len(e.targets) for e in eval_examples)
+    if held_out_labels < MIN_CALIBRATION_LABELS:
+        raise ValueError(f"--calibration {config.calibration} needs at least {MIN_CALIBRATION_LABELS} held-out labels "
+                         f"to fit; {config.eval_labels or config.labels} leaves {held_out_labels}: hold out more "
+                         "prompts (--eval-fraction, --eval-labels) or pass --calibration none")
+    held_out_values = {t for e in eval_examples for t in e.targets}
+    if len(held_out_values) == 1:
+        raise ValueError(f"--calibration {config.calibration}: all {held_out_labels} held-out labels are "
+                         f"{held_out_values.pop()}, so there is no value-to-label relation to fit: hold out "
+                         "prompts with mixed outcomes (--eval-labels, --eval-fraction) or pass --calibration none")
+
+
+def _finish(run: _Run, last_checkpoint: Path | None, metrics: dict) -> Path | None:
+    """The main process's end of a run: the calibration (fitted, or an earlier fit's file removed under
+    ``--calibration none``) and ``eval_metrics.json``; the calibration file's path."""
+    calibration_path = None
+    if run.config.calibration != "none":
+        calibration_metrics, calibration_path = _calibrate(run, last_checkpoint)
+        metrics.update(calibration_metrics)
+    elif last_checkpoint is not None and (last_checkpoint / CALIBRATION_FILE).exists():  # a rerun with --calibration none: the model has none
+        (last_checkpoint / CALIBRATION_FILE).unlink()
+        run.accelerator.print(f"verl-prm train: --calibration none: removed {last_checkpoint / CALIBRATION_FILE} of "
+                              "an earlier fit")
+    (run.output_dir / "eval_metrics.json").write_text(json.dumps(metrics, indent=2))
+    return calibration_path
 
 
 def _calibrate(run: _Run, checkpoint: Path) -> tuple[dict, Path]:

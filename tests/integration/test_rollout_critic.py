@@ -219,6 +219,56 @@ def test_hook_token_budget_is_never_exceeded(transfer_queue, policy_dir, bpe_sma
     transfer_queue.kv_clear(keys=keys, partition_id="train")
 
 
+@pytest.mark.ray
+def test_hook_pools_the_group_responses_that_continue_a_sampled_prefix(transfer_queue, policy_dir, bpe_small):
+    """verl_prm.critic.pool_group_samples (the default): a sampled prefix's value also counts the outcomes of the
+    other responses of its group whose token ids begin with the prefix's and go on past it (a loop over the
+    rows, on token ids as the rollout wrote them)."""
+    from verl_prm.steps import split_steps
+
+    tokenizer, events = bpe_small, []
+    trainer = _trainer(policy_dir, tokenizer, events)
+    # step h writes x=h or y=h: responses of a group share their prefixes up to their first difference
+    rows = []
+    for i, letters in enumerate([["x", "x", "x", "x"], ["x", "x", "y", "x"], ["x", "y", "x", "x"],
+                                 ["x", "x", "x", "x"], ["x", "x", "x", "y"], ["y", "x", "x", "x"]]):
+        text = "\n\n".join(f"{letter}={h}" for h, letter in enumerate(letters))
+        prompt = tokenizer(TASK.prompt(i // 3), add_special_tokens=False)["input_ids"]
+        rows.append((i // 3, text, prompt, tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]))
+    keys, tags = _put(transfer_queue, rows)
+    values = trainer.value_source.values(_step_batch(trainer, transfer_queue, keys, tags))
+
+    reference_client = ScriptedClient(tokenizer, [])
+    width = max(len(ids) for *_, ids in rows)
+    responses = torch.full((len(rows), width), tokenizer.pad_token_id)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, (*_, ids) in enumerate(rows):
+        responses[b, : len(ids)], mask[b, : len(ids)] = torch.tensor(ids), 1
+    split = split_steps(responses, mask, tokenizer, "\n\n")
+    outcomes = [scripted_step_score("scripted", text, H) for _, text, _, _ in rows]
+    # the client seeds a continuation by its prompt ids and how often they were asked for; the hook asks in the
+    # order (step, row), so a prefix two rows share gets the second row's continuations after the first's
+    pooled, asked = 0, {}
+    for h in range(H - 1):
+        for b, (group, _, prompt, ids) in enumerate(rows):
+            prefix = ids[: int(split.step_ends[b, h]) + 1]
+            first = asked.get(tuple(prompt + prefix), 0)
+            asked[tuple(prompt + prefix)] = first + N_MC
+            wins = sum(scripted_step_score("scripted", tokenizer.decode(
+                prefix + reference_client.continuation(prompt + prefix, j), skip_special_tokens=True), H)
+                for j in range(first, first + N_MC))
+            others = [o for c, ((g, *_, other), o) in enumerate(zip(rows, outcomes))
+                      if c != b and g == group and len(other) > len(prefix) and other[: len(prefix)] == prefix]
+            pooled += len(others)
+            assert values.step_values[b, h].item() == pytest.approx((wins + sum(others)) / (N_MC + len(others)),
+                                                                    abs=1e-6), (b, h)
+    assert pooled > 0 and values.sampled.pooled_samples == pooled
+    assert values.metrics["pav/mc_pooled_samples"] == pooled
+    assert values.metrics["pav/mc_samples_per_value"] == pytest.approx(N_MC + pooled / (len(rows) * (H - 1)))
+    assert values.sampled.continuations == len(rows) * (H - 1) * N_MC  # the pooled ones cost nothing
+    transfer_queue.kv_clear(keys=keys, partition_id="train")
+
+
 def test_mc_token_ratio_counts_the_real_rows_response_tokens():
     """pav/mc_token_ratio = continuation tokens / response tokens of the real rows (the padding row's tokens and
     its unsampled steps do not count), from a nested or a padded response mask alike."""
@@ -239,6 +289,25 @@ def test_mc_token_ratio_counts_the_real_rows_response_tokens():
     assert mc_metrics(values, padded)["pav/mc_token_ratio"] == pytest.approx(30 / 15)  # no padding: all rows
 
 
+def test_mc_samples_metrics_count_the_real_rows_values():
+    """pav/mc_pooled_samples and pav/mc_samples_per_value over the real rows' sampled values (a padding row's do
+    not count)."""
+    from verl_prm.critic.sampled import SampledValues
+    from verl_prm.integrations.verl.rollout_critic import mc_metrics
+    from verl_prm.monte_carlo import PrefixCounts
+
+    counts = {(0, 0): PrefixCounts(3, 6, 10), (0, 1): PrefixCounts(1, 4, 8), (1, 0): PrefixCounts(2, 5, 9),
+              (2, 0): PrefixCounts(0, 9, 4)}
+    values = SampledValues(step_values=torch.zeros(3, 3), prompt_values=torch.zeros(3),
+                           num_steps=torch.tensor([3, 3, 3]), sampled=torch.tensor([[1, 1, 0], [1, 0, 0], [1, 0, 0]]).bool(),
+                           first_pits=[-1, -1, -1], counts=counts, pooled={(0, 0): 2, (0, 1): 0, (1, 0): 1, (2, 0): 5},
+                           pooled_samples=8)
+    metrics = mc_metrics(values, torch.ones(3, 4), torch.tensor([True, True, False]))
+    assert metrics["pav/mc_pooled_samples"] == 3.0
+    assert metrics["pav/mc_samples_per_value"] == pytest.approx((6 + 4 + 5) / 3)
+    assert mc_metrics(values, torch.ones(3, 4))["pav/mc_pooled_samples"] == 8.0
+
+
 # ---------------------------------------------------------------------------------------------- startup errors
 
 
@@ -248,6 +317,8 @@ def test_mc_token_ratio_counts_the_real_rows_response_tokens():
     ("prefix_rule", "all", "verl_prm.critic.prefix_rule must be one of ('every', 'fixed', 'first_pit'), got 'all'"),
     ("path", "/some/critic", "verl_prm.critic.path='/some/critic' is unused with verl_prm.critic.format=rollout"),
     ("mc_success_threshold", float("nan"), "verl_prm.critic.mc_success_threshold must be a finite number"),
+    ("prior_strength", -1.0, "verl_prm.critic.prior_strength must be a finite number >= 0 (0: no shrinkage), got -1.0"),
+    ("prior_strength", float("inf"), "verl_prm.critic.prior_strength must be a finite number >= 0"),
 ])
 def test_rollout_critic_section_errors_name_the_key(key, value, message):
     with pytest.raises(ConfigError) as error:
@@ -403,3 +474,31 @@ def test_hook_refresh_refits_the_head_to_the_samples_and_a_resumed_run_starts_wi
         _refresh_trainer(policy_dir, critic_dir, tokenizer, events, directory, global_steps=3,
                          extra=["verl_prm.refresh.window=3"])
     transfer_queue.kv_clear(keys=keys, partition_id="train")
+
+
+@pytest.mark.ray
+def test_hook_refresh_shrinks_the_sampled_labels_toward_the_pav(
+        transfer_queue, policy_dir, critic_dir, bpe_small, worker_env, tmp_path):
+    """verl_prm.critic.prior_strength=s under the refresh: a sampled step's label y of t samples becomes
+    (t y + s m) / (t + s) with t + s trials, m the PAV's value of the step before the refit; the prompt's and the
+    outcome's labels stay (against the same refresh with s = 0: the same samples from a fresh client)."""
+    strength = 2.0
+    stored = {}
+    for s in (0.0, strength):
+        trainer, _ = _refresh_trainer(policy_dir, critic_dir, bpe_small, [], tmp_path / f"refresh_{s}", global_steps=2,
+                                      extra=[f"verl_prm.critic.prior_strength={s}"])
+        rows = _rows(bpe_small)
+        keys, tags = _put(transfer_queue, rows)
+        scored = trainer.value_source.values(_step_batch(trainer, transfer_queue, keys, tags))
+        stored[s] = trainer.value_source.store.read(2)[0], scored
+        trainer.value_source.store.close()
+        transfer_queue.kv_clear(keys=keys, partition_id="train")
+    (plain, before), (shrunk, _) = stored[0.0], stored[strength]
+    # labelled positions in row order: the prompt, the H - 1 sampled steps, the outcome (every response has H steps)
+    pav = torch.cat([before.prompt_values[:, None], before.step_values[:, :H]], dim=1).flatten().double()
+    sampled = torch.tensor(([False] + [True] * (H - 1) + [False]) * len(rows))
+    assert len(plain.targets) == len(pav) and (plain.trials[sampled] == N_MC).all()
+    expected = torch.where(sampled, (plain.trials * plain.targets + strength * pav) / (plain.trials + strength),
+                           plain.targets)
+    assert torch.allclose(shrunk.targets, expected, atol=1e-6)
+    assert torch.equal(shrunk.trials, torch.where(sampled, plain.trials + strength, plain.trials))

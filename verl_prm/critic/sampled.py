@@ -166,8 +166,8 @@ def sampled_step_values(
     ``prefix_rule`` (module docstring; ``verl_prm.monte_carlo.estimate_prefixes`` runs the rounds).
 
     ``token_budget`` (None: unbounded) bounds the tokens generated over all rounds. ``width``: S of the [B, S]
-    values (default: the most steps of a response, at least 1). ``tokens`` (with ``step_ends``, [b][h] the
-    position of step h's last token; None: no pooling): each response's tokens, to pool the group's free samples
+    values (default: the most steps of a response, at least 1). ``tokens`` (with ``step_ends``: ``step_ends[b][h]``
+    the position of step h's last token; None: no pooling): each response's tokens, to pool the group's free samples
     (``pool_group_samples``). ``prior`` [B, S] (None: each row's group success rate) and ``prior_strength``: the
     shrinkage of the sampled rates (``shrink_success_rates``).
     """

@@ -166,7 +166,8 @@ def test_rollout_sampled_values_wake_sample_and_sleep(step_batch):
                               sleep_replicas=lambda: events.append(("sleep",)))
     sampled = SimpleNamespace(step_values=torch.full((5, 3), 0.5, dtype=torch.float64), prompt_values=torch.ones(5),
                               num_steps=step_batch.split.num_steps, sampled=torch.ones(5, 3, dtype=torch.bool),
-                              prefixes_evaluated=9, prefixes_skipped=1, continuations=18, tokens=40, rounds=2)
+                              prefixes_evaluated=9, prefixes_skipped=1, continuations=18, tokens=40, rounds=2,
+                              counts={}, pooled={})
 
     def step_values(*args, **kwargs):
         events.append(("sample",))

@@ -40,6 +40,7 @@ import torch
 
 from verl_prm.critic.sampled import SampledValues
 from verl_prm.locking import DirectoryLock
+from verl_prm.resume import check_same_settings, jsonable, read_settings, write_settings
 
 __all__ = ["PROMPT_INDEX_STRIDE", "RefreshRows", "RefreshStore", "labelled_rows", "refit_value_head",
            "refresh_label_rows", "refresh_metrics", "refresh_targets"]
@@ -220,8 +221,6 @@ class RefreshStore:
     _FIX = "set verl_prm.refresh.directory to a new directory"
 
     def __init__(self, directory: str | os.PathLike, settings: dict) -> None:
-        from verl_prm.resume import check_same_settings, jsonable, read_settings, write_settings
-
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.lock = DirectoryLock(self.directory, "verl-prm refresh of the PAV").acquire()

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from verl_support import PLUGIN_OVERRIDES, compose_verl
+from verl_support import PLUGIN_OVERRIDES, MemoryQueue, compose_verl
 
 from verl_prm.config.hook import ConfigError
 
@@ -76,19 +76,6 @@ def test_startup_reads_the_reference(critic_dir):
 
 
 # ---------------------------------------------------------------------------------------------- the hook
-
-
-class MemoryQueue:
-    """TransferQueue's kv_batch_get / kv_batch_put over one in-memory TensorDict (the fields the hook reads)."""
-
-    def __init__(self, stored):
-        self.stored, self.written = stored, None
-
-    def kv_batch_get(self, keys, partition_id, select_fields):
-        return self.stored.select(*[name for name in select_fields if name in self.stored.keys()]).clone()
-
-    def kv_batch_put(self, keys, partition_id, fields):
-        self.written = fields
 
 
 def arithmetic_batch(tokenizer):

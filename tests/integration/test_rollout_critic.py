@@ -80,6 +80,18 @@ def _rows(tokenizer):
     return rows
 
 
+def _padded_split(rows, tokenizer):
+    """The rows' responses right-padded, their mask, and their "\n\n" steps: what the reference loops read."""
+    from verl_prm.steps import split_steps
+
+    width = max(len(ids) for *_, ids in rows)
+    responses = torch.full((len(rows), width), tokenizer.pad_token_id)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, (*_, ids) in enumerate(rows):
+        responses[b, : len(ids)], mask[b, : len(ids)] = torch.tensor(ids), 1
+    return responses, mask, split_steps(responses, mask, tokenizer, "\n\n")
+
+
 def _put(tq, rows):
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
@@ -135,8 +147,6 @@ def _step_batch(trainer, transfer_queue, keys, tags):
 def test_hook_samples_values_equal_to_a_direct_monte_carlo_loop(transfer_queue, policy_dir, bpe_small):
     from transfer_queue import KVBatchMeta
 
-    from verl_prm.steps import split_steps
-
     tokenizer, events = bpe_small, []
     trainer = _trainer(policy_dir, tokenizer, events)
     rows = _rows(tokenizer)
@@ -146,12 +156,7 @@ def test_hook_samples_values_equal_to_a_direct_monte_carlo_loop(transfer_queue, 
     # the reference: n continuations of prompt + response[:end_h + 1] for every step but the last, from a fresh
     # client over the same policy, scored by the task; the last step is the outcome, v0 the group's success rate
     reference_client = ScriptedClient(tokenizer, [])
-    width = max(len(ids) for *_, ids in rows)
-    responses = torch.full((len(rows), width), tokenizer.pad_token_id)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for b, (*_, ids) in enumerate(rows):
-        responses[b, : len(ids)], mask[b, : len(ids)] = torch.tensor(ids), 1
-    split = split_steps(responses, mask, tokenizer, "\n\n")
+    responses, mask, split = _padded_split(rows, tokenizer)
     assert split.num_steps.tolist() == [H] * len(rows)
     outcomes = [scripted_step_score("scripted", text, H) for _, text, _, _ in rows]
     for b, (group, text, prompt, ids) in enumerate(rows):
@@ -224,8 +229,6 @@ def test_hook_pools_the_group_responses_that_continue_a_sampled_prefix(transfer_
     """verl_prm.critic.pool_group_samples (the default): a sampled prefix's value also counts the outcomes of the
     other responses of its group whose token ids begin with the prefix's and go on past it (a loop over the
     rows, on token ids as the rollout wrote them)."""
-    from verl_prm.steps import split_steps
-
     tokenizer, events = bpe_small, []
     trainer = _trainer(policy_dir, tokenizer, events)
     # step h writes x=h or y=h: responses of a group share their prefixes up to their first difference
@@ -239,12 +242,7 @@ def test_hook_pools_the_group_responses_that_continue_a_sampled_prefix(transfer_
     values = trainer.value_source.values(_step_batch(trainer, transfer_queue, keys, tags))
 
     reference_client = ScriptedClient(tokenizer, [])
-    width = max(len(ids) for *_, ids in rows)
-    responses = torch.full((len(rows), width), tokenizer.pad_token_id)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for b, (*_, ids) in enumerate(rows):
-        responses[b, : len(ids)], mask[b, : len(ids)] = torch.tensor(ids), 1
-    split = split_steps(responses, mask, tokenizer, "\n\n")
+    responses, mask, split = _padded_split(rows, tokenizer)
     outcomes = [scripted_step_score("scripted", text, H) for _, text, _, _ in rows]
     # the client seeds a continuation by its prompt ids and how often they were asked for; the hook asks in the
     # order (step, row), so a prefix two rows share gets the second row's continuations after the first's

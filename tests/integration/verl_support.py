@@ -60,3 +60,17 @@ def responses_for(rows, tokenizer) -> list[tuple[dict, str, list[int]]]:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if eos else [])
             out.append((row, text, ids))
     return out
+
+
+class MemoryQueue:
+    """TransferQueue's kv_batch_get / kv_batch_put over one in-memory TensorDict (the fields the hook reads)."""
+
+    def __init__(self, stored):
+        self.stored, self.written = stored, None
+
+    def kv_batch_get(self, keys, partition_id, select_fields):
+        return self.stored.select(*[name for name in select_fields if name in self.stored.keys()]).clone()
+
+    def kv_batch_put(self, keys, partition_id, fields):
+        self.written = fields
+        return "written by verl"

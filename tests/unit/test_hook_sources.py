@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
+from verl_support import MemoryQueue
 
 from verl_prm.config import read_pav_config
 from verl_prm.config.hook import read_hook_config
@@ -18,20 +19,6 @@ from verl_prm.steps import split_steps
 TEXTS = [("a1\nb2\nc3", True, 1.0), ("a1\nb9", True, 0.0), ("a1\nb2\nc", False, 0.0), ("x\ny", True, 1.0),
          ("x\nz\nw", True, 1.0)]
 PROMPTS = ["p one", "p one", "p one", "q", "q"]
-
-
-class MemoryQueue:
-    """TransferQueue's kv_batch_get / kv_batch_put over one in-memory TensorDict."""
-
-    def __init__(self, stored):
-        self.stored, self.written = stored, None
-
-    def kv_batch_get(self, keys, partition_id, select_fields):
-        return self.stored.select(*[name for name in select_fields if name in self.stored.keys()]).clone()
-
-    def kv_batch_put(self, keys, partition_id, fields):
-        self.written = fields
-        return "written by verl"
 
 
 def stored_batch(tokenizer):

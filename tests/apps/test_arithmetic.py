@@ -276,7 +276,8 @@ def test_main_ppo_commands_of_every_arm_compose_and_differ_only_in_the_critic(tm
                           ("pav_learned", "pav_learned_refined", ("verl_prm.critic.path=",)),
                           ("pav_learned_refined", "pav_learned_refined_normalized", ("algorithm.pav.normalize=",)),
                           ("pav_learned_refined", "pav_learned_refined_alpha1", ("algorithm.pav.alpha=",)),
-                          ("pav_learned_refined", "pav_learned_refresh", ("verl_prm.critic.mc_", "verl_prm.refresh.")),
+                          ("pav_learned_refined", "pav_learned_refresh", ("verl_prm.critic.n_mc=", "verl_prm.critic.prefix_rule=",
+                                                                          "verl_prm.critic.mc_", "verl_prm.refresh.")),
                           ("pav_exact", "pav_mc", ("verl_prm.critic.", "+verl_prm.critic.",
                                                    "+verl_prm.diagnostics.reference."))):
         differing = sorted(commands[a] ^ commands[b])

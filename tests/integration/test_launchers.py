@@ -125,4 +125,4 @@ def test_label_train_launcher_uses_the_label_and_train_commands(launcher_calls):
     label_args = label_parser().parse_args(calls[0][2:])
     train_args = train_parser().parse_args(calls[1][2:])
     assert Path(train_args.labels[0]) == Path(label_args.output_dir)
-    assert train_args.best_of_k == 4 and label_args.strategy == "first_pit"
+    assert train_args.best_of_k == 4 and label_args.prefix_rule == "first_pit"

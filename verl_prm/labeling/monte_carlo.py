@@ -158,7 +158,20 @@ class MonteCarloLabeler:
 
     def _sample(self, rollouts: list[_Rollout], requests: list[PrefixRequest]) -> list[PrefixCounts]:
         """Continue each requested prefix (step -1: the prompt alone) n_mc times with the prover, in one
-        generation call, and count the successes."""
+        generation call, and count the successes.
+
+        The call holds the requests row by row (steps in order), the prompts last: the transformers back end
+        seeds each micro-batch from the seeds in it, so this order keeps the batches, and the labels, of the
+        labeler's earlier versions (the recipe's published labels are reproduced).
+        """
+        order = sorted(range(len(requests)), key=lambda i: (requests[i].step < 0, requests[i].row, requests[i].step))
+        counts = self._sample_in_order(rollouts, [requests[i] for i in order])
+        result: list[PrefixCounts] = [None] * len(requests)  # type: ignore[list-item]
+        for position, i in enumerate(order):
+            result[i] = counts[position]
+        return result
+
+    def _sample_in_order(self, rollouts: list[_Rollout], requests: list[PrefixRequest]) -> list[PrefixCounts]:
         s = self.settings
         prefixes, texts, seeds = [], [], []
         for request in requests:

@@ -163,7 +163,7 @@ def from_pretrained_kwargs(allow_pickle: Optional[bool] = None) -> dict:
 
 def file_digest(path: str | Path) -> str:
     """sha256 of every byte of the file (hex), streamed in blocks of ``_DIGEST_BLOCK`` bytes. About 0.4 s for a
-    300 MB file in the page cache (tests/unit/test_calibration.py, ``-k large_weights -s``); from disk, its read."""
+    300 MB file in the page cache on a 2-core CPU (docs: labels, calibration); from disk, its read."""
     import hashlib
 
     digest = hashlib.sha256()

@@ -16,7 +16,7 @@ in ``patches/`` (the file named next to it); on a verl with the patches applied 
 - ``0007-vectorised-validation-bootstrap.diff``: ``verl.trainer.ppo.metric_utils.bootstrap_metric`` reduces each
   of its 1,000 bootstrap samples in a Python loop, for every prompt, every numeric ``reward_extra_info`` key and
   every subset size, in the driver: the metrics of a validation of 256 prompts x 4 samples with the ``pav`` reward
-  manager's four numeric keys took 51-102 s on a 2-core CPU machine (``python -m studies.bench_validation``). Fix: for ``np.max``/``np.min``
+  manager's four numeric keys took 51-102 s on a 2-core CPU machine (docs: benchmarks, verl's validation metrics). Fix: for ``np.max``/``np.min``
   on numbers (best@n/worst@n, verl's only use of them) the same bootstrap indices are drawn and reduced along an
   axis: the same values, a few milliseconds; anything else (majority voting) goes to verl's loop.
 

@@ -15,8 +15,8 @@ __all__ = [
     "AGGREGATIONS", "CALIBRATION_METHODS", "CHECKPOINT_FORMATS", "CODE_SPLIT_RULES", "CODE_STEP_RULES", "COMPILE_MODES", "CRITIC_DTYPES",
     "CRITIC_FORMATS", "EXACT_CRITIC_FORMAT", "GENERATOR_BACKENDS", "HEAD_FITS", "LABEL_STRATEGIES", "MIN_FORM_BASELINES",
     "MIXED_PRECISIONS", "OFFLOAD_MODES", "PLACEMENT_POOLS", "PREFIX_RULES", "PRIME_REWARD_MASKS", "PROCESS_TERMS",
-    "ROLLOUT_CRITIC_FORMAT", "SHARDABLE_FORMATS", "SHARD_MODES", "SUCCESS_LABELS", "TRUNCATIONS",
-    "Aggregation", "CalibrationMethod", "CheckpointFormat", "CodeSplitRule", "CodeStepRule", "CompileMode", "CriticDtype",
+    "ROLLOUT_CRITIC_FORMAT", "SHARDABLE_FORMATS", "TREE_CRITIC_FORMAT", "BRANCH_RULES", "SHARD_MODES", "SUCCESS_LABELS", "TRUNCATIONS",
+    "Aggregation", "BranchRule", "CalibrationMethod", "CheckpointFormat", "CodeSplitRule", "CodeStepRule", "CompileMode", "CriticDtype",
     "CriticFormat", "GeneratorBackend", "HeadFit", "LabelStrategy", "MinFormBaseline", "MixedPrecision",
     "OffloadMode", "PlacementPool", "PrefixRule", "PrimeRewardMask", "ProcessTerm", "ShardMode", "ShardableFormat",
     "SuccessLabels", "Truncation",
@@ -34,13 +34,16 @@ PrimeRewardMask = Literal["step_end", "response"]
 CheckpointFormat = Literal["value_head", "qwen_prm", "pure_prm", "math_shepherd", "rlhflow", "value_head_lm"]
 EXACT_CRITIC_FORMAT = "exact"
 ROLLOUT_CRITIC_FORMAT = "rollout"
-CriticFormat = Literal[CheckpointFormat, "exact", "rollout"]
+TREE_CRITIC_FORMAT = "tree"
+CriticFormat = Literal[CheckpointFormat, "exact", "rollout", "tree"]
 ShardableFormat = Literal["value_head"]
 CriticDtype = Literal["auto", "bfloat16", "float16", "float32"]
 Truncation = Literal["error", "left_prompt"]
 # Which step prefixes Monte-Carlo values are sampled at (verl_prm.critic.sampled), and the labeler's subset.
 PrefixRule = Literal["every", "fixed", "first_pit"]
 LabelStrategy = Literal["every", "first_pit"]
+# Where a tree-shaped group branches (verl_prm.trees; verl_prm.tree.branch_rule).
+BranchRule = Literal["every", "fixed", "confidence"]
 SuccessLabels = Literal["every", "outcome"]
 # Rules of verl_prm.steps.code that a setting can name; the splitter also takes "delimiter" (the text rule, which
 # the settings set by their own keys).
@@ -69,6 +72,7 @@ SHARDABLE_FORMATS = get_args(ShardableFormat)
 CRITIC_DTYPES = get_args(CriticDtype)
 TRUNCATIONS = get_args(Truncation)
 PREFIX_RULES = get_args(PrefixRule)
+BRANCH_RULES = get_args(BranchRule)
 LABEL_STRATEGIES = get_args(LabelStrategy)
 SUCCESS_LABELS = get_args(SuccessLabels)
 CODE_STEP_RULES = get_args(CodeStepRule)

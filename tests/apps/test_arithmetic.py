@@ -258,6 +258,10 @@ def test_main_ppo_commands_of_every_arm_compose_and_differ_only_in_the_critic(tm
         elif ARMS[arm].critic == "rollout":
             assert (hook.critic.format, hook.critic.path, hook.critic.n_mc) == ("rollout", None, MC_N)
             assert hook.diagnostics.reference == exact_prover
+        elif ARMS[arm].critic == "tree":
+            assert (hook.critic.format, hook.critic.path) == ("tree", None)
+            assert (hook.tree.roots, hook.tree.branch_width, hook.tree.branch_rule) == (2, 2, "every")
+            assert hook.diagnostics.reference == exact_prover
         else:
             # each learned arm reads the PAV of its own stage
             assert (hook.critic.format, hook.critic.path) == ("value_head", str(critics[ARMS[arm].critic]))
@@ -279,7 +283,9 @@ def test_main_ppo_commands_of_every_arm_compose_and_differ_only_in_the_critic(tm
                           ("pav_learned_refined", "pav_learned_refresh", ("verl_prm.critic.n_mc=", "verl_prm.critic.prefix_rule=",
                                                                           "verl_prm.critic.mc_", "verl_prm.refresh.")),
                           ("pav_exact", "pav_mc", ("verl_prm.critic.", "+verl_prm.critic.",
-                                                   "+verl_prm.diagnostics.reference."))):
+                                                   "+verl_prm.diagnostics.reference.")),
+                          ("pav_exact", "pav_tree", ("verl_prm.critic.", "+verl_prm.critic.", "verl_prm.tree.",
+                                                     "+verl_prm.diagnostics.reference."))):
         differing = sorted(commands[a] ^ commands[b])
         assert differing and all(x.startswith(allowed + run_names) for x in differing), (a, b, differing)
 

@@ -547,30 +547,46 @@ def test_bench_loop_table_and_summary_of_the_sampled_arm():
     assert "for 400 response tokens: pav/mc_token_ratio 1.60" in text
 
 
+def test_bench_loop_summary_of_the_tree_arm():
+    from verl_prm.apps.bench.loop import tree_summary
+
+    text = tree_summary({"gen": 2.5, "step": 5.0}, {
+        "pav/tree_generated_tokens": 300.0, "pav/tree_root_tokens": 200.0, "pav/tree_branch_tokens": 100.0,
+        "pav/tree_trained_tokens": 400.0, "pav/tree_generated_share": 0.75, "pav/tree_fallback_groups": 0.5})
+    assert text == ("tree groups: per step 300 generated tokens (200 roots, 100 branches) for 400 trained: 0.75 of a "
+                    "GRPO step's generation; 0.5 groups fell back to extra roots; timing_s/gen 2.500 s of a 5.000 s step")
+
+
 def test_bench_loop_arms_compose_and_the_sampled_arm_passes_the_startup_check(tmp_path):
-    """The three arms' main_ppo configs: the same parity reward (it gives both outcomes), the sampled arm with
-    format=rollout passing the rollout critic's startup check."""
+    """The arms' main_ppo configs: the same parity reward (it gives both outcomes), the sampled arm with
+    format=rollout passing the rollout critic's startup check, the tree arm with format=tree passing the tree's."""
     from verl_support import compose_verl
 
     from verl_prm.apps.bench.loop import ARMS, arm_overrides
     from verl_prm.apps.cpu_loop import main_ppo_args
+    from verl_prm.config.hook import read_hook_config
     from verl_prm.integrations.verl.rollout_critic import check_rollout_critic_run, run_reward_function
+    from verl_prm.integrations.verl.tree_rollout import check_tree_run
 
+    configs = {}
     for arm in ARMS:
-        estimator, extra = arm_overrides(arm, n_mc=3, prefix_rule="first_pit")
-        config = compose_verl(main_ppo_args(tmp_path, estimator, steps=2, extra=extra))
+        estimator, extra = arm_overrides(arm, n_mc=3, prefix_rule="first_pit", tree_roots=2, tree_width=2)
+        config = configs[arm] = compose_verl(main_ppo_args(tmp_path, estimator, steps=2, extra=extra))
         score = run_reward_function(config)
         assert [score("arithmetic_mod", text, "7") for text in ("12", "123")] == [1.0, 0.0], arm
         assert config.algorithm.adv_estimator == estimator
-        assert (config.verl_prm.critic.format == "rollout") == (arm == "sampled"), arm
-    assert (config.verl_prm.critic.path, config.verl_prm.critic.n_mc, config.verl_prm.critic.prefix_rule) == \
+        assert config.verl_prm.critic.format == {"sampled": "rollout", "tree": "tree"}.get(arm, "value_head"), arm
+    sampled, tree = configs["sampled"], configs["tree"]
+    assert (sampled.verl_prm.critic.path, sampled.verl_prm.critic.n_mc, sampled.verl_prm.critic.prefix_rule) == \
         (None, 3, "first_pit")
-    check_rollout_critic_run(config)
+    check_rollout_critic_run(sampled)
+    assert (tree.verl_prm.critic.path, tree.verl_prm.tree.roots, tree.verl_prm.tree.branch_width) == (None, 2, 2)
+    check_tree_run(tree, read_hook_config(tree.verl_prm))
     with pytest.raises(ValueError, match="unknown bench loop arm 'sft'"):
         arm_overrides("sft")
 
 
-@pytest.mark.parametrize("flag", ["--steps", "--n-mc"])
+@pytest.mark.parametrize("flag", ["--steps", "--n-mc", "--tree-roots", "--tree-width"])
 def test_bench_loop_rejects_a_count_below_one_naming_the_flag(flag, capsys):
     from verl_prm.apps.bench.loop import main
 

@@ -11,6 +11,7 @@ how responses are split into steps, and where the critic's worker group is place
       placement: {pool, n_gpus_per_node, nnodes}
       diagnostics: {reference, signal_threshold}
       refresh:   {every, window, directory}
+      tree:      {roots, branch_width, branch_rule, branches_per_response}
       score_outcome_estimators: true
 
 ``verl_prm.integrations.verl.run_config.validate_run_config(config)`` checks a composed verl config (DictConfig
@@ -32,7 +33,9 @@ from verl_prm.checks import empty_match_problem, is_class_path
 from verl_prm.choices import (
     EXACT_CRITIC_FORMAT,
     ROLLOUT_CRITIC_FORMAT,
+    TREE_CRITIC_FORMAT,
     SHARDABLE_FORMATS,
+    BranchRule,
     CodeStepRule,
     CriticDtype,
     CriticFormat,
@@ -42,11 +45,12 @@ from verl_prm.choices import (
     ShardMode,
     Truncation,
 )
-from verl_prm.settings import check_choices, from_mapping, setting
+from verl_prm.settings import check_bounds, check_choices, from_mapping, setting
 
 __all__ = [
     "EXACT_CRITIC_FORMAT",
     "ROLLOUT_CRITIC_FORMAT",
+    "TREE_CRITIC_FORMAT",
     "ConfigError",
     "CriticSection",
     "DiagnosticsSection",
@@ -58,9 +62,13 @@ __all__ = [
     "read_hook_config",
 ]
 
+# formats that load no critic weights
+WEIGHTLESS_FORMATS = (EXACT_CRITIC_FORMAT, ROLLOUT_CRITIC_FORMAT, TREE_CRITIC_FORMAT)
 DEFAULT_DELIMITER = "\n\n"  # verl_prm.steps.DEFAULT_DELIMITER (kept here so the check imports no tensor code)
 # The name verl's ``trainer.v1.trainer_mode`` selects the hook by (verl_prm.integrations.verl.hook_trainer.PavSyncTrainer).
 HOOK_TRAINER_NAME = "pav_sync"
+# The verl agent loop that samples a training group as a tree (verl_prm.integrations.verl.tree_rollout).
+TREE_AGENT_LOOP_NAME = "pav_tree"
 
 
 class ConfigError(ValueError):
@@ -80,7 +88,9 @@ class CriticSection:
                                    "turn per step), value_head_lm (Skywork-style value head); exact: no checkpoint, "
                                    "the closed-form values of the exact prover options.prover ('module:Class'); "
                                    "rollout: no checkpoint, Monte-Carlo values sampled from the run's rollout "
-                                   "replicas (n_mc, prefix_rule and the mc_* keys; docs/step_values.md).")
+                                   "replicas (n_mc, prefix_rule and the mc_* keys; docs/step_values.md); tree: no "
+                                   "checkpoint, each group sampled as a tree (verl_prm.tree) whose node values are "
+                                   "the mean outcome of the leaves below them.")
     options: dict[str, Any] = setting(factory=dict, doc="Options of the format, e.g. {separator: '<extra_0>'} "
                                       "(qwen_prm), {tag: 'ки'} (math_shepherd), {prover: 'module:Class', <the "
                                       "prover's options>} (exact; e.g. +verl_prm.critic.options.prover="
@@ -111,8 +121,9 @@ class CriticSection:
                                              "(null: no bound). A prefix is sampled only if n_mc x its continuation "
                                              "limit fits; the others hold the value of the step before them "
                                              "(pav/mc_prefixes_skipped).")
-    mc_success_threshold: float = setting(0.5, "A continuation succeeds iff its reward is greater than this "
-                                          "(verl's rule-based scorers give 1 or 0/-1).")
+    mc_success_threshold: float = setting(0.5, "A continuation (format rollout) or a leaf (format tree) "
+                                          "succeeds iff its reward is greater than this (verl's rule-based "
+                                          "scorers give 1 or 0/-1).")
     pool_group_samples: bool = setting(True, "Format rollout and verl_prm.refresh: the other responses of the "
                                        "group that begin with a sampled prefix's tokens are samples of its value "
                                        "too; their outcomes are pooled with the continuations' (unbiased; "
@@ -206,6 +217,23 @@ class RefreshSection:
 
 
 @dataclass
+class TreeSection:
+    """``verl_prm.tree``: the shape of a tree-shaped group (``verl_prm.critic.format=tree``; verl_prm.trees): the
+    ``actor_rollout_ref.rollout.n`` responses of a prompt are ``roots`` complete responses, then ``branch_width``
+    continuations at each of (n - roots) / branch_width branch points at step boundaries."""
+
+    roots: int = setting(2, "Complete responses sampled first (m).", low=1)
+    branch_width: int = setting(2, "Continuations sampled at each branch point (b); each is a leaf.", low=1)
+    branch_rule: BranchRule = setting("every", "Where the branch points are: every (step boundaries breadth-first: "
+                                      "the first boundary of every response, then the second, ...), fixed "
+                                      "(branches_per_response evenly spaced boundaries of each root), confidence "
+                                      "(the boundaries after which the policy's next token was least probable, "
+                                      "from the rollout's log-probs).")
+    branches_per_response: int = setting(1, "branch_rule=fixed: the branch points of each root; then rollout.n "
+                                         "= roots x (1 + branches_per_response x branch_width).", low=1)
+
+
+@dataclass
 class HookConfig:
     """``verl_prm``: everything the trainer hook needs besides the estimator knobs (``algorithm.pav``)."""
 
@@ -214,6 +242,7 @@ class HookConfig:
     placement: PlacementSection = field(default_factory=PlacementSection)
     diagnostics: DiagnosticsSection = field(default_factory=DiagnosticsSection)
     refresh: RefreshSection = field(default_factory=RefreshSection)
+    tree: TreeSection = field(default_factory=TreeSection)
     score_outcome_estimators: bool = setting(True, "With an outcome-only estimator (e.g. the grpo baseline) still "
                                              "score the steps and log the pav/* metrics (the advantages stay "
                                              "verl's own); false skips the critic for such runs.")
@@ -229,8 +258,12 @@ def read_hook_config(section: Any) -> HookConfig:
     config = from_mapping(HookConfig, section, "verl_prm", ConfigError)
     if config.steps.delimiter is not None:
         config.steps.delimiter = decode_escapes(config.steps.delimiter)
-    for name in ("critic", "steps", "placement"):
+    for name in ("critic", "steps", "placement", "tree"):
         check_choices(getattr(config, name), lambda key: f"verl_prm.{name}.{key}", ConfigError)
+    try:
+        check_bounds(config.tree, lambda key: f"verl_prm.tree.{key}")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     _check_ranges(config)
     return config
 
@@ -254,7 +287,9 @@ def _check_ranges(config: HookConfig) -> None:
     if not isinstance(critic.calibration, str) or not critic.calibration:
         raise ConfigError(f"verl_prm.critic.calibration must be auto, none or a calibration.json path, got "
                           f"{critic.calibration!r}")
-    if critic.format in (EXACT_CRITIC_FORMAT, ROLLOUT_CRITIC_FORMAT) and critic.calibration != "auto":
+    if critic.format == TREE_CRITIC_FORMAT:
+        _check_tree_critic_section(critic, placement)
+    if critic.format in WEIGHTLESS_FORMATS and critic.calibration != "auto":
         raise ConfigError(f"verl_prm.critic.calibration={critic.calibration!r} is unused with verl_prm.critic.format="
                           f"{critic.format} (no checkpoint's values to calibrate): remove the override")
     if critic.calibration not in ("auto", "none") and not Path(critic.calibration).exists():
@@ -298,7 +333,7 @@ def _check_ranges(config: HookConfig) -> None:
         raise ConfigError(
             "verl_prm.steps needs a step rule: a non-empty delimiter, a regex, or max_tokens (fixed-size steps)"
         )
-    weightless = critic.format in (EXACT_CRITIC_FORMAT, ROLLOUT_CRITIC_FORMAT)
+    weightless = critic.format in WEIGHTLESS_FORMATS
     if weightless and (placement.offload != "none" or placement.shard != "none"):
         raise ConfigError(
             f"verl_prm.placement.offload/shard are unused with verl_prm.critic.format={critic.format} (no critic "
@@ -374,6 +409,21 @@ def _check_rollout_critic_section(critic: CriticSection, placement: PlacementSec
             "rollout replicas sample): set verl_prm.placement.pool=colocated"
         )
     _check_rollout_sampling(critic)
+
+
+def _check_tree_critic_section(critic: CriticSection, placement: PlacementSection) -> None:
+    """format=tree: no checkpoint, no critic pool, a finite success threshold (the shape is checked against
+    rollout.n by the trainer: ``integrations.verl.tree_rollout.check_tree_run``)."""
+    if critic.path is not None and str(critic.path).strip() != "":
+        raise ConfigError(
+            f"verl_prm.critic.path={critic.path!r} is unused with verl_prm.critic.format=tree (the values are the "
+            "tree's own node values): set verl_prm.critic.path=null"
+        )
+    if placement.pool != "colocated":
+        raise ConfigError("verl_prm.placement.pool=own is unused with verl_prm.critic.format=tree (no critic "
+                          "workers): set verl_prm.placement.pool=colocated")
+    if not math.isfinite(critic.mc_success_threshold):
+        raise ConfigError(f"verl_prm.critic.mc_success_threshold must be a finite number, got {critic.mc_success_threshold}")
 
 
 def _check_rollout_sampling(critic: CriticSection) -> None:

@@ -105,6 +105,8 @@ class Arm:
     refresh_overrides: tuple[str, ...] = ()
     # algorithm.pav.alpha of this arm where it is not the run's (RLConfig.alpha): the weight of a noisy process term
     alpha: float | None = None
+    # format=tree: verl_prm.tree.* overrides (the shape of each group's tree)
+    tree_overrides: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.alpha is not None and (not np.isfinite(self.alpha) or self.alpha < 0):
@@ -126,6 +128,10 @@ ARMS: dict[str, Arm] = {
     "pav_learned_refined_alpha1": Arm("pav_grpo", "refined", "PAV-GRPO, refined PAV, alpha = 1", alpha=1.0),
     "pav_mc": Arm("pav_grpo", "rollout", f"PAV-GRPO, Monte-Carlo values (n={MC_N})",
                   mc_overrides=(f"n_mc={MC_N}", "prefix_rule=every")),
+    # each group of 8 sampled as a tree: 2 roots, then 3 branch points of 2 continuations each (breadth-first);
+    # the node values are the mean outcomes of the leaves below (no critic, no samples beyond the group)
+    "pav_tree": Arm("pav_grpo", "tree", "PAV-GRPO, tree-shaped groups (node values)",
+                    tree_overrides=("roots=2", "branch_width=2", "branch_rule=every")),
     # the refined PAV's head refitted every 5 steps to the samples of pav_mc's settings (all refreshes in the window)
     "pav_learned_refresh": Arm("pav_grpo", "refined", f"PAV-GRPO, refined PAV refreshed from samples (n={MC_N}, every 5 steps)",
                                mc_overrides=(f"n_mc={MC_N}", "prefix_rule=every"),
@@ -209,6 +215,9 @@ def main_ppo_command(scale, arm_name: str, seed: int, paths: RunPaths, run_dir: 
     elif arm.critic == "rollout":
         critic = ["verl_prm.critic.format=rollout", "verl_prm.critic.path=null",
                   *(f"verl_prm.critic.{override}" for override in arm.mc_overrides), *reference]
+    elif arm.critic == "tree":
+        critic = ["verl_prm.critic.format=tree", "verl_prm.critic.path=null",
+                  *(f"verl_prm.tree.{override}" for override in arm.tree_overrides), *reference]
     else:
         critic = ["verl_prm.critic.format=exact", *(f"+verl_prm.critic.options.{option}" for option in exact_prover)]
     batch = rl.prompts_per_step

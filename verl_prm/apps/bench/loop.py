@@ -8,7 +8,10 @@ and critic, the launcher's batch), one after the other on the same data, seeds, 
 - **pav_grpo**: ``algorithm.adv_estimator=pav_grpo`` with the learned critic (``value_head``: the critic scores
   every step, the PAV estimator runs);
 - **sampled**: ``pav_grpo`` with ``verl_prm.critic.format=rollout`` (Monte-Carlo step values: ``n_mc``
-  continuations per step prefix from the run's own rollout replicas, ``timing_s/pav_mc``).
+  continuations per step prefix from the run's own rollout replicas, ``timing_s/pav_mc``);
+- **tree**: ``pav_grpo`` with ``verl_prm.critic.format=tree`` (each group of n responses sampled as a tree of
+  ``--tree-roots`` roots and branches of ``--tree-width`` continuations; the node values come from the leaves:
+  nothing is sampled beyond the group).
 
 The reward of all three is ``parity_score`` of this module (1 for a response of even length): the untrained
 policy never solves the CPU loop's arithmetic task, so with its reward every sampled value would be 0; this one
@@ -19,7 +22,9 @@ after the first (the first includes warm-up) for each run, the ratio to GRPO, an
 PAV run's step: ``timing_s/adv`` (the advantage phase, which contains the critic call ``timing_s/pav_critic``,
 which with the sampled critic is ``timing_s/pav_mc``: wake-up, sampling, scoring, sleep). Target (learned critic):
 advantage phase (critic included) <= 10% of a step. For the sampled arm it prints the continuation tokens per step
-(``pav/mc_tokens``) and their ratio to the batch's response tokens (``pav/mc_token_ratio``). verl 0.9.1's sync
+(``pav/mc_tokens``) and their ratio to the batch's response tokens (``pav/mc_token_ratio``); for the tree arm
+the tokens generated per step (roots, branches) against the tokens trained (``pav/tree_*``; a GRPO step
+generates every token it trains on). verl 0.9.1's sync
 trainer polls its replay buffer for finished rollouts every 2.0 s, so ``timing_s/gen`` is at least 2.0 s however
 fast the generation is; the share of the step without ``gen`` is printed as well.
 """
@@ -37,9 +42,11 @@ from verl_prm.apps.cpu_loop import LoopSize, main_ppo_args, prepare, run_main_pp
 
 TARGET_PAV_SHARE = 0.10
 PHASES = ("gen", "old_log_prob", "pav_critic", "pav_mc", "adv", "update_actor", "update_weights", "step")
-ARMS = ("grpo", "pav_grpo", "sampled")
+ARMS = ("grpo", "pav_grpo", "sampled", "tree")
 MC_METRICS = ("pav/mc_tokens", "pav/mc_token_ratio", "pav/mc_continuations", "pav/mc_prefixes_evaluated",
               "pav/mc_prefixes_skipped", "response_length/mean")
+TREE_METRICS = ("pav/tree_generated_tokens", "pav/tree_root_tokens", "pav/tree_branch_tokens",
+                "pav/tree_trained_tokens", "pav/tree_generated_share", "pav/tree_fallback_groups")
 
 
 def parity_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
@@ -54,13 +61,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--n-mc", type=int, default=4, help="sampled arm: verl_prm.critic.n_mc (continuations per prefix)")
     p.add_argument("--prefix-rule", choices=PREFIX_RULES, default="every",
                    help="sampled arm: verl_prm.critic.prefix_rule (which step prefixes are sampled)")
+    p.add_argument("--tree-roots", type=int, default=2, help="tree arm: verl_prm.tree.roots (of the 4 responses)")
+    p.add_argument("--tree-width", type=int, default=2, help="tree arm: verl_prm.tree.branch_width")
     p.add_argument("--work-dir", default=None, help="model, data, logs (default: a temporary directory)")
     p.add_argument("--timeout", type=finite_float(0.0, low_open=True), default=900, help="seconds per main_ppo run")
     p.add_argument("--check", action="store_true", help="exit with 1 when the learned critic's target is missed")
     return p
 
 
-def arm_overrides(arm: str, n_mc: int = 4, prefix_rule: str = "every") -> tuple[str, list[str]]:
+def arm_overrides(arm: str, n_mc: int = 4, prefix_rule: str = "every", tree_roots: int = 2,
+                  tree_width: int = 2) -> tuple[str, list[str]]:
     """The estimator and the ``main_ppo`` overrides (beyond ``main_ppo_args``') of one arm of the bench."""
     reward = [f"reward.custom_reward_function.path={Path(__file__).resolve()}",
               "reward.custom_reward_function.name=parity_score"]
@@ -71,6 +81,9 @@ def arm_overrides(arm: str, n_mc: int = 4, prefix_rule: str = "every") -> tuple[
     if arm == "sampled":
         return "pav_grpo", ["verl_prm.critic.format=rollout", "verl_prm.critic.path=null",
                             f"verl_prm.critic.n_mc={n_mc}", f"verl_prm.critic.prefix_rule={prefix_rule}", *reward]
+    if arm == "tree":
+        return "pav_grpo", ["verl_prm.critic.format=tree", "verl_prm.critic.path=null",
+                            f"verl_prm.tree.roots={tree_roots}", f"verl_prm.tree.branch_width={tree_width}", *reward]
     raise ValueError(f"unknown bench loop arm {arm!r}: use one of {ARMS}")
 
 
@@ -131,18 +144,30 @@ def sampled_summary(phases: dict[str, float], mc: dict[str, float], batch: int) 
             f"response tokens: pav/mc_token_ratio {mc.get('pav/mc_token_ratio', 0.0):.2f}")
 
 
+def tree_summary(phases: dict[str, float], tree: dict[str, float]) -> str:
+    """The tree arm's cost (``tree``: means of ``TREE_METRICS``): tokens generated per step against tokens trained
+    (a GRPO step with the same n generates every token it trains on)."""
+    return (f"tree groups: per step {tree.get('pav/tree_generated_tokens', 0.0):.0f} generated tokens "
+            f"({tree.get('pav/tree_root_tokens', 0.0):.0f} roots, {tree.get('pav/tree_branch_tokens', 0.0):.0f} "
+            f"branches) for {tree.get('pav/tree_trained_tokens', 0.0):.0f} trained: "
+            f"{tree.get('pav/tree_generated_share', 0.0):.2f} of a GRPO step's generation; "
+            f"{tree.get('pav/tree_fallback_groups', 0.0):.1f} groups fell back to extra roots; timing_s/gen "
+            f"{phases.get('gen', 0.0):.3f} s of a {phases['step']:.3f} s step")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    for flag, value in (("--steps", args.steps), ("--n-mc", args.n_mc)):
+    for flag, value in (("--steps", args.steps), ("--n-mc", args.n_mc), ("--tree-roots", args.tree_roots),
+                        ("--tree-width", args.tree_width)):
         if value < 1:
             parser.error(f"argument {flag}: must be >= 1, got {value}")
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="verl_prm_bench_loop_"))
     size = LoopSize()
     prepare(work, size)
-    means, mc = {}, {}
+    means, mc, tree = {}, {}, {}
     for arm in ARMS:
-        estimator, extra = arm_overrides(arm, args.n_mc, args.prefix_rule)
+        estimator, extra = arm_overrides(arm, args.n_mc, args.prefix_rule, args.tree_roots, args.tree_width)
         name = f"bench_{arm}"
         print(f"running main_ppo {arm} for {args.steps} steps (log: {work / (name + '.log')}) ...", flush=True)
         result = run_main_ppo(main_ppo_args(work, estimator, steps=args.steps, run_name=name, size=size, extra=extra),
@@ -154,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         means[arm] = phase_means(result.metrics)
         if arm == "sampled":
             mc = metric_means(result.metrics, MC_METRICS)
+        if arm == "tree":
+            tree = metric_means(result.metrics, TREE_METRICS)
         print(f"  {arm}: {result.seconds:.0f} s wall, mean step {means[arm]['step']:.2f} s, peak resident "
               f"memory {result.peak_rss_gib:.1f} GiB over {result.peak_processes} processes", flush=True)
     batch = size.prompts_per_step * size.responses_per_prompt
@@ -173,4 +200,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"share of the step without timing_s/gen (>= 2.0 s: verl's replay-buffer poll): "
               f"{pav.get('adv', 0.0) / rest:.1%} ({pav.get('adv', 0.0):.3f} s of {rest:.3f} s)")
     print(sampled_summary(means["sampled"], mc, batch))
+    print(tree_summary(means["tree"], tree))
     return 1 if args.check and share > TARGET_PAV_SHARE else 0

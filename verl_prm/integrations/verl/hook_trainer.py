@@ -7,9 +7,13 @@ orchestrates; compared with verl's ``PPOTrainerSync`` it changes:
    set up (``value_sources``): a ``ProverCriticWorker`` group (``critic_group``) on verl's ``global_pool``
    (``verl_prm.placement.pool=colocated``) or a pool of its own (``pool=own``, added to verl's
    ``ResourcePoolManager`` before verl creates its pools, so verl's GPU-availability check counts it); or, with
-   format "rollout", the rollout sampler over verl's rollout replicas; with ``verl_prm.refresh.every = k``, the
-   critic group whose value head ``head_refresh.HeadRefresh`` refits every k-th step;
-2. the advantage phase (``_compute_advantage``): the batch is read from TransferQueue and split into steps
+   format "rollout", the rollout sampler over verl's rollout replicas; with format "tree", the node values of
+   tree-shaped groups (``value_sources.TreeNodeValues``); with ``verl_prm.refresh.every = k``, the critic group
+   whose value head ``head_refresh.HeadRefresh`` refits every k-th step;
+2. with format "tree", the training batches it submits name verl's agent loop ``pav_tree``
+   (``_next_train_batch``; ``tree_rollout``), which samples each prompt's group as a tree through the rollout
+   replicas (validation batches keep the default agent loop);
+3. the advantage phase (``_compute_advantage``): the batch is read from TransferQueue and split into steps
    (``step_batch.read_step_batch``), its steps are valued by the source (``StepValues``; with
    ``verl_prm.diagnostics.reference`` also by that exact prover, for the metrics only), the ``pav/*`` metrics are
    added to the step's metrics (``batch_metrics``), then verl's own ``_compute_advantage`` runs unchanged
@@ -34,7 +38,13 @@ from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.debug import marked_timer
 
-from verl_prm.config.hook import HOOK_TRAINER_NAME, ROLLOUT_CRITIC_FORMAT, build_exact_critic
+from verl_prm.config.hook import (
+    HOOK_TRAINER_NAME,
+    ROLLOUT_CRITIC_FORMAT,
+    TREE_AGENT_LOOP_NAME,
+    TREE_CRITIC_FORMAT,
+    build_exact_critic,
+)
 from verl_prm.estimators import ESTIMATORS
 from verl_prm.integrations.verl.advantage import StepInputs, estimator_step_inputs
 from verl_prm.integrations.verl.batch_metrics import batch_metrics
@@ -48,12 +58,20 @@ from verl_prm.integrations.verl.rollout_critic import (
     sampling_params,
 )
 from verl_prm.integrations.verl.run_config import validate_run_config
-from verl_prm.integrations.verl.step_batch import SAMPLING_FIELDS, STEP_FIELDS, StepBatch, read_step_batch
+from verl_prm.integrations.verl.step_batch import (
+    SAMPLING_FIELDS,
+    STEP_FIELDS,
+    TREE_FIELDS,
+    StepBatch,
+    read_step_batch,
+)
+from verl_prm.integrations.verl.tree_rollout import check_tree_run
 from verl_prm.integrations.verl.value_sources import (
     CriticWorkerValues,
     ExactReferenceValues,
     RolloutSampledValues,
     StepValueSource,
+    TreeNodeValues,
 )
 from verl_prm.labeling.scoring import OutcomeScorer
 from verl_prm.special_tokens import policy_eos_token_ids
@@ -72,6 +90,8 @@ class PavSyncTrainer(PPOTrainerSync):
         self.hook_config, self.pav_config = validate_run_config(config)
         if self._samples_values() or self.hook_config.refresh.every:
             check_rollout_critic_run(config)
+        if self._samples_trees():
+            check_tree_run(config, self.hook_config)
         self.value_source: StepValueSource | None = None
         self.reference: ExactReferenceValues | None = None
         # verl_prm.diagnostics.reference: the exact prover of the diagnostics, in the driver (it reads text)
@@ -108,6 +128,8 @@ class PavSyncTrainer(PPOTrainerSync):
         hook = self.hook_config
         if self._samples_values():
             self.value_source = self._rollout_sampler()
+        elif self._samples_trees():
+            self.value_source = TreeNodeValues(hook.critic.mc_success_threshold, hook.tree.roots)
         else:
             critic = CriticWorkerValues(self._init_prover_critic(), reports_offload=hook.placement.offload != "none")
             self.value_source = critic
@@ -125,6 +147,25 @@ class PavSyncTrainer(PPOTrainerSync):
     def _samples_values(self) -> bool:
         """format "rollout": the values are sampled from the rollout replicas (no critic worker group)."""
         return self.hook_config.critic.format == ROLLOUT_CRITIC_FORMAT
+
+    def _samples_trees(self) -> bool:
+        """format "tree": each training group is sampled as a tree (agent loop pav_tree), valued by its nodes."""
+        return self.hook_config.critic.format == TREE_CRITIC_FORMAT
+
+    def _next_train_batch(self, num_prompts: int | None = None):
+        """verl's next training batch; with format "tree" it names the tree agent loop for every prompt."""
+        batch = super()._next_train_batch(num_prompts)
+        if self._samples_trees():
+            if "agent_name" in batch.keys():
+                raise ValueError(
+                    "verl_prm.critic.format=tree samples every training prompt with agent loop "
+                    f"{TREE_AGENT_LOOP_NAME}, but the training data names its own agent loop (column agent_name): "
+                    "drop that column or use another verl_prm.critic.format"
+                )
+            from verl.utils import tensordict_utils as tu
+
+            tu.assign_non_tensor_data(batch, "agent_name", TREE_AGENT_LOOP_NAME)
+        return batch
 
     def _rollout_sampler(self) -> RolloutSampledValues:
         """The sampling critic over verl's LLM server client (the agent loop's) and the run's reward function."""
@@ -169,6 +210,7 @@ class PavSyncTrainer(PPOTrainerSync):
         """The ``StepBatch`` of verl's ``KVBatchMeta`` ``batch`` (its fields read from TransferQueue)."""
         sampling = self._samples_values() or self.hook_config.refresh.every
         fields = list(STEP_FIELDS) + (list(SAMPLING_FIELDS) if sampling else [])
+        fields += list(TREE_FIELDS) if self._samples_trees() else []
         raw = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
         return read_step_batch(raw, batch.keys, batch.tags, self.global_steps, self.tokenizer,
                                self.hook_config.steps, self._eos_token_ids())
@@ -195,7 +237,7 @@ class PavSyncTrainer(PPOTrainerSync):
             return super()._compute_advantage(batch, metrics)
         split = step_batch.split
         inputs = StepInputs(split.step_ids, values.step_values, values.prompt_values, split.num_steps,
-                            step_batch.truncated)
+                            step_batch.truncated, leaf_counts=values.leaf_counts)
         with estimator_step_inputs(inputs):
             return super()._compute_advantage(batch, metrics)
 

@@ -4,7 +4,8 @@ It registers every name the plugin adds to verl: the estimators and the CPU plat
 selected only on a host without an accelerator or with ``VERL_PLATFORM=cpu``) at once, the ``hf`` rollout when
 verl imports its rollout registries, and the trainer hook ``pav_sync``
 (``verl_prm.integrations.verl.hook_trainer``) and the reward manager ``pav`` (``verl_prm.integrations.verl.reward_manager``) as soon as verl imports the registry
-they go into (``verl.trainer.ppo.v1`` and ``verl.experimental.reward_loop.reward_manager``): importing those
+they go into (``verl.trainer.ppo.v1`` and ``verl.experimental.reward_loop.reward_manager``; the agent loop
+``pav_tree`` of tree-shaped groups into ``verl.experimental.agent_loop.agent_loop``): importing those
 verl modules costs seconds, and most processes of a run (rollout servers, actor workers) never need them. A
 meta-path finder wraps the loader of exactly those two packages and registers right after the package has
 executed, before the importer gets it back; a package that is already imported is registered at once.
@@ -31,6 +32,7 @@ PLUGIN_REWARD_MANAGER_NAME = "pav"
 # verl package -> the registration that must run once it is imported
 TRAINER_REGISTRY_MODULE = "verl.trainer.ppo.v1"
 REWARD_REGISTRY_MODULE = "verl.experimental.reward_loop.reward_manager"
+AGENT_LOOP_REGISTRY_MODULE = "verl.experimental.agent_loop.agent_loop"
 
 load_error: BaseException | None = None
 
@@ -53,6 +55,16 @@ def _register_trainer() -> None:
 
 def _register_reward_manager() -> None:
     register_or_defer("verl_prm.integrations.verl.reward_manager", "register_reward_manager")
+
+
+def _register_tree_agent_loop() -> None:
+    """verl's agent loop ``pav_tree`` (tree-shaped groups), by class path: the module loads when a worker runs it."""
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+
+    from verl_prm.config.hook import TREE_AGENT_LOOP_NAME
+
+    _agent_loop_registry.setdefault(
+        TREE_AGENT_LOOP_NAME, {"_target_": "verl_prm.integrations.verl.tree_rollout.PavTreeAgentLoop"})
 
 
 def _guarded(name: str, register: Callable[[], None]) -> Callable[[], None]:
@@ -93,6 +105,7 @@ def register_all() -> None:
     register_when_imported(
         REWARD_REGISTRY_MODULE, _guarded("reward manager " + PLUGIN_REWARD_MANAGER_NAME, _register_reward_manager)
     )
+    register_when_imported(AGENT_LOOP_REGISTRY_MODULE, _guarded("agent loop pav_tree", _register_tree_agent_loop))
 
 
 def _register_failure(error: BaseException) -> None:

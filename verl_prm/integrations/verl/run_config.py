@@ -16,6 +16,7 @@ from verl_prm.config.hook import (
     EXACT_CRITIC_FORMAT,
     HOOK_TRAINER_NAME,
     ROLLOUT_CRITIC_FORMAT,
+    TREE_CRITIC_FORMAT,
     ConfigError,
     HookConfig,
     check_critic_path,
@@ -114,8 +115,8 @@ def validate_run_config(config: Any) -> tuple[HookConfig, PavConfig]:
     if hook_selected and (estimator in ESTIMATORS or hook.score_outcome_estimators):
         if hook.critic.format == EXACT_CRITIC_FORMAT:
             check_exact_prover(hook.critic)
-        elif hook.critic.format == ROLLOUT_CRITIC_FORMAT:
-            pass  # no checkpoint; the rollout and reward settings are checked by the trainer (rollout_critic)
+        elif hook.critic.format in (ROLLOUT_CRITIC_FORMAT, TREE_CRITIC_FORMAT):
+            pass  # no checkpoint; the rollout and reward settings are checked by the trainer (rollout_critic, tree_rollout)
         else:
             check_critic_path(hook.critic.path, hook.critic.allow_pickle)
             _check_calibration(hook)

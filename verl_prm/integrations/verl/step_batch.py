@@ -15,13 +15,15 @@ import torch
 from verl_prm.responses import truncated_responses
 from verl_prm.steps import StepSplit
 
-__all__ = ["SAMPLING_FIELDS", "STEP_FIELDS", "StepBatch", "StepValues", "read_step_batch"]
+__all__ = ["SAMPLING_FIELDS", "STEP_FIELDS", "TREE_FIELDS", "StepBatch", "StepValues", "read_step_batch"]
 
 # The TransferQueue fields a StepBatch is read from (verl's _compute_advantage reads uid, response_mask and
 # rm_scores too) ...
 STEP_FIELDS = ("uid", "response_mask", "rm_scores", "prompts", "responses")
-# ... and what the rollout sampler scores continuations with.
+# ... and what the rollout sampler scores continuations with ...
 SAMPLING_FIELDS = ("data_source", "reward_model", "extra_info")
+# ... and what the agent loop recorded per response (a tree's leaves: their parent and generated tokens).
+TREE_FIELDS = ("extra_fields",)
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,8 @@ class StepBatch:
     ``StepSplit``; ``truncated`` [B] True where a response does not end with EOS; ``outcomes`` [B] each
     response's summed ``rm_scores``; ``uids`` its prompt group; ``real_rows`` [B] False for verl's padding rows;
     ``step`` verl's ``global_steps``. ``data_sources``, ``ground_truths``, ``extra_infos``: per row, when read
-    (the rollout sampler's fields), else None.
+    (the rollout sampler's fields), else None; ``agent_fields``: each row's agent-loop ``extra_fields`` when read
+    (tree-shaped groups), else None.
     """
 
     keys: list[str]
@@ -51,6 +54,7 @@ class StepBatch:
     data_sources: list | None = None
     ground_truths: list | None = None
     extra_infos: list | None = None
+    agent_fields: list | None = None
 
     @property
     def attention_mask(self) -> torch.Tensor:
@@ -79,7 +83,8 @@ class StepValues:
     wall time (``pav/critic_seconds``); ``metrics`` its own ``pav/*`` metrics (the sampler's ``pav/mc_*``, the
     refresh's ``pav/refresh/*``); ``timing`` verl ``timing_s/*`` values it measured (``pav_critic_offload``);
     ``features`` [B, S + 1, D] the value head's input when asked for (the refresh); ``sampled`` the rollout
-    sampler's ``verl_prm.critic.sampled.SampledValues``.
+    sampler's ``verl_prm.critic.sampled.SampledValues``; ``leaf_counts`` [B, S] the leaves below each step's node
+    (tree-shaped groups: what the tree estimators weigh by).
     """
 
     step_values: torch.Tensor
@@ -89,6 +94,7 @@ class StepValues:
     timing: dict[str, float] = field(default_factory=dict)
     features: torch.Tensor | None = None
     sampled: Any = None
+    leaf_counts: torch.Tensor | None = None
 
 
 def read_step_batch(fields, keys: list[str], tags: list[dict], step: int, tokenizer, steps,
@@ -106,6 +112,8 @@ def read_step_batch(fields, keys: list[str], tags: list[dict], step: int, tokeni
     if "reward_model" in fields.keys():
         sampling = {"data_sources": _row_list(fields["data_source"]), "extra_infos": _row_list(fields["extra_info"]),
                     "ground_truths": [row.get("ground_truth") for row in _row_list(fields["reward_model"])]}
+    if "extra_fields" in fields.keys():
+        sampling["agent_fields"] = [dict(row or {}) for row in _row_list(fields["extra_fields"])]
     return StepBatch(
         keys=list(keys), step=int(step),
         real_rows=torch.tensor([not tag.get("is_padding", False) for tag in tags], dtype=torch.bool),

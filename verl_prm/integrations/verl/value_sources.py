@@ -3,6 +3,9 @@
 - :class:`CriticWorkerValues`: a critic worker group (``verl_prm.critic.format`` value_head, a public PRM's
   format, or exact with the prover in the workers);
 - :class:`RolloutSampledValues`: Monte-Carlo values from the run's rollout replicas (format ``rollout``);
+- :class:`TreeNodeValues`: the node values of tree-shaped groups (format ``tree``): each step's value is the mean
+  outcome of the group's leaves below its node (``verl_prm.trees.tree_step_values``), sampled by the agent loop
+  ``pav_tree`` (``tree_rollout``) at no extra cost;
 - :class:`ExactReferenceValues`: the exact prover of ``verl_prm.diagnostics.reference``, in the driver (for the
   diagnostics only, never the advantages).
 
@@ -15,13 +18,17 @@ import contextlib
 import time
 from typing import Any, Callable, ContextManager, Protocol
 
+import torch
+
 from verl.protocol import DataProto
 
 from verl_prm.integrations.verl.critic_worker import OFFLOAD_SECONDS_KEY, compute_step_values
 from verl_prm.integrations.verl.rollout_critic import RolloutCritic, mc_metrics
 from verl_prm.integrations.verl.step_batch import StepBatch, StepValues
+from verl_prm.trees import tree_step_values
 
-__all__ = ["CriticWorkerValues", "ExactReferenceValues", "RolloutSampledValues", "StepValueSource", "Timer"]
+__all__ = ["CriticWorkerValues", "ExactReferenceValues", "RolloutSampledValues", "StepValueSource", "Timer",
+           "TreeNodeValues", "tree_metrics"]
 
 # name -> a context that times the phase into verl's timing_s/<name> (the trainer's marked_timer), or no-op
 Timer = Callable[[str], ContextManager[Any]]
@@ -121,6 +128,75 @@ class RolloutSampledValues:
         seconds = time.perf_counter() - start
         return StepValues(sampled.step_values.float(), sampled.prompt_values.float(), seconds,
                           metrics=mc_metrics(sampled, batch.response_mask, batch.metric_rows), sampled=sampled)
+
+
+def tree_metrics(batch: StepBatch, roots: int, leaf_counts: torch.Tensor) -> dict[str, float]:
+    """The cost of one step's trees (``pav/tree_*``, the real rows): tokens generated (roots, branches), tokens
+    trained (every leaf's response tokens), their ratio (a GRPO step with the same n: 1.0), branch leaves, groups
+    that fell back to extra independent roots (responses with no step boundary left to branch at), and the mean
+    leaves below a step's node."""
+    rows = batch.metric_rows.tolist()
+    fields = batch.agent_fields or [{} for _ in rows]
+    missing = [batch.keys[i] for i, (row, keep) in enumerate(zip(fields, rows)) if keep and
+               "pav_tree_generated_tokens" not in row]
+    if missing:
+        raise RuntimeError(f"responses {missing[:4]} were not sampled by the tree agent loop (no pav_tree_* fields): "
+                           "tree-shaped groups need every training prompt sampled by agent loop pav_tree")
+    real = [row for row, keep in zip(fields, rows) if keep]
+    generated = [int(row["pav_tree_generated_tokens"]) for row in real]
+    is_root = [int(row["pav_tree_parent"]) < 0 for row in real]
+    trained = int(batch.response_lengths[batch.metric_rows].sum())
+    groups = {uid for uid, keep in zip(batch.uids, rows) if keep}
+    roots_per_group: dict[str, int] = {}
+    for uid, row, keep in zip(batch.uids, fields, rows):
+        if keep and int(row["pav_tree_parent"]) < 0:
+            roots_per_group[uid] = roots_per_group.get(uid, 0) + 1
+    steps = batch.split.num_steps[batch.metric_rows]
+    counts = leaf_counts[batch.metric_rows]
+    valid = torch.arange(counts.shape[1])[None, :] < steps[:, None]
+    return {
+        "pav/tree_generated_tokens": float(sum(generated)),
+        "pav/tree_root_tokens": float(sum(g for g, root in zip(generated, is_root) if root)),
+        "pav/tree_branch_tokens": float(sum(g for g, root in zip(generated, is_root) if not root)),
+        "pav/tree_trained_tokens": float(trained),
+        "pav/tree_generated_share": sum(generated) / trained if trained else 0.0,
+        "pav/tree_branch_leaves": float(sum(not root for root in is_root)),
+        "pav/tree_fallback_groups": float(sum(count > roots for count in roots_per_group.values())),
+        "pav/tree_groups": float(len(groups)),
+        "pav/tree_mean_node_leaves": float(counts[valid].float().mean()) if bool(valid.any()) else 0.0,
+    }
+
+
+class TreeNodeValues:
+    """Step values of tree-shaped groups (format ``tree``): a step's value is the mean success of the group's
+    leaves whose response begins with the tokens up to that step's end (``verl_prm.trees.tree_step_values``);
+    a prompt's value is its group's success rate. Nothing is sampled here: the agent loop sampled the tree."""
+
+    def __init__(self, success_threshold: float, roots: int) -> None:
+        self.success_threshold = float(success_threshold)
+        self.roots = int(roots)
+
+    def values(self, batch: StepBatch) -> StepValues:
+        start = time.perf_counter()
+        split = batch.split
+        real = batch.real_rows.tolist()
+        # verl's padding rows get a group of their own, so they are no leaf of a real prompt's tree
+        groups = [uid if keep else f"padding-{row}" for row, (uid, keep) in enumerate(zip(batch.uids, real))]
+        ends = [[int(end) + 1 for end in split.step_ends[b, : int(split.num_steps[b])].tolist()]
+                for b in range(len(groups))]
+        successes = (batch.outcomes > self.success_threshold).float()
+        step_values, leaf_counts, prompt_values = tree_step_values(groups, batch.response_ids(), ends, successes)
+        width = split.step_ends.shape[1]
+        step_values, leaf_counts = _to_width(step_values, width, 0.0), _to_width(leaf_counts, width, 0)
+        return StepValues(step_values.float(), prompt_values.float(), time.perf_counter() - start,
+                          metrics=tree_metrics(batch, self.roots, leaf_counts), leaf_counts=leaf_counts)
+
+
+def _to_width(tensor: torch.Tensor, width: int, fill) -> torch.Tensor:
+    """[B, S'] -> [B, width], cut or padded with ``fill`` (the split's step width)."""
+    if tensor.shape[1] >= width:
+        return tensor[:, :width]
+    return torch.cat([tensor, tensor.new_full((tensor.shape[0], width - tensor.shape[1]), fill)], dim=1)
 
 
 class ExactReferenceValues:

@@ -20,9 +20,11 @@ from typing import Any, Callable
 import torch
 
 from verl_prm import advantages as adv
+from verl_prm import trees
 from verl_prm.config import PavConfig, read_pav_config
 
-__all__ = ["ESTIMATORS", "STEP_KEYS", "EstimatorInputs", "MissingStepTensorsError", "register_estimator"]
+__all__ = ["ESTIMATORS", "STEP_KEYS", "TREE_ESTIMATORS", "EstimatorInputs", "MissingStepTensorsError",
+           "register_estimator"]
 
 STEP_KEYS = ("step_ids", "step_values", "prompt_values", "num_steps")
 # verl's compute_advantage passes these to every registered estimator when the batch has them.
@@ -57,6 +59,11 @@ class EstimatorInputs:
     outcome_rewards: torch.Tensor
     # [B] bool, set by rules whose fused lookup flags step ids outside [-1, num_steps - 1] as it reads them
     bad_id_rows: torch.Tensor | None = None
+    # the raw step values [B, S] and prompt values [B] (before Best-of-K), and the leaves below each step's node
+    # [B, S] (tree-shaped groups: verl_prm.trees; None otherwise): what the tree estimators read
+    step_values: torch.Tensor | None = None
+    prompt_values: torch.Tensor | None = None
+    leaf_counts: torch.Tensor | None = None
 
 
 def _check(name: str, steps: dict[str, Any], token_level_rewards, response_mask, pav: PavConfig, extra: dict):
@@ -105,6 +112,7 @@ def register_estimator(name: str) -> Callable[[Callable[..., torch.Tensor]], Est
             prompt_values: torch.Tensor | None = None,
             num_steps: torch.Tensor | None = None,
             truncated: torch.Tensor | None = None,
+            leaf_counts: torch.Tensor | None = None,
             **verl_kwargs,
         ) -> tuple[torch.Tensor, torch.Tensor]:
             pav = read_pav_config(config)
@@ -115,7 +123,8 @@ def register_estimator(name: str) -> Callable[[Callable[..., torch.Tensor]], Est
                 keep = _keep(name, pav, truncated)
                 scores = pav.process_scores(step_values, prompt_values, num_steps, keep)
                 inputs = EstimatorInputs(token_level_rewards, response_mask, index, step_ids, num_steps, scores,
-                                         keep, token_level_rewards.sum(dim=-1))
+                                         keep, token_level_rewards.sum(dim=-1), step_values=step_values,
+                                         prompt_values=prompt_values, leaf_counts=leaf_counts)
                 advantages = rule(name, inputs, pav, config)
                 if pav.check_inputs:
                     # one host read per batch, after the math (which clamps every index): the [B, T] inputs are
@@ -248,3 +257,57 @@ def _pav_prime(name: str, inputs: EstimatorInputs, pav: PavConfig, config) -> to
         whiten=pav.whiten_returns, reward_mask=pav.prime_reward_mask, groups=groups, num_groups=num_groups,
         keep=inputs.keep,
     )
+
+
+# Tree-shaped groups (verl_prm.trees): the advantage of each leaf's segment from the tree's node values; they read
+# the raw node values and the leaf counts, not the PAV process scores (alpha, Best-of-K, normalize, clip and
+# drop_truncated do not apply).
+TREE_ESTIMATORS = ("tree_rl", "spo_tree")
+
+
+def _tree_rule(name: str, inputs: EstimatorInputs) -> torch.Tensor:
+    """Each token gets the advantage of its step's segment (``verl_prm.trees.tree_step_advantages``); a token in
+    no step (EOS, special tokens) that of the response's last node (its leaf). A response with no step is a leaf
+    right below the prompt: V = its outcome R_i (verl's), |L| = 1."""
+    counts = inputs.leaf_counts
+    if counts is None:
+        raise MissingStepTensorsError(
+            f"advantage estimator {name!r} needs the step tensor leaf_counts [B, S] (the leaves below each step's "
+            "node), which tree-shaped groups supply (verl_prm.critic.format=tree); with other step values use "
+            "pav_grpo, pav_rloo, ...")
+    if counts.shape != inputs.step_values.shape or counts.dtype.is_floating_point:
+        raise ValueError(f"{name}: leaf_counts must be an integer tensor of step_values' shape "
+                         f"{tuple(inputs.step_values.shape)}, got {counts.dtype} {tuple(counts.shape)}")
+    step_advantages = trees.tree_step_advantages(name, inputs.step_values, inputs.prompt_values, counts,
+                                                 inputs.num_steps)
+    rows, width = step_advantages.shape
+    num_steps = inputs.num_steps.to(step_advantages.device)
+    last = (num_steps - 1).clamp(min=0, max=max(width - 1, 0))[:, None]
+    root = inputs.prompt_values.to(step_advantages.dtype)
+    empty = inputs.outcome_rewards.to(step_advantages.dtype) - root  # V(leaf) - V(root), |L| = 1
+    empty = empty if name == "spo_tree" else 2.0 * empty
+    leaf = step_advantages.gather(1, last)[:, 0] if width else empty
+    leaf = torch.where(num_steps > 0, leaf, empty)
+    per_token = adv.step_scores_per_token(step_advantages, inputs.step_ids)
+    per_token = torch.where(inputs.step_ids >= 0, per_token, leaf[:, None])
+    return per_token * inputs.response_mask
+
+
+@register_estimator("tree_rl")
+def _tree_rl(name: str, inputs: EstimatorInputs, pav: PavConfig, config) -> torch.Tensor:
+    """``tree_rl``: TreeRL's process advantage (Hou et al. 2025, https://github.com/THUDM/TreeRL) of tree-shaped
+    groups: every token of a leaf's segment with node n gets ``(GA + LA) / sqrt(|L(n)|)``, GA = V(n) - V(root),
+    LA = V(n) - V(parent(n)), V = the mean outcome of the leaves below a node (``verl_prm.trees``). Needs the step
+    tensor ``leaf_counts``. Returns ``(advantages, advantages)``.
+    """
+    return _tree_rule(name, inputs)
+
+
+@register_estimator("spo_tree")
+def _spo_tree(name: str, inputs: EstimatorInputs, pav: PavConfig, config) -> torch.Tensor:
+    """``spo_tree``: SPO-tree's segment advantage (Guo et al. 2025, https://github.com/AIFrameResearch/SPO) of
+    tree-shaped groups: every token of a leaf's segment with node n gets ``V(n) - V(parent(n))``, V = the mean
+    outcome of the leaves below a node (``verl_prm.trees``). Needs the step tensor ``leaf_counts``. Returns
+    ``(advantages, advantages)``.
+    """
+    return _tree_rule(name, inputs)

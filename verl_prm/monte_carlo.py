@@ -56,6 +56,7 @@ __all__ = [
     "first_pit_search_step",
     "fixed_prefix_steps",
     "requested_steps",
+    "prefix_match_sums",
     "shared_prefix_outcomes",
 ]
 
@@ -281,25 +282,127 @@ def shared_prefix_outcomes(
 
     ``prefixes[j] = (group, tokens)``; response i (``responses[i]``: its tokens, None for a row that is no sample,
     e.g. padding) is a sample of prefix j iff ``groups[i]`` is its group, i is not ``owners[j]`` (the response the
-    prefix was taken from; None: none is left out, as for a tree node, whose value is that of all its leaves), and
+    prefix was taken from; None: none is left out), and
 
         len(responses[i]) > len(tokens_j)  and  responses[i][:len(tokens_j)] == tokens_j,
 
     and then ``successes[i]`` counts. Tokens are any hashable items (token ids; the steps of a scripted task).
+    The matching is :func:`prefix_match_sums`'s (each prefix a query row of its own that counts for nothing).
     """
     if not len(groups) == len(responses) == len(successes):
         raise ValueError(f"{len(groups)} groups, {len(responses)} responses and {len(successes)} successes")
     if len(owners) != len(prefixes):
         raise ValueError(f"{len(owners)} owners for {len(prefixes)} prefixes")
+    rows = len(responses)
+    sequences = [() if tokens is None else tokens for tokens in responses] + [tokens for _, tokens in prefixes]
+    sums = prefix_match_sums(
+        list(groups) + [group for group, _ in prefixes], sequences,
+        [float(bool(success)) for success in successes] + [0.0] * len(prefixes),
+        [(rows + j, len(tokens)) for j, (_, tokens) in enumerate(prefixes)], longer_only=True,
+        counted=[tokens is not None for tokens in responses] + [False] * len(prefixes), exclude=owners)
+    return [(int(total), count) for total, count in sums]
+
+
+def prefix_match_sums(
+    groups: Sequence[Hashable],
+    sequences: Sequence[Sequence[Hashable]],
+    values: Sequence[float],
+    queries: Sequence[tuple[int, int]],
+    *,
+    longer_only: bool,
+    counted: Sequence[bool] | None = None,
+    exclude: Sequence[int | None] | None = None,
+) -> list[tuple[float, int]]:
+    """For each query (q, e): (sum of ``values[c]``, count) over the rows c that share the first e tokens of row q.
+
+    Row c counts for query (q, e) iff ``counted[c]`` (default all), ``groups[c] == groups[q]``, c is not
+    ``exclude[j]`` (the query's owner, None: none), ``sequences[c][:e] == sequences[q][:e]`` and
+    ``len(sequences[c]) > e`` (``longer_only``: the rows that go on past the prefix) or ``>= e``. Query row q
+    itself counts like any other row. Requires ``0 <= e <= len(sequences[q])``.
+
+    Exact, without comparing every pair of rows token by token: per group the rows are sorted lexicographically
+    (rows sharing a prefix are then contiguous), the common-prefix length of neighbours is read from one
+    vectorised comparison, and that of any two rows is the minimum over the neighbours between them
+    (``_common_prefix_lengths``). Cost per group of n rows of T tokens: a sort, O(n T) comparisons, O(n^2) minima.
+    """
+    import numpy as np  # here: this module is imported by command lines' --help, which load nothing heavy
+
+    if not len(groups) == len(sequences) == len(values):
+        raise ValueError(f"{len(groups)} groups, {len(sequences)} sequences and {len(values)} values")
+    counted = [True] * len(sequences) if counted is None else [bool(x) for x in counted]
+    exclude = [None] * len(queries) if exclude is None else list(exclude)
+    if len(exclude) != len(queries) or len(counted) != len(sequences):
+        raise ValueError(f"{len(exclude)} excluded rows for {len(queries)} queries, {len(counted)} counted flags "
+                         f"for {len(sequences)} sequences")
     members: dict[Hashable, list[int]] = {}
-    for row, (group, tokens) in enumerate(zip(groups, responses)):
-        if tokens is not None:
-            members.setdefault(group, []).append(row)
-    as_tuples = [None if tokens is None else tuple(tokens) for tokens in responses]
-    pooled = []
-    for (group, prefix), owner in zip(prefixes, owners):
-        prefix = tuple(prefix)
-        rows = [row for row in members.get(group, ()) if row != owner and len(as_tuples[row]) > len(prefix)
-                and as_tuples[row][: len(prefix)] == prefix]
-        pooled.append((sum(int(bool(successes[row])) for row in rows), len(rows)))
-    return pooled
+    for row, group in enumerate(groups):
+        members.setdefault(group, []).append(row)
+    asked: dict[Hashable, list[int]] = {}
+    for j, (q, e) in enumerate(queries):
+        if not 0 <= e <= len(sequences[q]):
+            raise ValueError(f"query ({q}, {e}): the prefix length must be in [0, {len(sequences[q])}] (row {q}'s "
+                             "length)")
+        asked.setdefault(groups[q], []).append(j)
+    sums: list[tuple[float, int]] = [(0.0, 0)] * len(queries)
+    for group, js in asked.items():
+        rows = members[group]
+        local = {row: i for i, row in enumerate(rows)}
+        common = _common_prefix_lengths([sequences[row] for row in rows])
+        lengths = np.array([len(sequences[row]) for row in rows], dtype=np.int64)
+        weights = np.array([float(values[row]) if counted[row] else 0.0 for row in rows])
+        usable = np.array([counted[row] for row in rows], dtype=bool)
+        cuts = np.array([queries[j][1] for j in js], dtype=np.int64)
+        match = (common[[local[queries[j][0]] for j in js]] >= cuts[:, None]) & usable[None, :]
+        if longer_only:
+            match &= lengths[None, :] > cuts[:, None]
+        for k, j in enumerate(js):
+            if exclude[j] is not None and exclude[j] in local:
+                match[k, local[exclude[j]]] = False
+        totals, counts = match @ weights, match.sum(axis=1)
+        for k, j in enumerate(js):
+            sums[j] = (float(totals[k]), int(counts[k]))
+    return sums
+
+
+def _common_prefix_lengths(sequences: Sequence[Sequence[Hashable]]):
+    """[n, n] int64 numpy array: the length of the longest common prefix of each two sequences (the diagonal: each
+    one's length). Tokens are mapped to integers (any hashable items; lists of ints are used as they are)."""
+    import numpy as np
+
+    rows = [_as_int_list(sequence) for sequence in sequences]
+    if any(row is None for row in rows):  # not all integer tokens: one integer per distinct token
+        ids: dict[Hashable, int] = {}
+        rows = [[ids.setdefault(token, len(ids)) for token in sequence] for sequence in sequences]
+    n = len(rows)
+    lengths = np.array([len(row) for row in rows], dtype=np.int64)
+    width = int(lengths.max(initial=0))
+    order = sorted(range(n), key=rows.__getitem__)  # lexicographic: rows sharing a prefix are contiguous
+    matrix = np.zeros((n, width), dtype=np.int64)
+    for position, row in enumerate(order):
+        matrix[position, : lengths[row]] = rows[row]
+    ordered = lengths[order]
+    differs = matrix[1:] != matrix[:-1]
+    neighbours = np.where(differs.any(axis=1), differs.argmax(axis=1), width)
+    neighbours = np.minimum(neighbours, np.minimum(ordered[1:], ordered[:-1]))
+    common = np.empty((n, n), dtype=np.int64)
+    common[np.arange(n), np.arange(n)] = ordered
+    for i in range(n - 1):  # rows i < j sorted: the common prefix is the least over the neighbours between them
+        common[i, i + 1:] = np.minimum.accumulate(neighbours[i:])
+        common[i + 1:, i] = common[i, i + 1:]
+    back = np.empty(n, dtype=np.int64)
+    back[order] = np.arange(n)
+    return common[back][:, back]
+
+
+def _as_int_list(sequence: Sequence[Hashable]) -> list[int] | None:
+    """The sequence as a list of Python ints when its tokens are integers, else None."""
+    import numpy as np
+
+    if len(sequence) == 0:
+        return []
+    try:
+        array = np.asarray(sequence)
+    except (TypeError, ValueError):
+        return None
+    # numpy makes ints of ints and bools together (True == 1, as in Python); anything else is mapped
+    return array.tolist() if array.dtype.kind in "iu" and array.ndim == 1 else None

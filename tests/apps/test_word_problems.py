@@ -1,0 +1,191 @@
+"""The word-problem recipe (verl_prm.apps.word_problems): the problems' answers against a reading of their text,
+the answer parser, the reward, the search's pure helpers, and every stage wired end to end on a tiny random model
+(the recipe's settings, resume and refusal of other settings)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from verl_prm.apps.word_problems.score import compute_score
+from verl_prm.apps.word_problems.search import accuracy_summary, majority_vote, outcome_labels
+from verl_prm.apps.word_problems.task import (STEP_DELIMITER, TaskConfig, generate_problems, parse_answer,
+                                              prompt_messages)
+
+# What each sentence of a question does to the count, read from the text alone (not from the generator's tables).
+CHANGES = [(re.compile(r"(?:buys|finds|gets) (\d+) more"), lambda v, k: v + k),
+           (re.compile(r"(?:gives away|loses|gives) (\d+)"), lambda v, k: v - k),
+           (re.compile(r"doubles"), lambda v, k: 2 * v)]
+
+
+def answer_from_text(question: str) -> tuple[int, int, list[int]]:
+    """(answer, number of changes, the count after each change) of a question, by reading its sentences."""
+    sentences = [s.strip() for s in question.split(".") if s.strip()]
+    value = int(re.fullmatch(r"\w+ has (\d+) \w+", sentences[0]).group(1))
+    counts = []
+    for sentence in sentences[1:-1]:
+        matched = [(p.search(sentence), f) for p, f in CHANGES if p.search(sentence)]
+        assert len(matched) == 1, sentence
+        match, change = matched[0]
+        value = change(value, int(match.group(1)) if match.groups() else 0)
+        counts.append(value)
+    assert sentences[-1].startswith("How many")
+    return value, len(counts), counts
+
+
+@pytest.mark.parametrize("config", [TaskConfig(), TaskConfig(min_steps=1, max_steps=6, max_start=5,
+                                                              operations=("add", "sub", "mul"))])
+def test_answers_equal_the_text_read_step_by_step(config):
+    problems = generate_problems(300, config, seed=5)
+    steps_seen = set()
+    for p in problems:
+        answer, steps, counts = answer_from_text(p.question)
+        assert p.answer == answer and config.min_steps <= steps <= config.max_steps
+        assert min(counts) >= 0
+        steps_seen.add(steps)
+        # the reference solution: one line per change, each "a op b = c." true and chained, then the answer line
+        lines = p.solution().split(STEP_DELIMITER)
+        assert len(lines) == steps + 1 and lines[-1] == f"The answer is {answer}."
+        previous = int(re.fullmatch(r"\w+ has (\d+) .*", p.question.split(".")[0]).group(1))
+        for line, count in zip(lines[:-1], counts):
+            a, op, b, c = re.search(r"(\d+) ([-+*]) (\d+) = (\d+)\.$", line).groups()
+            assert int(a) == previous and int(c) == count == {"+": int(a) + int(b), "-": int(a) - int(b),
+                                                               "*": int(a) * int(b)}[op]
+            previous = count
+        assert parse_answer(p.solution()) == answer and compute_score("word_problems", p.solution(), str(answer)) == 1
+    assert steps_seen == set(range(config.min_steps, config.max_steps + 1))
+
+
+def test_problems_are_distinct_seeded_and_respect_exclude():
+    first = generate_problems(50, seed=3)
+    assert [p.question for p in first] == [p.question for p in generate_problems(50, seed=3)]
+    assert len({p.question for p in first}) == 50
+    other = generate_problems(50, seed=3, exclude=[p.question for p in first[:10]])
+    assert not {p.question for p in first[:10]} & {p.question for p in other}
+    with pytest.raises(ValueError, match="could not draw 500 distinct problems"):
+        generate_problems(500, TaskConfig(min_steps=1, max_steps=1, max_start=2, max_amount=1,
+                                          operations=("mul",)), seed=0)
+    with pytest.raises(ValueError, match="unknown operations"):
+        TaskConfig(operations=("div",))
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("He buys 2 more: 3 + 2 = 5.\nThe answer is 5.", 5),
+    ("the answer is -3", -3),
+    ("The answer is 1,234.", 1234),
+    ("The answer is $ 7.", 7),
+    ("The answer is 4.\nThe answer is 9.", 4),  # the first answer line counts
+    ("So 3 + 4 = 7.", None),
+    ("The answer is x.", None),
+    ("", None),
+])
+def test_parse_answer(text, expected):
+    assert parse_answer(text) == expected
+    assert compute_score("word_problems", text, "5") == float(expected == 5)
+
+
+def test_score_names_a_ground_truth_that_is_no_integer():
+    with pytest.raises(ValueError, match="ground truth 'five'"):
+        compute_score("word_problems", "The answer is 5.", "five")
+
+
+def test_prompt_messages_put_the_shots_before_the_question():
+    shots = generate_problems(2, seed=9)
+    problem = generate_problems(1, seed=10)[0]
+    chat = prompt_messages(problem, shots)
+    assert [m["role"] for m in chat] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert chat[2]["content"] == shots[0].solution() and chat[-1]["content"] == problem.question
+    assert [m["role"] for m in prompt_messages(problem)] == ["system", "user"]
+
+
+def test_majority_vote_and_accuracy_summary():
+    assert majority_vote([3, None, 4, 4, 3]) == 3  # tie: the answer reached first
+    assert majority_vote([None, 5, 6, 6]) == 6
+    assert majority_vote([None, None]) is None
+    correct = [1.0, 0.0, 1.0, 1.0]
+    summary = accuracy_summary(correct, [10, 20, 30, 40])
+    # standard error of the mean: sqrt(sum (x - mean)^2 / (n - 1) / n)
+    mean = 0.75
+    assert summary["accuracy"] == mean and summary["tokens_per_problem"] == 25
+    assert math.isclose(summary["stderr"], math.sqrt(sum((x - mean) ** 2 for x in correct) / 3 / 4))
+
+
+def test_outcome_labels_put_the_outcome_on_every_step():
+    frame = pd.DataFrame({"prompt_index": [0, 1], "rollout_index": [0, 0], "outcome": [1.0, 0.0],
+                          "step_ends": [[3, 7], [5]], "q": [[0.5, 1.0], [0.25]], "n_success": [[1, 2], [1]],
+                          "n_mc": [[2, 2], [4]], "first_pit": [-1, -1], "prompt_value": [0.5, 0.5],
+                          "prompt_n_success": [1, 1], "prompt_n_mc": [2, 2], "source": ["p", "p"]})
+    out = outcome_labels(frame)
+    assert out["q"].tolist() == [[1.0, 1.0], [0.0]] and out["n_mc"].tolist() == [[0, 0], [0]]
+    assert np.isnan(out["prompt_value"]).all() and frame["q"].tolist() == [[0.5, 1.0], [0.25]]
+    with pytest.raises(ValueError, match="1 rollouts have no outcome .first: prompt 1, rollout 0"):
+        outcome_labels(frame.assign(outcome=[1.0, float("nan")]))
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """Every stage on a tiny random Qwen2 with a tokenizer trained on the problems' text."""
+    from verl_prm.apps.arithmetic.model import SFTConfig
+    from verl_prm.apps.word_problems import pipeline
+    from verl_prm.labeling.tiny_model import write_tiny_causal_lm
+
+    root = tmp_path_factory.mktemp("word_problems")
+    texts = [p.question + "\n" + p.solution() for p in generate_problems(200, seed=7)]
+    base = write_tiny_causal_lm(texts, root / "tiny", vocab_size=400, hidden_size=32)
+    config = pipeline.RecipeConfig(
+        base=str(base), shots=1, sft_problems=16, sft=SFTConfig(steps=2, batch_size=2, lr=1e-3, warmup_steps=1),
+        measure_problems=4, test_problems=8, max_new_tokens=16, label_problems=10, n_cov=2, n_mc=2,
+        label_shard_size=5, search_problems=4, best_of_n=(1, 2), beam_widths=(1, 2), pav_steps=3)
+    lines: list[str] = []
+    records = pipeline.run(config, root / "work", progress=False, log=lines.append)
+    return pipeline, config, root / "work", records, lines
+
+
+def test_every_stage_on_a_tiny_model(tiny_run):
+    from verl_prm.labeling.format import read_labels
+    from verl_prm.labeling.inputs import read_prompts
+
+    pipeline, config, work, records, _ = tiny_run
+    assert list(records) == list(pipeline.STAGES)
+    splits = pipeline.split_problems(config)
+    questions = [{p.question for p in problems} for problems in splits.values()]
+    assert sum(map(len, questions)) == len(set().union(*questions))  # no question in two splits
+    items = read_prompts(str(work / "data" / "label.parquet"))
+    assert [item.ground_truth for item in items] == [str(p.answer) for p in splits["label"]]
+    assert items[0].prompt[-1]["content"] == splits["label"][0].question and len(items[0].prompt) == 4  # 1 shot
+    labels = read_labels(work / "labels")
+    assert sorted(labels["prompt_index"]) == sorted(list(range(10)) * 2)
+    orm = read_labels(work / "orm" / "outcome_labels")
+    assert [list(q) for q in orm["q"]] == [[o] * len(e) for o, e in zip(labels["outcome"], labels["step_ends"])]
+    measured = records["measure"]["outputs"]
+    assert set(measured) == {"base_zero_shot", "base_few_shot", "policy"}
+    assert all(m["problems"] == 4 and m["generated_tokens"] > 0 for m in measured.values())
+    rows = json.loads((work / "search" / "results.json").read_text())
+    assert [(r["method"], r["n"]) for r in rows] == [
+        (m, n) for n in (1, 2) for m in ("majority_vote", "best_of_n_orm", "best_of_n_pav")] + [
+        ("beam_pav", 1), ("beam_pav", 2)]
+    by = {(r["method"], r["n"]): r for r in rows}
+    # best-of-N and the vote read the same samples: N=2 costs twice N=1 (16 tokens each, none ends early here)
+    assert by["majority_vote", 2]["tokens_per_problem"] == by["best_of_n_pav", 2]["tokens_per_problem"]
+    assert all(r["problems"] == 4 and 0 <= r["accuracy"] <= 1 for r in rows)
+
+
+def test_a_rerun_skips_complete_stages_and_refuses_other_settings(tiny_run):
+    from dataclasses import replace
+
+    pipeline, config, work, _, _ = tiny_run
+    lines: list[str] = []
+    pipeline.run(config, work, ["search"], progress=False, log=lines.append)
+    # the search reads every stage but the measurement
+    assert [line.split(":")[0] for line in lines] == [f"[word-problems] {name}" for name in pipeline.STAGES
+                                                      if name != "measure"]
+    assert all("complete, skipped" in line for line in lines)
+    with pytest.raises(ValueError, match=r"labels holds a completed stage made with other settings .*n\[1\]: 2 -> 3"):
+        pipeline.run(replace(config, n_mc=3), work, ["label"], progress=False, log=lines.append)
+    with pytest.raises(ValueError, match="unknown stages"):
+        pipeline.run(config, work, ["rl"], progress=False)

@@ -1,0 +1,131 @@
+"""Test-time search on the word problems at equal generation budgets: majority vote, best-of-N ranked by an outcome
+verifier (ORM) or by the PAV, and beam search on the PAV's ``Q + alpha * A`` (``verl_prm.search``).
+
+Best-of-N and majority vote read the same N full samples per problem (the first N of one draw of ``max(N)``), so
+their differences are the rankers' alone. A method's budget is the mean number of tokens it generated per problem;
+its accuracy's standard error is over problems.
+
+The ORM is a value head on the same frozen backbone, trained by the same trainer on the same rollouts, whose every
+step is labelled with the rollout's outcome (:func:`outcome_labels`): it predicts the outcome from any prefix, and
+best-of-N ranks by its value after the last step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Optional, Sequence
+
+import numpy as np
+import pandas as pd
+
+__all__ = ["accuracy_summary", "majority_vote", "outcome_labels"]
+
+
+def majority_vote(answers: Sequence[Optional[int]]) -> Optional[int]:
+    """The most frequent answer that is not None; ties go to the answer reached first; None when none parsed."""
+    counts = Counter(a for a in answers if a is not None)
+    if not counts:
+        return None
+    best = max(counts.values())
+    return next(a for a in answers if a is not None and counts[a] == best)
+
+
+def accuracy_summary(correct: Sequence[float], tokens: Sequence[float]) -> dict:
+    """Accuracy (the mean of ``correct`` over problems), its standard error ``sqrt(var / n)`` (sample variance,
+    ddof 1), and the mean generated tokens per problem."""
+    values = np.asarray(correct, dtype=float)
+    n = values.size
+    if n == 0:
+        raise ValueError("accuracy_summary: no problems")
+    stderr = float(values.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
+    return {"accuracy": float(values.mean()), "stderr": stderr, "problems": n,
+            "tokens_per_problem": float(np.mean(tokens))}
+
+
+def outcome_labels(frame: pd.DataFrame) -> pd.DataFrame:
+    """The label rows of ``frame`` (``verl_prm.labeling.format``) relabelled for an outcome verifier: every step's
+    value is the rollout's outcome, taken from data (``n_mc`` 0, no counts), and no prompt value. Rollouts of
+    unknown outcome are an error."""
+    unknown = frame["outcome"].isna()
+    if unknown.any():
+        first = frame[unknown].iloc[0]
+        raise ValueError(f"outcome_labels: {int(unknown.sum())} rollouts have no outcome (first: prompt "
+                         f"{first['prompt_index']}, rollout {first['rollout_index']}); label them with a scorer")
+    out = frame.copy()
+    steps = [len(ends) for ends in out["step_ends"]]
+    out["q"] = [[float(o)] * h for o, h in zip(out["outcome"], steps)]
+    out["n_success"] = [[0] * h for h in steps]
+    out["n_mc"] = [[0] * h for h in steps]
+    out["first_pit"] = -1
+    out["prompt_value"] = float("nan")
+    out["prompt_n_success"] = 0
+    out["prompt_n_mc"] = 0
+    out["source"] = "outcome"
+    return out
+
+
+def sampled_answers(problems, sampler, n: int, seed: int) -> tuple[list[list], list[list[Optional[int]]]]:
+    """``n`` full responses per problem from ``sampler`` (one draw) and their parsed answers."""
+    from verl_prm.apps.word_problems.task import parse_answer
+    from verl_prm.search.nodes import node_seed
+
+    indices = list(range(len(problems)))
+    nodes = sampler.sample_responses(indices, n, [node_seed(seed, "best_of_n", p) for p in indices])
+    return nodes, [[parse_answer("".join(node.steps)) for node in group] for group in nodes]
+
+
+def ranked_choices(nodes: Sequence[Sequence], critic, rank: str, n: int, best_of_k: int = 1) -> list[int]:
+    """Per problem, the index among its first ``n`` samples that ``critic`` (a ``CachedCritic``) ranks best
+    (``verl_prm.search.scoring.response_scores`` with ``rank``: ``orm`` or an aggregation of the step values)."""
+    import torch
+
+    from verl_prm.search.nodes import Compute
+    from verl_prm.search.scoring import response_scores
+
+    flat = [node for group in nodes for node in group[:n]]
+    compute = {node.problem: Compute() for node in flat}
+    prompt_values, step_values, num_steps = critic.prefix_values(flat, compute)
+    scores = response_scores(prompt_values, step_values, num_steps, rank, "values", best_of_k)
+    return [int(torch.argmax(scores[g * n:(g + 1) * n])) for g in range(len(nodes))]
+
+
+def compare_at_budgets(problems, sampler, pav, orm, *, best_of_n: Sequence[int], beam_widths: Sequence[int],
+                       samples_per_beam: int, alpha: float, best_of_k: int, pav_rank: str, max_steps: int,
+                       seed: int = 0, log=print) -> list[dict]:
+    """One row per (method, N): accuracy, its standard error over problems, tokens per problem. ``pav`` and
+    ``orm``: ``CachedCritic`` of the two value heads; the problems' answers are ``problems[i].answer``."""
+    from verl_prm.apps.word_problems.task import parse_answer
+    from verl_prm.search import BeamConfig, beam_search
+
+    nodes, answers = sampled_answers(problems, sampler, max(best_of_n), seed)
+    truth = [p.answer for p in problems]
+    rows = []
+    for n in sorted(best_of_n):
+        tokens = [sum(node.num_tokens for node in group[:n]) for group in nodes]
+        picks = {"majority_vote": [majority_vote(a[:n]) for a in answers]}
+        for name, critic, rank in (("best_of_n_orm", orm, "orm"), ("best_of_n_pav", pav, pav_rank)):
+            chosen = ranked_choices(nodes, critic, rank, n)
+            picks[name] = [a[c] for a, c in zip(answers, chosen)]
+        for method, picked in picks.items():
+            rows.append({"method": method, "n": n, **accuracy_summary([float(a == t) for a, t in zip(picked, truth)],
+                                                                        tokens)})
+            log(f"[word-problems] search: {method} N={n}: {rows[-1]}")
+    for width in sorted(beam_widths):
+        config = BeamConfig(beam_width=width, samples_per_beam=samples_per_beam, alpha=alpha, best_of_k=best_of_k,
+                            max_steps=max_steps, seed=seed)
+        results = beam_search(list(range(len(problems))), sampler, pav, None, config)
+        correct = [float(parse_answer("".join(r.node.steps)) == truth[r.problem]) for r in results]
+        rows.append({"method": "beam_pav", "n": width,
+                     **accuracy_summary(correct, [r.compute.generated_tokens for r in results])})
+        log(f"[word-problems] search: beam_pav N={width}: {rows[-1]}")
+    return rows
+
+
+def markdown_table(rows: Sequence[dict]) -> str:
+    """The rows as a markdown table: method, N, accuracy +- standard error, tokens per problem."""
+    lines = ["| method | N | accuracy | tokens per problem |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['n']} | {r['accuracy']:.3f} +- {r['stderr']:.3f} | "
+                     f"{r['tokens_per_problem']:.0f} |")
+    return "\n".join(lines)

@@ -117,6 +117,9 @@ def test_steps_section_splits_with_its_rule(bpe_small):
         (["verl_prm.steps.code_rule=line", "verl_prm.steps.delimiter=';'"],
          "set verl_prm.steps.delimiter=null"),
         (["verl_prm.steps.code_depth=-1"], "verl_prm.steps.code_depth must be >= 0"),
+        (["algorithm.adv_estimator=tree_rl"],
+         "algorithm.adv_estimator=tree_rl reads the node values and leaf counts of tree-shaped groups, but "
+         "verl_prm.critic.format=value_head: set verl_prm.critic.format=tree"),
     ],
 )
 def test_startup_validation_errors(overrides, message, critic_dir):

@@ -26,7 +26,7 @@ from verl_prm.config.hook import (
     select_key,
     read_hook_config,
 )
-from verl_prm.estimators import ESTIMATORS
+from verl_prm.estimators import ESTIMATORS, TREE_ESTIMATORS
 from verl_prm.training.calibration import CalibrationError, checkpoint_calibration, read_calibration
 
 __all__ = ["known_estimators", "validate_run_config"]
@@ -91,7 +91,8 @@ def validate_run_config(config: Any) -> tuple[HookConfig, PavConfig]:
     ``verl_prm.refresh`` refits); with ``verl_prm.critic.format=exact``: a path set, no
     ``options.prover``, a prover that cannot be imported or a bad prover option (the prover is built once);
     with ``verl_prm.diagnostics.reference``: the same for its exact prover, and a run that scores no steps;
-    out-of-range step, critic, placement and diagnostics settings.
+    out-of-range step, critic, placement and diagnostics settings; a tree estimator (``tree_rl``, ``spo_tree``)
+    without ``verl_prm.critic.format=tree``.
     """
     hook = read_hook_config(select_key(config, "verl_prm"))
     algorithm = select_key(config, "algorithm")
@@ -111,6 +112,12 @@ def validate_run_config(config: Any) -> tuple[HookConfig, PavConfig]:
             f"algorithm.adv_estimator={estimator} needs the step tensors that only the verl-prm trainer hook "
             f"computes, but trainer.v1.trainer_mode={trainer_mode}: set trainer.v1.trainer_mode={HOOK_TRAINER_NAME} "
             "(or add +verl_prm=pav with hydra.searchpath=[pkg://verl_prm.config], which sets it)"
+        )
+    if estimator in TREE_ESTIMATORS and hook.critic.format != TREE_CRITIC_FORMAT:
+        raise ConfigError(
+            f"algorithm.adv_estimator={estimator} reads the node values and leaf counts of tree-shaped groups, but "
+            f"verl_prm.critic.format={hook.critic.format}: set verl_prm.critic.format=tree (and verl_prm.tree.*), "
+            "or use pav_grpo, pav_rloo, ... with these step values"
         )
     if hook_selected and (estimator in ESTIMATORS or hook.score_outcome_estimators):
         if hook.critic.format == EXACT_CRITIC_FORMAT:

@@ -155,6 +155,11 @@ def test_tree_run_errors_name_the_key(override, message):
     with pytest.raises(ConfigError) as error:
         check_tree_run(config, read_hook_config(config.verl_prm))
     assert message in str(error.value)
+
+
+def test_tree_run_passes_the_startup_check_without_those_overrides():
+    from verl_prm.integrations.verl.tree_rollout import check_tree_run
+
     config = compose_verl(PLUGIN_OVERRIDES + TREE_OVERRIDES)
     check_tree_run(config, read_hook_config(config.verl_prm))
 

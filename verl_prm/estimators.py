@@ -43,7 +43,7 @@ class EstimatorInputs:
     """What an estimator's rule reads: the tensors and the process scores of every step.
 
     The inputs are checked after the rule has run (the math clamps every index, so bad inputs cannot crash it):
-    ``outcome_rewards`` and ``bad_id_rows`` are what the check reads instead of the two [B, T] inputs.
+    ``bad_rows`` is what the check reads instead of the inputs, when the rule's fused lookup computed it.
     """
 
     token_level_rewards: torch.Tensor
@@ -57,8 +57,9 @@ class EstimatorInputs:
     keep: torch.Tensor | None
     # R_i [B]: the row sums of token_level_rewards (verl's outcome), computed once
     outcome_rewards: torch.Tensor
-    # [B] bool, set by rules whose fused lookup flags step ids outside [-1, num_steps - 1] as it reads them
-    bad_id_rows: torch.Tensor | None = None
+    # [B] bool, set by rules whose lookup flags the responses that break the tensor contract as it reads the step
+    # ids (verl_prm.advantages.bad_input_rows)
+    bad_rows: torch.Tensor | None = None
     # the raw step values [B, S] and prompt values [B] (before Best-of-K), and the leaves below each step's node
     # [B, S] (tree-shaped groups: verl_prm.trees; None otherwise): what the tree estimators read
     step_values: torch.Tensor | None = None
@@ -128,10 +129,9 @@ def register_estimator(name: str) -> Callable[[Callable[..., torch.Tensor]], Est
                 advantages = rule(name, inputs, pav, config)
                 if pav.check_inputs:
                     # one host read per batch, after the math (which clamps every index): the [B, T] inputs are
-                    # checked through the outcome sums and the lookup's id flags (verl_prm.advantages)
+                    # checked through the outcome sums and the lookup's flags (verl_prm.advantages)
                     adv.check_step_inputs(step_ids, step_values, prompt_values, num_steps, response_mask,
-                                          token_level_rewards, outcome_rewards=inputs.outcome_rewards,
-                                          bad_id_rows=inputs.bad_id_rows)
+                                          token_level_rewards, bad_rows=inputs.bad_rows)
             return advantages, advantages
 
         estimator.__name__ = estimator.__qualname__ = name
@@ -160,9 +160,10 @@ def _norm_by_std(config) -> bool:
 
 
 def _per_step(outcome: torch.Tensor, inputs: EstimatorInputs, pav: PavConfig) -> torch.Tensor:
-    advantages, inputs.bad_id_rows = adv.process_advantage_and_bad_ids(
+    checked = (inputs.step_values, inputs.prompt_values, inputs.num_steps, inputs.outcome_rewards)
+    advantages, inputs.bad_rows = adv.process_advantage_and_bad_rows(
         outcome, inputs.scores, inputs.step_ids, inputs.response_mask, pav.alpha,
-        num_steps=inputs.num_steps if pav.check_inputs else None, compile=pav.compile)
+        checked=checked if pav.check_inputs else None, compile=pav.compile)
     return advantages
 
 

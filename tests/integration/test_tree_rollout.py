@@ -167,6 +167,10 @@ def test_tree_run_passes_the_startup_check_without_those_overrides():
 @pytest.mark.parametrize("section, message", [
     ({"critic": {"format": "tree", "path": "/x"}}, "verl_prm.critic.path='/x' is unused with verl_prm.critic.format=tree"),
     ({"critic": {"format": "tree"}, "placement": {"pool": "own"}}, "verl_prm.placement.pool=own is unused"),
+    ({"critic": {"format": "tree", "prior_strength": float("nan")}},
+     "verl_prm.critic.prior_strength must be a finite number >= 0"),
+    ({"critic": {"format": "tree", "mc_success_threshold": float("inf")}},
+     "verl_prm.critic.mc_success_threshold must be a finite number"),
     ({"tree": {"roots": 0}}, "verl_prm.tree.roots must be an integer >= 1, got 0"),
     ({"tree": {"branch_width": 0}}, "verl_prm.tree.branch_width must be an integer >= 1, got 0"),
     ({"tree": {"branch_rule": "often"}}, "verl_prm.tree.branch_rule must be one of ('every', 'fixed', 'confidence')"),
@@ -237,3 +241,67 @@ def test_main_ppo_two_steps_with_tree_groups_on_cpu(tree_loop_run):
         assert metrics["actor/grad_norm"] > 0, f"step {step}: actor grad norm {metrics['actor/grad_norm']}"
         # validation is not sampled as trees: no tree metric under val-core; the training generation was timed
         assert metrics["timing_s/gen"] > 0
+
+
+# ---------------------------------------------------------------------------------------------- node values in the hook
+
+
+def _tree_batch(tokenizer):
+    """Two prompts' trees as the hook reads them: prompt a has roots 0, 1 and leaves 2, 3 branched from root 0 after
+    its first step (2 tokens, steps of 2 tokens); prompt b one root and a padding row."""
+    from verl_prm.config.hook import StepsSection
+    from verl_prm.integrations.verl.step_batch import StepBatch
+
+    responses = [[5, 6, 7, 8, 2], [9, 9, 9, 2, 0], [5, 6, 10, 2, 0], [5, 6, 11, 12, 2], [7, 7, 2, 0, 0],
+                 [0, 0, 0, 0, 0]]
+    lengths = torch.tensor([5, 4, 4, 5, 3, 0])
+    ids = torch.tensor(responses)
+    mask = (torch.arange(5)[None, :] < lengths[:, None]).long()
+    split = StepsSection(delimiter=None, max_tokens=2).split(ids, mask, tokenizer)
+    fields = [{"pav_tree_parent": -1, "pav_tree_generated_tokens": 5}, {"pav_tree_parent": -1, "pav_tree_generated_tokens": 4},
+              {"pav_tree_parent": 0, "pav_tree_generated_tokens": 2}, {"pav_tree_parent": 0, "pav_tree_generated_tokens": 3},
+              {"pav_tree_parent": -1, "pav_tree_generated_tokens": 3}, {}]
+    return StepBatch(
+        keys=[f"k{i}" for i in range(6)], step=1, real_rows=torch.tensor([True] * 5 + [False]),
+        prompts=torch.ones(6, 2, dtype=torch.long), prompt_mask=torch.ones(6, 2, dtype=torch.long), responses=ids,
+        response_lengths=lengths, response_mask=mask, split=split, truncated=torch.zeros(6, dtype=torch.bool),
+        outcomes=torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0]), uids=["a", "a", "a", "a", "b", "b"], agent_fields=fields)
+
+
+@pytest.mark.parametrize("strength", [0.0, 2.0])
+def test_tree_node_values_are_the_mean_outcome_of_the_leaves_below(strength, bpe_small):
+    """Written out for the tree of _tree_batch: the node after root 0's first step ([5, 6]) has leaves 0, 2, 3
+    (outcomes 1, 1, 0), every deeper node of prompt a one leaf; shrunk: (k + s v_0) / (L + s)."""
+    from verl_prm.integrations.verl.value_sources import TreeNodeValues
+
+    batch = _tree_batch(bpe_small)
+    values = TreeNodeValues(0.5, roots=2, prior_strength=strength).values(batch)
+    v0 = 2 / 4
+
+    def node(k, leaves):
+        return (k + strength * v0) / (leaves + strength)
+
+    assert values.prompt_values[:5].tolist() == [v0] * 4 + [1.0]
+    assert batch.split.num_steps.tolist()[:5] == [3, 2, 2, 3, 2]
+    expected = {0: [node(2, 3), node(1, 1), node(1, 1)], 1: [node(0, 1), node(0, 1)], 2: [node(2, 3), node(1, 1)],
+                3: [node(2, 3), node(0, 1), node(0, 1)]}
+    for row, want in expected.items():
+        assert values.step_values[row, : len(want)].tolist() == pytest.approx(want), row
+    assert values.leaf_counts[0, :3].tolist() == [3, 1, 1] and values.leaf_counts[1, :2].tolist() == [1, 1]
+    metrics = values.metrics
+    assert metrics["pav/tree_generated_tokens"] == 17 and metrics["pav/tree_root_tokens"] == 12
+    assert metrics["pav/tree_branch_tokens"] == 5 and metrics["pav/tree_branch_leaves"] == 2
+    assert metrics["pav/tree_trained_tokens"] == 21 and metrics["pav/tree_generated_share"] == pytest.approx(17 / 21)
+    # prompt b has 1 root with roots=2 expected: not a fallback (fewer roots than asked is no extra root)
+    assert metrics["pav/tree_groups"] == 2 and metrics["pav/tree_fallback_groups"] == 0
+
+
+def test_tree_node_values_refuse_responses_the_tree_agent_loop_did_not_sample(bpe_small):
+    import dataclasses
+
+    from verl_prm.integrations.verl.value_sources import TreeNodeValues
+
+    batch = _tree_batch(bpe_small)
+    batch = dataclasses.replace(batch, agent_fields=[{}] + batch.agent_fields[1:])
+    with pytest.raises(RuntimeError, match=r"responses \['k0'\] were not sampled by the tree agent loop"):
+        TreeNodeValues(0.5, roots=2).values(batch)

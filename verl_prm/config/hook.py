@@ -130,8 +130,9 @@ class CriticSection:
                                        "pav/mc_pooled_samples).")
     prior_strength: float = setting(0.0, "Shrinkage s of a sampled success rate toward a prior, (successes + s "
                                     "prior) / (samples + s): format rollout, toward the group's success rate "
-                                    "before Best-of-K; verl_prm.refresh, the labels toward the learned PAV's values "
-                                    "(with samples + s trials). 0: the plain rate.", low=0.0)
+                                    "before Best-of-K; format tree, a node's value (its leaves the samples) toward "
+                                    "the group's success rate; verl_prm.refresh, the labels toward the learned "
+                                    "PAV's values (with samples + s trials). 0: the plain rate.", low=0.0)
 
 
 @dataclass
@@ -424,6 +425,9 @@ def _check_tree_critic_section(critic: CriticSection, placement: PlacementSectio
                           "workers): set verl_prm.placement.pool=colocated")
     if not math.isfinite(critic.mc_success_threshold):
         raise ConfigError(f"verl_prm.critic.mc_success_threshold must be a finite number, got {critic.mc_success_threshold}")
+    if not math.isfinite(critic.prior_strength) or critic.prior_strength < 0:
+        raise ConfigError(f"verl_prm.critic.prior_strength must be a finite number >= 0 (0: no shrinkage), got "
+                          f"{critic.prior_strength}")
 
 
 def _check_rollout_sampling(critic: CriticSection) -> None:

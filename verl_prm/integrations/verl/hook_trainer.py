@@ -129,7 +129,8 @@ class PavSyncTrainer(PPOTrainerSync):
         if self._samples_values():
             self.value_source = self._rollout_sampler()
         elif self._samples_trees():
-            self.value_source = TreeNodeValues(hook.critic.mc_success_threshold, hook.tree.roots)
+            self.value_source = TreeNodeValues(hook.critic.mc_success_threshold, hook.tree.roots,
+                                               hook.critic.prior_strength)
         else:
             critic = CriticWorkerValues(self._init_prover_critic(), reports_offload=hook.placement.offload != "none")
             self.value_source = critic

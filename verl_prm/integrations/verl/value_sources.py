@@ -22,6 +22,7 @@ import torch
 
 from verl.protocol import DataProto
 
+from verl_prm.critic.sampled import shrink_success_rates
 from verl_prm.integrations.verl.critic_worker import OFFLOAD_SECONDS_KEY, compute_step_values
 from verl_prm.integrations.verl.rollout_critic import RolloutCritic, mc_metrics
 from verl_prm.integrations.verl.step_batch import StepBatch, StepValues
@@ -170,11 +171,14 @@ def tree_metrics(batch: StepBatch, roots: int, leaf_counts: torch.Tensor) -> dic
 class TreeNodeValues:
     """Step values of tree-shaped groups (format ``tree``): a step's value is the mean success of the group's
     leaves whose response begins with the tokens up to that step's end (``verl_prm.trees.tree_step_values``);
-    a prompt's value is its group's success rate. Nothing is sampled here: the agent loop sampled the tree."""
+    a prompt's value is its group's success rate. With ``prior_strength`` s > 0 a node of L leaves, k of them
+    successes, is valued (k + s v_0) / (L + s) (``verl_prm.critic.sampled.shrink_success_rates``, v_0 the
+    group's rate). Nothing is sampled here: the agent loop sampled the tree."""
 
-    def __init__(self, success_threshold: float, roots: int) -> None:
+    def __init__(self, success_threshold: float, roots: int, prior_strength: float = 0.0) -> None:
         self.success_threshold = float(success_threshold)
         self.roots = int(roots)
+        self.prior_strength = float(prior_strength)
 
     def values(self, batch: StepBatch) -> StepValues:
         start = time.perf_counter()
@@ -186,6 +190,10 @@ class TreeNodeValues:
                 for b in range(len(groups))]
         successes = (batch.outcomes > self.success_threshold).float()
         step_values, leaf_counts, prompt_values = tree_step_values(groups, batch.response_ids(), ends, successes)
+        if self.prior_strength > 0:
+            shrunk = shrink_success_rates(step_values * leaf_counts, leaf_counts, prompt_values[:, None],
+                                          self.prior_strength)
+            step_values = torch.where(leaf_counts > 0, shrunk, step_values)
         width = split.step_ends.shape[1]
         step_values, leaf_counts = _to_width(step_values, width, 0.0), _to_width(leaf_counts, width, 0)
         return StepValues(step_values.float(), prompt_values.float(), time.perf_counter() - start,

@@ -14,8 +14,10 @@ def test_bench_advantages_runs_and_reports(capsys):
     report = capsys.readouterr().out
     assert "allocator: default" in report
     for label in ("grpo_vectorized (verl)", "pav_grpo", "pav_rloo", "pav_grpo, compile=never"):
-        assert re.search(rf"^{re.escape(label)} +[\d.]+ +[\d.]+ +[\d.]+ +\d+$", report, re.M), (label, report)
+        assert re.search(rf"^{re.escape(label)} +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +\d+$", report, re.M), (
+            label, report)
     assert re.search(r"pav_grpo / grpo_vectorized = [\d.]+ \(target <= 2\).*(meets|MISSES) the target", report)
+    assert re.search(r"pav_grpo / grpo_vectorized in this thread's CPU time: [\d.]+ ", report)
 
 
 def test_bench_steps_runs_and_reports(capsys):

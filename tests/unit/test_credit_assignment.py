@@ -448,8 +448,11 @@ def estimator_inputs(b, values_seed=0):
     rewards = torch.zeros(b["mask"].shape)
     last = (b["mask"].cumsum(1) == b["mask"].sum(1, keepdim=True)) & (b["mask"] > 0)
     rewards[last] = b["outcome"].float()
+    # one leaf below every real step's node (the tree estimators read it; the others ignore it)
+    leaf_counts = (torch.arange(step_values.shape[1])[None, :] < b["num_steps"][:, None]).long()
     return dict(token_level_rewards=rewards, response_mask=b["mask"], index=b["uids"], step_ids=b["step_ids"],
-                step_values=step_values, prompt_values=prompt_values, num_steps=b["num_steps"])
+                step_values=step_values, prompt_values=prompt_values, num_steps=b["num_steps"],
+                leaf_counts=leaf_counts)
 
 
 def config(name, **pav):
@@ -598,7 +601,8 @@ def test_every_estimator_is_registered_in_verl():
     import verl_prm.config as config_package
     import verl  # noqa: F401  (loads the plugin, which registers every entry of ESTIMATORS)
 
-    assert set(ESTIMATORS) == {"pav_grpo", "pav_rloo", "pav_reinforce", "prm_aggregate", "pav_pure", "pav_prime"}
+    assert set(ESTIMATORS) == {"pav_grpo", "pav_rloo", "pav_reinforce", "prm_aggregate", "pav_pure", "pav_prime",
+                               "tree_rl", "spo_tree"}
     from verl_prm.integrations.verl.advantage import VERL_ESTIMATORS
 
     for name, estimator in ESTIMATORS.items():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from verl_support import PLUGIN_OVERRIDES, compose_verl
+from verl_support import PLUGIN_OVERRIDES, compose_verl, parity_reward_file
 
 from verl_prm.config.hook import ConfigError, read_hook_config
 from verl_prm.labeling.generators import derive_seed
@@ -355,11 +355,7 @@ def rollout_loop_run(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("rollout_loop")
     prepare(work)
-    # the untrained policy never solves the arithmetic task (every value would be 0): a reward that it meets about
-    # half the time, so that the sampled values and the process term vary
-    reward = work / "parity_reward.py"
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return float(len(solution_str) % 2 == 0)\n")
+    reward = parity_reward_file(work)
     args = main_ppo_args(work, "pav_grpo", steps=2, run_name="pav_grpo_rollout", extra=[
         "verl_prm.critic.format=rollout", "verl_prm.critic.path=null", "verl_prm.critic.n_mc=2",
         f"verl_prm.critic.mc_token_budget={MC_BUDGET}", f"reward.custom_reward_function.path={reward}"])

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 import torch
-from verl_support import PLUGIN_OVERRIDES, compose_verl
+from verl_support import PLUGIN_OVERRIDES, compose_verl, parity_reward_file
 
 from verl_prm.config.hook import ConfigError, read_hook_config
 
@@ -207,11 +207,7 @@ def tree_loop_run(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("tree_loop")
     prepare(work)
-    # the untrained policy never solves the arithmetic task: a reward it meets about half the time, so that the
-    # node values and the process term vary
-    reward = work / "parity_reward.py"
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return float(len(solution_str) % 2 == 0)\n")
+    reward = parity_reward_file(work)
     args = main_ppo_args(work, "pav_grpo", steps=2, run_name="pav_grpo_tree", extra=[
         "verl_prm.critic.format=tree", "verl_prm.critic.path=null", "verl_prm.tree.roots=2",
         "verl_prm.tree.branch_width=2", "verl_prm.tree.branch_rule=confidence",

@@ -74,3 +74,13 @@ class MemoryQueue:
     def kv_batch_put(self, keys, partition_id, fields):
         self.written = fields
         return "written by verl"
+
+
+def parity_reward_file(work: Path) -> Path:
+    """A reward function file (``reward.custom_reward_function.path``) that scores 1 for a response of even length:
+    the CPU loop's untrained policy never solves its arithmetic task (every value would be 0), but meets this about
+    half the time, so that step values and the process term vary."""
+    path = Path(work) / "parity_reward.py"
+    path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                    "    return float(len(solution_str) % 2 == 0)\n")
+    return path

@@ -144,7 +144,9 @@ def test_confidence_branching_without_log_probs_is_an_error(chat_tokenizer):
     ("actor_rollout_ref.rollout.n=5", "actor_rollout_ref.rollout.n=5"),
     ("actor_rollout_ref.rollout.n=1", "actor_rollout_ref.rollout.n=1"),
     ("actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.n=2"),  # n = roots: a branch budget of 0
-    ("actor_rollout_ref.rollout.max_model_len=40", "actor_rollout_ref.rollout.max_model_len=40 cannot hold a branch"),
+    ("actor_rollout_ref.rollout.max_model_len=40",
+     "actor_rollout_ref.rollout.max_model_len=40 cannot take a step prefix of a full-length response: "
+     "verl_prm.critic.format=tree"),
     ("actor_rollout_ref.rollout.agent.default_agent_loop=pav_tree",
      "actor_rollout_ref.rollout.agent.default_agent_loop=pav_tree would sample the validation groups as trees"),
 ])

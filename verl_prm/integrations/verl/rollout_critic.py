@@ -44,7 +44,7 @@ from verl_prm.integrations.verl.data_sources import check_default_scorer_data_so
 from verl_prm.labeling.scoring import OutcomeScorer
 from verl_prm.monte_carlo import PrefixCounts, PrefixRequest, ResponseSteps
 
-__all__ = ["RolloutCritic", "check_rollout_critic_run", "mc_metrics", "run_reward_function", "sampling_params"]
+__all__ = ["RolloutCritic", "check_continuation_context", "check_rollout_critic_run", "mc_metrics", "run_reward_function", "sampling_params"]
 
 # reward managers whose reward is the reward function of one response (so a continuation is scored the same way)
 _FUNCTION_REWARD_MANAGERS = ("pav", "naive")
@@ -94,24 +94,33 @@ def check_rollout_critic_run(config: Any) -> None:
         )
     check_default_scorer_data_sources(config)
     rollout = "actor_rollout_ref.rollout"
-    prompt_length = int(select_key(config, f"{rollout}.prompt_length", 0) or 0)
     response_length = int(select_key(config, f"{rollout}.response_length", 0) or 0)
     if response_length < 1:
         raise ConfigError(f"{rollout}.response_length must be >= 1 with verl_prm.critic.format=rollout, got {response_length}")
-    max_model_len = select_key(config, f"{rollout}.max_model_len", None)
-    if max_model_len is not None and int(max_model_len) < prompt_length + response_length:
-        raise ConfigError(
-            f"{rollout}.max_model_len={max_model_len} cannot take a step prefix of a full-length response: "
-            f"verl_prm.critic.format=rollout sends prompts of up to {rollout}.prompt_length + response_length = "
-            f"{prompt_length + response_length} tokens (prompt + response prefix + continuation): raise "
-            f"{rollout}.max_model_len to {prompt_length + response_length} or null"
-        )
+    check_continuation_context(config, "rollout")
     sync_step = select_key(config, "trainer.v1.sync.parameter_sync_step", 1)
     if int(sync_step) != 1:
         raise ConfigError(
             f"verl_prm.critic.format=rollout samples from the replicas with the actor's current weights, but "
             f"trainer.v1.sync.parameter_sync_step={sync_step} updates the actor between weight syncs, so the values "
             "would not be of the policy that generated the batch: set trainer.v1.sync.parameter_sync_step=1"
+        )
+
+
+def check_continuation_context(config: Any, critic_format: str) -> None:
+    """A format that continues step prefixes of responses (rollout, tree) sends the rollout prompts of up to
+    ``prompt_length + response_length`` tokens (prompt + response prefix + continuation): a ``max_model_len``
+    below that is a ``ConfigError`` naming the key."""
+    rollout = "actor_rollout_ref.rollout"
+    prompt_length = int(select_key(config, f"{rollout}.prompt_length", 0) or 0)
+    response_length = int(select_key(config, f"{rollout}.response_length", 0) or 0)
+    max_model_len = select_key(config, f"{rollout}.max_model_len", None)
+    if max_model_len is not None and int(max_model_len) < prompt_length + response_length:
+        raise ConfigError(
+            f"{rollout}.max_model_len={max_model_len} cannot take a step prefix of a full-length response: "
+            f"verl_prm.critic.format={critic_format} sends prompts of up to {rollout}.prompt_length + "
+            f"response_length = {prompt_length + response_length} tokens (prompt + response prefix + "
+            f"continuation): raise {rollout}.max_model_len to {prompt_length + response_length} or null"
         )
 
 

@@ -44,6 +44,7 @@ from verl_prm.config.hook import (
     select_key,
 )
 from verl_prm.integrations.verl.data_sources import check_default_scorer_data_sources
+from verl_prm.integrations.verl.rollout_critic import check_continuation_context
 from verl_prm.trees import Leaf, TreeShape, sample_tree
 
 logger = logging.getLogger(__name__)
@@ -77,16 +78,7 @@ def check_tree_run(config: Any, hook: HookConfig) -> None:
         tree_shape(hook.tree).branch_points(n)
     except ValueError as error:
         raise ConfigError(f"verl_prm.tree with {rollout}.n={n}: {error}") from None
-    prompt_length = int(select_key(config, f"{rollout}.prompt_length", 0) or 0)
-    response_length = int(select_key(config, f"{rollout}.response_length", 0) or 0)
-    max_model_len = select_key(config, f"{rollout}.max_model_len", None)
-    if max_model_len is not None and int(max_model_len) < prompt_length + response_length:
-        raise ConfigError(
-            f"{rollout}.max_model_len={max_model_len} cannot hold a branch: verl_prm.critic.format=tree continues "
-            f"prompt + response prefixes of up to {rollout}.prompt_length + response_length = "
-            f"{prompt_length + response_length} tokens: raise {rollout}.max_model_len to "
-            f"{prompt_length + response_length} or null"
-        )
+    check_continuation_context(config, "tree")
     check_default_scorer_data_sources(config)
     default_loop = select_key(config, f"{rollout}.agent.default_agent_loop", "single_turn_agent")
     if default_loop == TREE_AGENT_LOOP_NAME:

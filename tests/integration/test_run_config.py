@@ -35,12 +35,12 @@ def test_yaml_defaults_equal_the_typed_configs():
 
 
 def test_every_checkpoint_format_a_config_names_has_a_loader():
-    """A format the config accepts must load: the checkpoint formats are the loaders' registry; exact and rollout
-    read no checkpoint."""
+    """A format the config accepts must load: the checkpoint formats are the loaders' registry; exact, rollout and
+    tree read no checkpoint."""
     from verl_prm.critic.formats import FORMATS
 
     assert set(CHECKPOINT_FORMATS) == set(FORMATS)
-    assert set(CRITIC_FORMATS) - set(FORMATS) == {"exact", "rollout"}
+    assert set(CRITIC_FORMATS) - set(FORMATS) == {"exact", "rollout", "tree"}
 
 
 def test_every_code_rule_a_config_names_splits_code():

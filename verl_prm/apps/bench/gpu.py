@@ -344,7 +344,7 @@ def bench_estimators(args, device: str = "cuda") -> Section:
             cases["grpo_vectorized (verl)"] = estimator("grpo_vectorized")
             cases["pav_grpo (fused)"] = estimator("pav_grpo", compile="always")
             cases["pav_grpo (compile=never)"] = estimator("pav_grpo", compile="never")
-        medians, _ = interleaved_medians(cases, args.repeats, device)
+        medians, _, _ = interleaved_medians(cases, args.repeats, device)
     reference = medians.get("grpo_vectorized (verl)")
     header = ["case", "ms", "x grpo_vectorized", "x eager lookup"]
     rows = [[name, f"{seconds * 1e3:.3f}", f"{seconds / reference:.2f}" if reference else "n/a",

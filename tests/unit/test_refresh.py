@@ -25,10 +25,10 @@ from verl_prm.critic.sampled import sampled_step_values
 from verl_prm.monte_carlo import PrefixCounts, ResponseSteps
 
 
-def _batch(rule: str = "every", budget: int | None = None):
+def _batch(rule: str = "every", budget: int | None = None, steps: list[int] | None = None):
     """Five responses in two prompt groups (+ one padding row), sampled by a sampler whose successes are fixed per
     (row, step): a Monte-Carlo run with known counts."""
-    steps = [3, 4, 1, 2, 3, 2]
+    steps = steps or [3, 4, 1, 2, 3, 2]
     success = [True, False, False, True, False, False]
     groups = ["a", "a", "a", "b", "b", "pad"]
     real = [True, True, True, True, True, False]
@@ -149,6 +149,18 @@ def test_label_rows_pass_the_label_format_and_carry_the_counts():
         assert (row["prompt_n_success"], row["prompt_n_mc"]) == (sum(success[i] for i in group), len(group))
     assert sorted((r["prompt_index"], r["rollout_index"]) for r in table) == sorted(
         {(r["prompt_index"], r["rollout_index"]) for r in table})
+
+
+def test_a_response_without_steps_is_a_label_row_without_steps():
+    """A response the policy ended at once (only EOS: no text, no step) still counts in its group's rate; its row
+    has empty step lists (a CI run of main_ppo met one at refresh and the row had one start for no end)."""
+    from verl_prm.labeling.format import rows_to_table
+
+    values, groups, success, real, _ = _batch(steps=[3, 0, 1, 2, 3, 2])
+    table = rows_to_table(_label_rows(values, groups, success, real)).to_pylist()
+    empty = table[1]
+    assert (empty["step_starts"], empty["step_ends"], empty["q"], empty["n_mc"]) == ([], [], [], [])
+    assert (empty["prompt_n_success"], empty["prompt_n_mc"], empty["first_pit"]) == (1, 3, -1)
 
 
 def _store_rows(step: int, n: int = 6, d: int = 3) -> RefreshRows:

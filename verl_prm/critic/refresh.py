@@ -172,7 +172,7 @@ def refresh_label_rows(values: SampledValues, groups: Sequence, successes: Seque
             continue
         steps = int(values.num_steps[b])
         ends = [int(e) for e in step_char_ends[b, :steps].tolist()]
-        starts = [0] + ends[:-1]
+        starts = [0] + ends[:-1] if ends else []  # a response of no step (only EOS) has no span
         pit = values.first_pits[b]
         q, n_success, n_mc = [], [], []
         for h in range(steps):

@@ -140,7 +140,7 @@ def tiny_run(tmp_path_factory):
     config = pipeline.RecipeConfig(
         base=str(base), shots=1, sft_problems=16, sft=SFTConfig(steps=2, batch_size=2, lr=1e-3, warmup_steps=1),
         measure_problems=4, test_problems=8, max_new_tokens=16, label_problems=10, n_cov=2, n_mc=2,
-        label_shard_size=5, search_problems=4, best_of_n=(1, 2), beam_widths=(1, 2), pav_steps=3)
+        label_shard_size=5, search_problems=4, best_of_n=(1, 2), beam_widths=(1, 2), pav_steps=3, pav_l2=0.5)
     lines: list[str] = []
     records = pipeline.run(config, root / "work", progress=False, log=lines.append)
     return pipeline, config, root / "work", records, lines
@@ -162,6 +162,7 @@ def test_every_stage_on_a_tiny_model(tiny_run):
     assert sorted(labels["prompt_index"]) == sorted(list(range(10)) * 2)
     orm = read_labels(work / "orm" / "outcome_labels")
     assert [list(q) for q in orm["q"]] == [[o] * len(e) for o, e in zip(labels["outcome"], labels["step_ends"])]
+    assert records["pav"]["outputs"]["training"]["head_l2"] == records["orm"]["outputs"]["training"]["head_l2"] == 0.5
     measured = records["measure"]["outputs"]
     assert set(measured) == {"base_zero_shot", "base_few_shot", "policy"}
     assert all(m["problems"] == 4 and m["generated_tokens"] > 0 for m in measured.values())
@@ -189,3 +190,7 @@ def test_a_rerun_skips_complete_stages_and_refuses_other_settings(tiny_run):
         pipeline.run(replace(config, n_mc=3), work, ["label"], progress=False, log=lines.append)
     with pytest.raises(ValueError, match="unknown stages"):
         pipeline.run(config, work, ["rl"], progress=False)
+    with pytest.raises(ValueError, match="pav_l2 must be a finite number >= 0, got nan"):
+        replace(config, pav_l2=float("nan"))
+    args = pipeline.recipe_parser().parse_args(["--work-dir", str(work), "--pav-l2", "3"])
+    assert pipeline.config_from_args(args).pav_l2 == 3.0

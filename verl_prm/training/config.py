@@ -60,6 +60,9 @@ class TrainConfig:
                                 "the schedule above) or, with --freeze-backbone, newton (the head's convex loss "
                                 "minimised on all training labels at once by Newton's method, --max-steps "
                                 "iterations at most; verl_prm.training.head_fit).")
+    head_l2: float = setting(0.0, "With --head-fit newton: the ridge penalty (l2 / 2) |w|^2 on the head's weights "
+                             "over standardised features (0: the plain fit, which interpolates when there are about "
+                             "as many features as labelled steps).", low=0.0)
     eval_every: int = setting(0, "Evaluate every this many steps (0: only at the end).", low=0)
     eval_batch_size: int = setting(16, "Rollouts per evaluation micro-batch.", low=1)
     save_every: int = setting(0, "Write a checkpoint every this many steps (0: only at the end).", low=0)
@@ -96,6 +99,9 @@ class TrainConfig:
         if self.head_fit == "newton" and self.weight_decay != 0:
             raise ValueError(f"weight_decay (--weight-decay {self.weight_decay}) is AdamW's; --head-fit newton fits the "
                              "head without it: pass --weight-decay 0, or --head-fit adam")
+        if self.head_l2 and self.head_fit != "newton":
+            raise ValueError(f"head_l2 (--head-l2 {self.head_l2}) is the penalty of --head-fit newton; AdamW's is "
+                             "--weight-decay: pass --head-fit newton, or --head-l2 0")
         if self.eval_labels and self.eval_fraction is not None:
             raise ValueError("eval_fraction (--eval-fraction) splits --labels when there are no eval_labels; with "
                              "--eval-labels nothing is split: drop one of the two")

@@ -11,6 +11,7 @@ is the same fit with one feature, logit(v).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from typing import TYPE_CHECKING
@@ -29,7 +30,7 @@ class HeadFit:
     weight: torch.Tensor  # [d], float64
     bias: float
     loss: float  # the weighted soft-label BCE at the fit
-    gradient_norm: float  # max |d loss / d parameter| at the fit, in standardised units (0 at the optimum)
+    gradient_norm: float  # max |d objective / d parameter| at the fit (l2 included), standardised units (0: optimum)
     iterations: int
     converged: bool  # gradient_norm <= tolerance
 
@@ -46,8 +47,10 @@ def weighted_soft_bce(logits: torch.Tensor, targets: torch.Tensor, weights: torc
 
 
 def fit_logistic_head(features: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None, *,
-                      max_iterations: int = 100, fit_bias: bool = True, tolerance: float = 1e-8) -> HeadFit:
-    """``argmin_{w, b} weighted_soft_bce(features @ w + b, targets, weights)`` by Newton's method.
+                      max_iterations: int = 100, fit_bias: bool = True, tolerance: float = 1e-8,
+                      l2: float = 0.0) -> HeadFit:
+    """``argmin_{w, b} weighted_soft_bce(features @ w + b, targets, weights) + (l2 / 2) |w'|^2`` by Newton's method,
+    w' the weights on the standardised features (below; the bias is not penalised).
 
     The loss is convex in beta = (w, b); its minimum satisfies ``g = sum_n w_n (p_n - q_n) [x_n, 1] / sum w = 0``
     with ``p_n = sigmoid(x_n . w + b)``. Each iteration solves ``H d = g`` with the Hessian
@@ -65,6 +68,10 @@ def fit_logistic_head(features: torch.Tensor, targets: torch.Tensor, weights: to
         max_iterations: Newton iterations at most (~10-30 reach the optimum).
         fit_bias: fit b (False: b = 0, for a head without a bias).
         tolerance: the gradient's max-norm (standardised units) at which the fit stops as converged.
+        l2: the ridge penalty on the standardised weights (0: the plain maximum-likelihood fit). With about as
+            many features as labelled steps (a 576-wide backbone, a few hundred labels) the plain fit interpolates
+            the training labels and its held-out error exceeds a constant's; a penalty of order 1 keeps it a
+            regression (``verl-prm train --head-l2``).
     """
     import torch
 
@@ -87,6 +94,8 @@ def fit_logistic_head(features: torch.Tensor, targets: torch.Tensor, weights: to
         raise ValueError("fit_logistic_head: weights must be >= 0 with a positive sum")
     if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) or max_iterations < 1:
         raise ValueError(f"fit_logistic_head: max_iterations must be an integer >= 1, got {max_iterations!r}")
+    if isinstance(l2, bool) or not isinstance(l2, (int, float)) or not (math.isfinite(l2) and l2 >= 0):
+        raise ValueError(f"fit_logistic_head: l2 must be a finite number >= 0, got {l2!r}")
     mean = x.mean(0) if fit_bias else torch.zeros(x.shape[1], dtype=torch.float64)
     # a constant feature has nothing to standardise: scale 1
     scale = x.std(0) if x.shape[0] > 1 else torch.ones(x.shape[1], dtype=torch.float64)
@@ -99,23 +108,31 @@ def fit_logistic_head(features: torch.Tensor, targets: torch.Tensor, weights: to
     # a ridge far below the curvature of any direction the data span: it only makes H solvable where a feature
     # is constant or features coincide (those directions keep the coefficient 0)
     ridge = 1e-10 * torch.eye(design.shape[1], dtype=torch.float64)
+    # the penalty's curvature: l2 on every weight, none on the bias
+    penalty = torch.full((design.shape[1],), float(l2), dtype=torch.float64)
+    if fit_bias:
+        penalty[-1] = 0.0
+
+    def objective(beta: torch.Tensor) -> torch.Tensor:
+        return weighted_soft_bce(design @ beta, q, w) + 0.5 * (penalty * beta * beta).sum()
+
     beta = torch.zeros(design.shape[1], dtype=torch.float64)
-    loss = weighted_soft_bce(design @ beta, q, w)
+    loss = objective(beta)
     iterations, gradient_norm = 0, float("inf")
     for iterations in range(max_iterations + 1):
         p = torch.sigmoid(design @ beta)
-        gradient = design.T @ (w * (p - q)) / total
+        gradient = design.T @ (w * (p - q)) / total + penalty * beta
         gradient_norm = float(gradient.abs().max())
         if gradient_norm <= tolerance or iterations == max_iterations:
             break
-        hessian = design.T @ (design * (w * p * (1 - p) / total)[:, None]) + ridge
+        hessian = design.T @ (design * (w * p * (1 - p) / total)[:, None]) + ridge + torch.diag(penalty)
         step = torch.linalg.solve(hessian, gradient)
         # backtracking (Armijo): Newton's full step can overshoot where the sigmoid saturates. The slack of a few
         # rounding errors of the loss lets the last quadratic steps through, whose decrease float64 cannot see.
         t, decrease, slack = 1.0, float(gradient @ step), 1e-14 * abs(float(loss))
         while True:
             candidate = beta - t * step
-            candidate_loss = weighted_soft_bce(design @ candidate, q, w)
+            candidate_loss = objective(candidate)
             accepted = bool(candidate_loss <= loss - 1e-4 * t * decrease + slack)
             if accepted or t < 1e-10:
                 break
@@ -129,5 +146,5 @@ def fit_logistic_head(features: torch.Tensor, targets: torch.Tensor, weights: to
     out_bias = float(bias) - float(out_weight @ mean)
     if not (bool(torch.isfinite(out_weight).all()) and torch.isfinite(loss)):
         raise ValueError("fit_logistic_head: the fit diverged (non-finite weights or loss)")
-    return HeadFit(weight=out_weight, bias=out_bias, loss=float(loss), gradient_norm=gradient_norm,
+    return HeadFit(weight=out_weight, bias=out_bias, loss=float(weighted_soft_bce(design @ beta, q, w)), gradient_norm=gradient_norm,
                    iterations=iterations, converged=gradient_norm <= tolerance)

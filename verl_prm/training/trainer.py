@@ -771,7 +771,7 @@ def _fit_head(run: _Run) -> dict:
     run.accelerator.print(f"verl-prm train: --head-fit newton on {features.shape[0]} labelled steps x "
                           f"{features.shape[1]} features ({features.numel() * 8 / 2**20:.0f} MiB)")
     fit = fit_logistic_head(features, targets, weights, max_iterations=run.config.max_steps,
-                            fit_bias=head.bias is not None)
+                            fit_bias=head.bias is not None, l2=run.config.head_l2)
     with torch.no_grad():
         head.weight.copy_(fit.weight.to(head.weight.dtype).view_as(head.weight))
         if head.bias is not None:

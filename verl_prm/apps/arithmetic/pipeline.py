@@ -513,10 +513,11 @@ def label_prompts(prompts: Path, policy: Path, output: Path, scale: Scale, progr
 
 def train_pav(labels: Path, init: Path, output: Path, *, steps: int, batch_size: int, lr: float, warmup_steps: int,
               max_length: int, log_every: int, cpu: bool, freeze_backbone: bool = False, calibration: str = "none",
-              head_fit: str = "adam", progress: bool = True) -> dict:
+              head_fit: str = "adam", head_l2: float = 0.0, progress: bool = True) -> dict:
     """``verl_prm.training.trainer.train`` (what ``verl-prm train`` runs) of a value-head PAV on ``labels``: 20% of
     the prompts held out, the Monte-Carlo values themselves (Best-of-1), seed 0, the post-hoc ``calibration``
-    fitted on the held-out labels (``--calibration``), the head fitted by ``head_fit`` (``--head-fit``); resumes from
+    fitted on the held-out labels (``--calibration``), the head fitted by ``head_fit`` (``--head-fit``, with the
+    ridge penalty ``head_l2``: ``--head-l2``); resumes from
     ``output``. Returns the training settings
     (``TrainConfig`` as a dict)."""
     from verl_prm.training.config import TrainConfig
@@ -525,7 +526,7 @@ def train_pav(labels: Path, init: Path, output: Path, *, steps: int, batch_size:
     config = TrainConfig(labels=[str(labels)], output_dir=str(output), init=str(init), eval_fraction=0.2,
                          max_length=max_length, batch_size=batch_size, max_steps=steps, lr=lr,
                          warmup_steps=warmup_steps, best_of_k=1, freeze_backbone=freeze_backbone, head_fit=head_fit, seed=0, cpu=cpu,
-                         log_every=log_every, progress=progress, calibration=calibration)
+                         log_every=log_every, progress=progress, calibration=calibration, head_l2=head_l2)
     train(config)
     return {k: v for k, v in asdict(config).items() if k != "progress"}
 

@@ -83,6 +83,9 @@ class RecipeConfig:
     # the PAV and the ORM: value heads on the frozen policy, fitted by Newton's method (at most pav_steps iterations)
     pav_steps: int = 50
     pav_batch_size: int = 16
+    # the heads' ridge penalty (verl-prm train --head-l2; 0: the plain fit): 576 features against ~800 labelled
+    # steps interpolate without one (docs/real_model.md)
+    pav_l2: float = 0.0
     # search on the first search_problems test problems
     search_problems: int = 64
     best_of_n: tuple[int, ...] = (1, 2, 4, 8)
@@ -109,6 +112,8 @@ class RecipeConfig:
         if min(self.best_of_n + self.beam_widths, default=0) < 1 or not self.best_of_n or not self.beam_widths:
             raise ValueError(f"RecipeConfig: best_of_n and beam_widths need values >= 1, got {self.best_of_n}, "
                              f"{self.beam_widths}")
+        if not (math.isfinite(self.pav_l2) and self.pav_l2 >= 0):
+            raise ValueError(f"RecipeConfig: pav_l2 must be a finite number >= 0, got {self.pav_l2!r}")
         if self.label_problems > LABEL_POOL:
             raise ValueError(f"RecipeConfig: label_problems must be at most {LABEL_POOL}, got {self.label_problems}")
         if max(self.measure_problems, self.search_problems) > self.test_problems:
@@ -272,7 +277,8 @@ def stage_value_head(stage: Stage, config: RecipeConfig, root: Path, labels: Pat
 
     training = train_pav(labels, Path(policy_path(config, root)), stage.path, steps=config.pav_steps,
                          batch_size=config.pav_batch_size, lr=1e-3, warmup_steps=0, max_length=512, log_every=10,
-                         cpu=True, freeze_backbone=True, head_fit="newton", progress=progress)
+                         cpu=True, freeze_backbone=True, head_fit="newton", head_l2=config.pav_l2,
+                         progress=progress)
     metrics = json.loads((stage.path / "eval_metrics.json").read_text())
     return {"checkpoint": str(latest_checkpoint(stage.path)), "eval_metrics": metrics, "training": training}
 
@@ -340,7 +346,10 @@ def stages_of(config: RecipeConfig, root: Path) -> dict[str, Stage]:
     common = {"policy": sft.settings, "max_new_tokens": config.max_new_tokens}
     measure = Stage(root, "measure", {**common, "problems": config.measure_problems})
     label = Stage(root, "labels", {**common, "n": [config.n_cov, config.n_mc], "problems": config.label_problems})
-    pav = Stage(root, "pav", {"labels": label.settings, "steps": config.pav_steps, "batch": config.pav_batch_size})
+    # no penalty is the plain fit the recipe made before it had the option: the same settings
+    penalty = {"l2": config.pav_l2} if config.pav_l2 else {}
+    pav = Stage(root, "pav", {"labels": label.settings, "steps": config.pav_steps, "batch": config.pav_batch_size,
+                              **penalty})
     orm = Stage(root, "orm", pav.settings)
     search = Stage(root, "search", {"pav": pav.settings, "problems": config.search_problems,
                                     "best_of_n": config.best_of_n, "beam_widths": config.beam_widths,
@@ -424,6 +433,8 @@ def recipe_parser() -> argparse.ArgumentParser:
     parser.add_argument("--test-problems", type=int, default=None)
     parser.add_argument("--search-problems", type=int, default=None, help="test problems of the search stage")
     parser.add_argument("--pav-steps", type=int, default=None, help="Newton iterations of the PAV's and ORM's heads")
+    parser.add_argument("--pav-l2", type=float, default=None,
+                        help="ridge penalty of the PAV's and ORM's heads (verl-prm train --head-l2; default 0)")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default 1)")
     parser.add_argument("--no-progress", action="store_true")
@@ -438,7 +449,8 @@ def config_from_args(args: argparse.Namespace) -> RecipeConfig:
         config = replace(config, sft=sft)
     overrides = {"base": args.base, "shots": args.shots, "label_problems": args.label_problems, "n_cov": args.n_cov,
                  "n_mc": args.n_mc, "measure_problems": args.measure_problems, "test_problems": args.test_problems,
-                 "search_problems": args.search_problems, "pav_steps": args.pav_steps, "max_new_tokens": args.max_new_tokens, "threads": args.threads}
+                 "search_problems": args.search_problems, "pav_steps": args.pav_steps, "pav_l2": args.pav_l2, "max_new_tokens": args.max_new_tokens,
+                 "threads": args.threads}
     return replace(config, **{k: v for k, v in overrides.items() if v is not None})
 
 

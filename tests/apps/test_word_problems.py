@@ -194,3 +194,5 @@ def test_a_rerun_skips_complete_stages_and_refuses_other_settings(tiny_run):
         replace(config, pav_l2=float("nan"))
     args = pipeline.recipe_parser().parse_args(["--work-dir", str(work), "--pav-l2", "3"])
     assert pipeline.config_from_args(args).pav_l2 == 3.0
+    with pytest.raises(SystemExit):  # argparse: "must be >= 0 (a finite number)"
+        pipeline.recipe_parser().parse_args(["--work-dir", str(work), "--pav-l2", "nan"])

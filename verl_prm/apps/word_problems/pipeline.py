@@ -47,6 +47,7 @@ from verl_prm.apps.arithmetic.model import SFTConfig
 from verl_prm.apps.arithmetic.pipeline import Stage, environment, environment_differences, seed_everything
 from verl_prm.apps.word_problems.score import DATA_SOURCE
 from verl_prm.apps.word_problems.task import STEP_DELIMITER, Problem, TaskConfig, generate_problems, prompt_messages
+from verl_prm.cli_types import finite_float
 
 __all__ = ["RecipeConfig", "SCALES", "STAGES", "main", "resolve_base", "run", "split_problems"]
 
@@ -433,7 +434,7 @@ def recipe_parser() -> argparse.ArgumentParser:
     parser.add_argument("--test-problems", type=int, default=None)
     parser.add_argument("--search-problems", type=int, default=None, help="test problems of the search stage")
     parser.add_argument("--pav-steps", type=int, default=None, help="Newton iterations of the PAV's and ORM's heads")
-    parser.add_argument("--pav-l2", type=float, default=None,
+    parser.add_argument("--pav-l2", type=finite_float(0.0), default=None,
                         help="ridge penalty of the PAV's and ORM's heads (verl-prm train --head-l2; default 0)")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default 1)")

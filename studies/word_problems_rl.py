@@ -25,6 +25,7 @@ import pandas as pd
 
 from verl_prm.apps.cpu_loop import LoopSize, main_ppo_args, read_metrics, start_main_ppo
 from verl_prm.apps.word_problems import score
+from verl_prm.cli_types import finite_float
 
 ARMS = {
     "grpo": ["algorithm.adv_estimator=grpo"],
@@ -36,8 +37,8 @@ SIZE = LoopSize(prompts_per_step=4, responses_per_prompt=4, max_prompt_length=16
 def with_overrides(args: Sequence[str], overrides: Sequence[str]) -> list[str]:
     """``args`` with each ``key=value`` of ``overrides`` replacing the same key (Hydra refuses a key twice) or
     appended; ``~key`` removes the key."""
-    keys = {o.lstrip("~").split("=", 1)[0]: o for o in overrides}
-    kept = [a for a in args if a.split("=", 1)[0].lstrip("+") not in {k.lstrip("+") for k in keys}]
+    keys = {o.lstrip("~").split("=", 1)[0].lstrip("+") for o in overrides}
+    kept = [a for a in args if a.split("=", 1)[0].lstrip("+") not in keys]
     return kept + [o for o in overrides if not o.startswith("~")]
 
 
@@ -96,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--arm", choices=sorted(ARMS), required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--lr", type=float, default=2e-6)
+    parser.add_argument("--lr", type=finite_float(0.0, low_open=True), default=2e-6)
     parser.add_argument("--test-freq", type=int, default=10, help="-1: no held-out evaluation")
     parser.add_argument("--val-problems", type=int, default=64)
     parser.add_argument("--skip", type=int, default=48, help="label-pool problems the RL data leaves out")

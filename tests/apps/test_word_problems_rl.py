@@ -39,3 +39,13 @@ def test_grpo_is_verls_own_and_pav_tree_runs_the_hook_with_line_steps(tmp_path):
     tree = command(work, tmp_path / "rl", "pav_tree", 0, steps=20, lr=2e-6, test_freq=10, val_problems=4, skip=6)[0]
     assert {"+verl_prm=pav", "verl_prm.critic.format=tree", "algorithm.adv_estimator=pav_grpo",
             "verl_prm.steps.delimiter='\\n'", "verl_prm.steps.max_tokens=null"} <= set(tree)
+
+
+def test_a_learning_rate_that_is_not_a_positive_finite_number_is_refused(tmp_path, capsys):
+    import pytest
+
+    from studies.word_problems_rl import main
+
+    with pytest.raises(SystemExit):
+        main(["--work-dir", str(tmp_path), "--out", str(tmp_path / "rl"), "--arm", "grpo", "--lr", "nan"])
+    assert "argument --lr" in capsys.readouterr().err

@@ -196,3 +196,52 @@ def test_a_rerun_skips_complete_stages_and_refuses_other_settings(tiny_run):
     assert pipeline.config_from_args(args).pav_l2 == 3.0
     with pytest.raises(SystemExit):  # argparse: "must be >= 0 (a finite number)"
         pipeline.recipe_parser().parse_args(["--work-dir", str(work), "--pav-l2", "nan"])
+
+
+def test_an_interrupted_search_keeps_its_rows_and_recomputes_only_the_rest(tiny_run, tmp_path, monkeypatch):
+    import shutil
+    from dataclasses import replace
+
+    import verl_prm.search as search
+
+    pipeline, config, work, _, _ = tiny_run
+    copy = tmp_path / "work"
+    shutil.copytree(work, copy)
+    (copy / "search" / "DONE.json").unlink()
+    (copy / "search" / "results.json").unlink()
+    complete = json.loads((work / "search" / "results.json").read_text())
+    beam_search = search.beam_search
+
+    def interrupted(problems, sampler, critic, prior, beam):
+        if beam.beam_width == 2:
+            raise KeyboardInterrupt("killed at the widest beam")
+        return beam_search(problems, sampler, critic, prior, beam)
+
+    monkeypatch.setattr(search, "beam_search", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.run(config, copy, ["search"], progress=False, log=lambda line: None)
+    partial = copy / "search" / "rows.partial.json"
+    assert json.loads(partial.read_text())["rows"] == complete[:-1]  # saved row by row
+
+    monkeypatch.setattr(search, "beam_search", beam_search)
+    lines: list[str] = []
+    pipeline.run(config, copy, ["search"], progress=False, log=lines.append)
+    search_lines = [line for line in lines if line.startswith("[word-problems] search: ") and "N=" in line]
+    assert [line.endswith("(kept)") for line in search_lines] == [True] * (len(complete) - 1) + [False]
+    # the resumed rows equal an uninterrupted run's: no row depends on which rows ran before it
+    assert json.loads((copy / "search" / "results.json").read_text()) == complete
+    assert not partial.exists()
+
+    # rows of other settings, or damaged rows, are refused naming the file
+    (copy / "search" / "DONE.json").unlink()
+    write = {"settings": {"problems": 3}, "rows": complete[:1]}
+    partial.write_text(json.dumps(write))
+    with pytest.raises(ValueError, match=r"rows.partial.json holds search rows made with other settings"):
+        pipeline.run(config, copy, ["search"], progress=False, log=lambda line: None)
+    settings = pipeline.stages_of(config, copy)["search"].settings
+    partial.write_text(json.dumps({"settings": settings, "rows": [{**complete[0], "accuracy": float("nan")}]}))
+    with pytest.raises(ValueError, match=r"rows.partial.json: row 0 \(majority_vote N=1\) has a non-finite number"):
+        pipeline.run(config, copy, ["search"], progress=False, log=lambda line: None)
+    partial.write_text(json.dumps({"settings": settings, "rows": [{"method": "vote", "n": 1}]}))
+    with pytest.raises(ValueError, match=r"row 0 is .*not an object with exactly the keys"):
+        pipeline.run(replace(config), copy, ["search"], progress=False, log=lambda line: None)

@@ -22,7 +22,8 @@ pav         ``pav/``: the PAV, a value head on the policy's frozen backbone fitt
 orm         ``orm/``: the outcome verifier, the same on the same rollouts with every step labelled by the outcome
 search      ``search/``: on the test problems, majority vote, best-of-N by the ORM and by the PAV, and beam search
             on the PAV's ``Q + alpha * A`` at equal generation budgets (:mod:`.search`): ``results.md``,
-            ``results.json``
+            ``results.json``; each result row is saved as it is made (``rows.partial.json``), and an
+            interrupted stage keeps those rows
 ==========  ===========================================================================================
 
 A stage is skipped when its ``DONE.json`` marker exists and records the same settings; a marker with other
@@ -308,6 +309,7 @@ def stage_search(stage: Stage, config: RecipeConfig, root: Path, pav: str, orm: 
     from verl_prm.critic import ProverCritic
     from verl_prm.labeling.inputs import render_prompt
     from verl_prm.search import CachedCritic
+    from verl_prm.resume import write_settings
     from verl_prm.search.generation import HFStepSampler, TextCritic
 
     splits = split_problems(config)
@@ -319,15 +321,38 @@ def stage_search(stage: Stage, config: RecipeConfig, root: Path, pav: str, orm: 
     sampler.prompts = [render_prompt(prompt_messages(p, splits["shots"]), sampler.tokenizer) for p in problems]
     critics = {name: CachedCritic(TextCritic(ProverCritic.from_pretrained(path, device="cpu"), sampler.prompts), name)
                for name, path in (("pav", pav), ("orm", orm))}
+    stage.path.mkdir(parents=True, exist_ok=True)
+    partial = stage.path / "rows.partial.json"
+    finished = read_partial_rows(partial, stage.settings)
+    if finished:
+        log(f"[word-problems] search: resuming with {len(finished)} rows of {partial}")
+
+    def save(rows: list[dict]) -> None:
+        write_settings(partial, {"settings": stage.settings, "rows": rows})
+
     rows = compare_at_budgets(problems, sampler, critics["pav"], critics["orm"], best_of_n=config.best_of_n,
                               beam_widths=config.beam_widths, samples_per_beam=config.samples_per_beam,
                               alpha=config.alpha, best_of_k=config.best_of_k, pav_rank=config.pav_rank,
-                              max_steps=MAX_STEPS, log=log)
-    stage.path.mkdir(parents=True, exist_ok=True)
+                              max_steps=MAX_STEPS, finished=finished, on_row=save, log=log)
     table = markdown_table(rows)
     (stage.path / "results.md").write_text(table + "\n")
     (stage.path / "results.json").write_text(json.dumps(rows, indent=2))
+    partial.unlink(missing_ok=True)
     return {"rows": rows, "table": table}
+
+
+def read_partial_rows(path: Path, settings: dict) -> list[dict]:
+    """The rows an interrupted search stage saved at ``path`` (none when there is no file), after checking that
+    they were made with the stage's current ``settings``."""
+    from verl_prm.apps.word_problems.search import check_rows
+    from verl_prm.resume import check_same_settings, read_settings
+
+    fix = f"delete {path} to recompute every row"
+    saved = read_settings(path, fix=fix, field="settings")
+    if saved is None:
+        return []
+    check_same_settings(saved, settings, source=path, what="search rows", fix=fix)
+    return check_rows(json.loads(path.read_text()).get("rows"), source=path)
 
 
 # ------------------------------------------------------------------------------------------------- running

@@ -90,35 +90,73 @@ def ranked_choices(nodes: Sequence[Sequence], critic, rank: str, n: int, best_of
     return [int(torch.argmax(scores[g * n:(g + 1) * n])) for g in range(len(nodes))]
 
 
+BEST_OF_N_METHODS = ("majority_vote", "best_of_n_orm", "best_of_n_pav")
+ROW_KEYS = ("method", "n", "accuracy", "stderr", "problems", "tokens_per_problem")
+
+
+def check_rows(rows, *, source) -> list[dict]:
+    """``rows`` as :func:`compare_at_budgets` writes them, or a ValueError naming ``source`` and the bad row."""
+    if not isinstance(rows, list):
+        raise ValueError(f"{source}: 'rows' is a {type(rows).__name__}, not a list of result rows")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or sorted(row) != sorted(ROW_KEYS):
+            raise ValueError(f"{source}: row {i} is {row!r}, not an object with exactly the keys {list(ROW_KEYS)}")
+        if row["method"] not in BEST_OF_N_METHODS + ("beam_pav",) or not isinstance(row["n"], int) or row["n"] < 1:
+            raise ValueError(f"{source}: row {i} has method {row['method']!r} and N {row['n']!r}: expected one of "
+                             f"{list(BEST_OF_N_METHODS) + ['beam_pav']} and a positive integer")
+        if not all(isinstance(row[k], (int, float)) and math.isfinite(row[k]) for k in ROW_KEYS[2:]):
+            raise ValueError(f"{source}: row {i} ({row['method']} N={row['n']}) has a non-finite number: {row!r}")
+    return rows
+
+
 def compare_at_budgets(problems, sampler, pav, orm, *, best_of_n: Sequence[int], beam_widths: Sequence[int],
                        samples_per_beam: int, alpha: float, best_of_k: int, pav_rank: str, max_steps: int,
-                       seed: int = 0, log=print) -> list[dict]:
+                       seed: int = 0, finished: Sequence[dict] = (), on_row=None, log=print) -> list[dict]:
     """One row per (method, N): accuracy, its standard error over problems, tokens per problem. ``pav`` and
-    ``orm``: ``CachedCritic`` of the two value heads; the problems' answers are ``problems[i].answer``."""
+    ``orm``: ``CachedCritic`` of the two value heads; the problems' answers are ``problems[i].answer``.
+
+    ``finished``: rows of an interrupted call with the same arguments, kept instead of recomputed (every method
+    draws from its own seeded generator, so a row does not depend on which rows ran before it); the best-of-N
+    rows are kept only all together, as they share one draw of samples. ``on_row(rows)`` is called after each
+    new row with the rows so far (to save them)."""
     from verl_prm.apps.word_problems.task import parse_answer
     from verl_prm.search import BeamConfig, beam_search
 
-    nodes, answers = sampled_answers(problems, sampler, max(best_of_n), seed)
+    kept = {(r["method"], r["n"]): r for r in finished}
     truth = [p.answer for p in problems]
     rows = []
-    for n in sorted(best_of_n):
-        tokens = [sum(node.num_tokens for node in group[:n]) for group in nodes]
-        picks = {"majority_vote": [majority_vote(a[:n]) for a in answers]}
-        for name, critic, rank in (("best_of_n_orm", orm, "orm"), ("best_of_n_pav", pav, pav_rank)):
-            chosen = ranked_choices(nodes, critic, rank, n)
-            picks[name] = [a[c] for a, c in zip(answers, chosen)]
-        for method, picked in picks.items():
-            rows.append({"method": method, "n": n, **accuracy_summary([float(a == t) for a, t in zip(picked, truth)],
-                                                                        tokens)})
-            log(f"[word-problems] search: {method} N={n}: {rows[-1]}")
+
+    def add(row: dict, new: bool) -> None:
+        rows.append(row)
+        log(f"[word-problems] search: {row['method']} N={row['n']}: {row}" + ("" if new else " (kept)"))
+        if new and on_row is not None:
+            on_row(list(rows))
+
+    best_of_n_keys = [(method, n) for n in sorted(best_of_n) for method in BEST_OF_N_METHODS]
+    if all(key in kept for key in best_of_n_keys):
+        for key in best_of_n_keys:
+            add(kept[key], new=False)
+    else:
+        nodes, answers = sampled_answers(problems, sampler, max(best_of_n), seed)
+        for n in sorted(best_of_n):
+            tokens = [sum(node.num_tokens for node in group[:n]) for group in nodes]
+            picks = {"majority_vote": [majority_vote(a[:n]) for a in answers]}
+            for name, critic, rank in (("best_of_n_orm", orm, "orm"), ("best_of_n_pav", pav, pav_rank)):
+                chosen = ranked_choices(nodes, critic, rank, n)
+                picks[name] = [a[c] for a, c in zip(answers, chosen)]
+            for method, picked in picks.items():
+                add({"method": method, "n": n,
+                     **accuracy_summary([float(a == t) for a, t in zip(picked, truth)], tokens)}, new=True)
     for width in sorted(beam_widths):
+        if ("beam_pav", width) in kept:
+            add(kept[("beam_pav", width)], new=False)
+            continue
         config = BeamConfig(beam_width=width, samples_per_beam=samples_per_beam, alpha=alpha, best_of_k=best_of_k,
                             max_steps=max_steps, seed=seed)
         results = beam_search(list(range(len(problems))), sampler, pav, None, config)
         correct = [float(parse_answer("".join(r.node.steps)) == truth[r.problem]) for r in results]
-        rows.append({"method": "beam_pav", "n": width,
-                     **accuracy_summary(correct, [r.compute.generated_tokens for r in results])})
-        log(f"[word-problems] search: beam_pav N={width}: {rows[-1]}")
+        add({"method": "beam_pav", "n": width,
+             **accuracy_summary(correct, [r.compute.generated_tokens for r in results])}, new=True)
     return rows
 
 

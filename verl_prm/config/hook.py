@@ -278,7 +278,15 @@ def decode_escapes(text: str) -> str:
 
 
 def _check_ranges(config: HookConfig) -> None:
-    critic, steps, placement = config.critic, config.steps, config.placement
+    _check_critic_section(config.critic, config.placement)
+    _check_steps_section(config.steps)
+    _check_placement_section(config.placement, config.critic)
+    _check_diagnostics_section(config.diagnostics)
+    _check_refresh_section(config.refresh, config.critic, config.placement)
+
+
+def _check_critic_section(critic: CriticSection, placement: PlacementSection) -> None:
+    """The critic's own knobs and those of its format (exact, rollout, tree)."""
     if critic.format == EXACT_CRITIC_FORMAT:
         _check_exact_critic_section(critic)
     if critic.format == ROLLOUT_CRITIC_FORMAT:
@@ -296,6 +304,10 @@ def _check_ranges(config: HookConfig) -> None:
     if critic.calibration not in ("auto", "none") and not Path(critic.calibration).exists():
         raise ConfigError(f"verl_prm.critic.calibration={critic.calibration!r} does not exist: name a calibration.json "
                           "written by `verl-prm train` for this critic's weights, or use auto / none")
+
+
+def _check_steps_section(steps: StepsSection) -> None:
+    """Exactly one step rule (delimiter, regex, max_tokens or code_rule), each in range."""
     if steps.regex is not None:
         try:
             pattern = re.compile(steps.regex)
@@ -334,6 +346,10 @@ def _check_ranges(config: HookConfig) -> None:
         raise ConfigError(
             "verl_prm.steps needs a step rule: a non-empty delimiter, a regex, or max_tokens (fixed-size steps)"
         )
+
+
+def _check_placement_section(placement: PlacementSection, critic: CriticSection) -> None:
+    """Offload, sharding and an own pool only where the critic has weights that can use them."""
     weightless = critic.format in WEIGHTLESS_FORMATS
     if weightless and (placement.offload != "none" or placement.shard != "none"):
         raise ConfigError(
@@ -352,8 +368,6 @@ def _check_ranges(config: HookConfig) -> None:
             "verl_prm.placement.pool=own needs n_gpus_per_node >= 1 and nnodes >= 1, got "
             f"{placement.n_gpus_per_node} x {placement.nnodes}"
         )
-    _check_diagnostics_section(config.diagnostics)
-    _check_refresh_section(config.refresh, critic, placement)
 
 
 def _check_refresh_section(refresh: RefreshSection, critic: CriticSection, placement: PlacementSection) -> None:

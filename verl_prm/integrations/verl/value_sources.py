@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 from typing import Any, Callable, ContextManager, Protocol
 
 import torch
@@ -143,15 +144,12 @@ def tree_metrics(batch: StepBatch, roots: int, leaf_counts: torch.Tensor) -> dic
     if missing:
         raise RuntimeError(f"responses {missing[:4]} were not sampled by the tree agent loop (no pav_tree_* fields): "
                            "tree-shaped groups need every training prompt sampled by agent loop pav_tree")
-    real = [row for row, keep in zip(fields, rows) if keep]
-    generated = [int(row["pav_tree_generated_tokens"]) for row in real]
-    is_root = [int(row["pav_tree_parent"]) < 0 for row in real]
+    real = [(uid, row) for uid, row, keep in zip(batch.uids, fields, rows) if keep]
+    generated = [int(row["pav_tree_generated_tokens"]) for _, row in real]
+    is_root = [int(row["pav_tree_parent"]) < 0 for _, row in real]
     trained = int(batch.response_lengths[batch.metric_rows].sum())
-    groups = {uid for uid, keep in zip(batch.uids, rows) if keep}
-    roots_per_group: dict[str, int] = {}
-    for uid, row, keep in zip(batch.uids, fields, rows):
-        if keep and int(row["pav_tree_parent"]) < 0:
-            roots_per_group[uid] = roots_per_group.get(uid, 0) + 1
+    groups = {uid for uid, _ in real}
+    roots_per_group = Counter(uid for (uid, _), root in zip(real, is_root) if root)
     steps = batch.split.num_steps[batch.metric_rows]
     counts = leaf_counts[batch.metric_rows]
     valid = torch.arange(counts.shape[1])[None, :] < steps[:, None]

@@ -34,14 +34,6 @@ ARMS = {
 SIZE = LoopSize(prompts_per_step=4, responses_per_prompt=4, max_prompt_length=160, max_response_length=96)
 
 
-def with_overrides(args: Sequence[str], overrides: Sequence[str]) -> list[str]:
-    """``args`` with each ``key=value`` of ``overrides`` replacing the same key (Hydra refuses a key twice) or
-    appended; ``~key`` removes the key."""
-    keys = {o.lstrip("~").split("=", 1)[0].lstrip("+") for o in overrides}
-    kept = [a for a in args if a.split("=", 1)[0].lstrip("+") not in keys]
-    return kept + [o for o in overrides if not o.startswith("~")]
-
-
 def write_data(work_dir: Path, out: Path, skip: int, val_problems: int) -> tuple[Path, Path]:
     """The RL problems (the label pool after its first ``skip``) and the held-out problems, as verl parquet."""
     data = out / "data"
@@ -56,12 +48,9 @@ def command(work_dir: Path, out: Path, arm: str, seed: int, steps: int, lr: floa
             val_problems: int, skip: int) -> tuple[list[str], Path]:
     train, val = write_data(work_dir, out, skip, val_problems)
     run_dir = out / f"{arm}_seed{seed}"
-    base = main_ppo_args(out, "grpo", steps=steps, size=SIZE, run_name=f"{arm}_seed{seed}",
-                         test_freq=test_freq, save_freq=test_freq, val_before_train=test_freq > 0, resume=True)
     hook = [] if arm == "grpo" else ["verl_prm.steps.delimiter='\\n'", "verl_prm.steps.max_tokens=null"]
-    if arm == "grpo":  # verl's own GRPO: no verl-prm config group, no trainer hook
-        base = [a for a in base if not a.lstrip("+").startswith("verl_prm")]
-    args = with_overrides(base, [
+    # grpo: verl's own GRPO, no verl-prm config group and no trainer hook
+    overrides = [
         *ARMS[arm], *hook,
         f"reward.custom_reward_function.path={score.__file__}",
         f"data.train_files={train}", f"data.val_files={val}", f"data.val_batch_size={val_problems}",
@@ -71,7 +60,10 @@ def command(work_dir: Path, out: Path, arm: str, seed: int, steps: int, lr: floa
         "actor_rollout_ref.rollout.val_kwargs.do_sample=True", "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
         "trainer.project_name=verl_prm_word_problems",
         f"trainer.default_local_dir={run_dir / 'checkpoints'}", "trainer.max_actor_ckpt_to_keep=1",
-    ])
+    ]
+    args = main_ppo_args(out, "grpo", steps=steps, size=SIZE, run_name=f"{arm}_seed{seed}", test_freq=test_freq,
+                         save_freq=test_freq, val_before_train=test_freq > 0, resume=True, plugin=arm != "grpo",
+                         extra=overrides)
     return [sys.executable, "-m", "verl.trainer.main_ppo", *args], run_dir
 
 

@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from studies.word_problems_rl import command, with_overrides
-
-
-def test_overrides_replace_the_same_key_once_and_remove_with_a_tilde():
-    args = ["+verl_prm=pav", "a.b=1", "c=2", "d=3"]
-    assert with_overrides(args, ["a.b=5", "~d", "e=6"]) == ["+verl_prm=pav", "c=2", "a.b=5", "e=6"]
-    assert with_overrides(["+x.y=1"], ["x.y=2"]) == ["x.y=2"]  # Hydra refuses a key given twice, with or without +
+from studies.word_problems_rl import command
 
 
 def _work_dir(tmp_path):

@@ -515,6 +515,22 @@ def test_launcher_runs_the_same_main_ppo_command_as_the_tests(tmp_path):
         assert script == main_ppo_args(tmp_path, estimator, steps=2)
 
 
+def test_main_ppo_args_keep_one_value_per_key_and_can_leave_the_plugin_out(tmp_path):
+    from verl_prm.apps.cpu_loop import main_ppo_args, merge_overrides
+
+    assert merge_overrides(["+verl_prm=pav", "a.b=1", "c=2", "d=3"], ["a.b=5", "~d", "e=6"]) == [
+        "+verl_prm=pav", "c=2", "a.b=5", "e=6"]
+    assert merge_overrides(["+x.y=1"], ["x.y=2"]) == ["x.y=2"]  # the same key with or without +
+    args = main_ppo_args(tmp_path, "pav_grpo", steps=2, extra=["verl_prm.critic.path=null", "~trainer.total_epochs",
+                                                               "data.seed=3"])
+    keys = [a.lstrip("+").split("=", 1)[0] for a in args]
+    assert len(keys) == len(set(keys)) and "trainer.total_epochs" not in keys
+    assert "verl_prm.critic.path=null" in args and "data.seed=3" in args
+    own = main_ppo_args(tmp_path, "grpo", steps=2, plugin=False)
+    assert [a for a in own if a.lstrip("+").startswith("verl_prm")] == []
+    assert [a for a in main_ppo_args(tmp_path, "grpo", steps=2) if not a.lstrip("+").startswith("verl_prm")] == own
+
+
 def test_bench_loop_averages_steps_after_the_first():
     from verl_prm.apps.bench.loop import metric_means, phase_means, table
 

@@ -35,6 +35,7 @@ __all__ = [
     "MainPPOResult",
     "MainPPORun",
     "cpu_overrides",
+    "merge_overrides",
     "main_ppo_args",
     "prepare",
     "read_metrics",
@@ -139,23 +140,28 @@ def cpu_overrides(n_procs: int = 1, extra_logical_gpus: int = 0) -> list[str]:
 def main_ppo_args(work_dir: str | Path, estimator: str, *, steps: int, size: LoopSize = LoopSize(),
                   run_name: str | None = None, save_freq: int = -1, test_freq: int = -1,
                   val_before_train: bool = False, resume: bool = False, critic_pool: str = "colocated",
-                  checkpoint_name: str | None = None, extra: Sequence[str] = ()) -> list[str]:
+                  checkpoint_name: str | None = None, plugin: bool = True, extra: Sequence[str] = ()) -> list[str]:
     """The ``python -m verl.trainer.main_ppo`` overrides of one CPU-loop run of ``estimator`` (grpo, pav_grpo).
 
     ``critic_pool``: ``verl_prm.placement.pool`` (``colocated``: the critic's worker shares verl's pool;
     ``own``: a pool of one more logical GPU). ``checkpoint_name``: the directory under ``WORK_DIR/checkpoints``
-    the run saves to and resumes from (default: ``run_name``)."""
+    the run saves to and resumes from (default: ``run_name``). ``plugin=False``: verl's own trainer and
+    estimator, without the plugin's config group and hook (the CPU platform stays). ``extra``: overrides that
+    replace those of the same key (:func:`merge_overrides`)."""
     work_dir = Path(work_dir)
     run_name = run_name or estimator
     batch = size.prompts_per_step
-    return [
-        "hydra.searchpath=[pkg://verl_prm.config]",
+    plugin_args = [
         "+verl_prm=pav",
         f"verl_prm.critic.path={work_dir / 'critic'}",
         "verl_prm.critic.dtype=float32",
         "verl_prm.steps.delimiter=null",
         f"verl_prm.steps.max_tokens={STEP_TOKENS}",
         f"verl_prm.placement.pool={critic_pool}",
+    ]
+    base = [
+        "hydra.searchpath=[pkg://verl_prm.config]",
+        *(plugin_args if plugin else []),
         f"algorithm.adv_estimator={estimator}",
         "algorithm.use_kl_in_reward=False",
         f"reward.custom_reward_function.path={score.__file__}",
@@ -192,8 +198,16 @@ def main_ppo_args(work_dir: str | Path, estimator: str, *, steps: int, size: Loo
         f"trainer.save_freq={save_freq}",
         f"trainer.total_training_steps={steps}",
         "trainer.total_epochs=100",
-        *extra,
     ]
+    return merge_overrides(base, extra)
+
+
+def merge_overrides(args: Sequence[str], overrides: Sequence[str]) -> list[str]:
+    """``args`` with each ``key=value`` of ``overrides`` replacing the one of the same key (with or without
+    ``+``), else appended; ``~key`` removes the key. One value per key, so no reader depends on which of two wins."""
+    keys = {o.lstrip("~").split("=", 1)[0].lstrip("+") for o in overrides}
+    kept = [a for a in args if a.split("=", 1)[0].lstrip("+") not in keys]
+    return kept + [o for o in overrides if not o.startswith("~")]
 
 
 @dataclass

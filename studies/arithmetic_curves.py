@@ -28,21 +28,40 @@ __all__ = ["export_runs", "main", "read_runs", "summary_table"]
 FORMAT = "verl-prm arithmetic runs v1"
 
 
-def _records_of(source: Path) -> list[dict]:
-    """The run records of a work directory (``rl/*/DONE.json``) or of an exported file."""
+def _records_of(source: Path, reread_scale=None) -> list[dict]:
+    """The run records of a work directory (``rl/*/DONE.json``) or of an exported file. With ``reread_scale``, a
+    work directory's training metrics are read again from each run's verl log by the current
+    ``verl_rl.read_run`` (for records made before it read a metric, e.g. a tree's generated tokens); the curve read
+    again must equal the recorded one."""
     if source.is_dir():
-        return [json.loads(marker.read_text()) for marker in sorted((source / "rl").glob("*_seed*/DONE.json"))]
+        markers = sorted((source / "rl").glob("*_seed*/DONE.json"))
+        records = [json.loads(marker.read_text()) for marker in markers]
+        if reread_scale is not None:
+            records = [_reread(record, marker.parent, reread_scale) for record, marker in zip(records, markers)]
+        return records
     data = json.loads(source.read_text())
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("runs"), list):
         raise ValueError(f"{source} is not an export of this module (format {FORMAT!r}); export runs with --export")
     return data["runs"]
 
 
-def read_runs(sources: Sequence[str | Path], arms: Sequence[str] | None = None) -> dict[str, dict[int, dict]]:
+def _reread(record: dict, run_dir: Path, scale) -> dict:
+    from verl_prm.apps.arithmetic.verl_rl import read_run
+
+    fresh = read_run(run_dir, scale)
+    if [list(point) for point in fresh["curve"]] != [list(point) for point in record["outputs"]["curve"]]:
+        raise ValueError(f"{run_dir}: the held-out curve read again from its verl log differs from the one in "
+                         "DONE.json (another scale, or a log changed since): summarise it without --reread")
+    return {**record, "outputs": {**record["outputs"], "training": fresh["training"]}}
+
+
+def read_runs(sources: Sequence[str | Path], arms: Sequence[str] | None = None,
+              reread_scale=None) -> dict[str, dict[int, dict]]:
     """``{arm: {seed: record}}`` of every finished run in ``sources`` (work directories and exported files),
     restricted to ``arms`` when given. A run found twice must be the same run (same settings and curve); the seeds
     of one arm must share every setting but the seed, and every run the machine kind (``machine.machine_line``: the
-    numbers depend on the float kernels, so one table holds one kind): otherwise an error names the difference."""
+    numbers depend on the float kernels, so one table holds one kind): otherwise an error names the difference.
+    ``reread_scale``: see :func:`_records_of`."""
     from verl_prm.apps.arithmetic.machine import machine_line
     from verl_prm.resume import settings_differences
 
@@ -51,7 +70,7 @@ def read_runs(sources: Sequence[str | Path], arms: Sequence[str] | None = None) 
     for source in map(Path, sources):
         if not source.exists():
             raise FileNotFoundError(f"{source} does not exist (a recipe work directory or an exported runs file)")
-        for record in _records_of(source):
+        for record in _records_of(source, reread_scale):
             arm, seed = record["settings"]["arm"], int(record["settings"]["seed"])
             if arms is not None and arm not in arms:
                 continue
@@ -142,12 +161,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--arms", default=None, help="comma-separated arms (default: every arm found)")
     parser.add_argument("--scale", default="cpu", help="the scale whose statistics settings apply (default cpu)")
     parser.add_argument("--export", default=None, help="write the runs found to this JSON file")
+    parser.add_argument("--reread", action="store_true",
+                        help="read each work-directory run's training metrics again from its verl log (records made "
+                             "before a metric was read, e.g. a tree's generated tokens)")
     args = parser.parse_args(argv)
     from verl_prm.apps.arithmetic.pipeline import SCALES
 
     if args.scale not in SCALES:
         parser.error(f"--scale must be one of {', '.join(SCALES)}")
-    runs = read_runs(args.runs, args.arms.split(",") if args.arms else None)
+    runs = read_runs(args.runs, args.arms.split(",") if args.arms else None,
+                     reread_scale=SCALES[args.scale] if args.reread else None)
     if not runs:
         parser.error(f"no finished RL run in {', '.join(args.runs)}")
     if args.export:

@@ -439,7 +439,8 @@ def test_read_run_takes_the_curves_from_verls_file_logger(tmp_path):
              {"step": 2, "data": {"critic/score/mean": 0.5, "pav/outcome_zero_signal_groups": 0.0,
                                   "pav/process_term/std": 0.2, "timing_s/step": 2.0, key: 0.75,
                                   "pav/zero_outcome_groups_with_signal": None, "pav/process_corr": 0.5,
-                                  "pav/mc_tokens": 300.0, "response_length/mean": 5.0}}]
+                                  "pav/mc_tokens": 300.0, "response_length/mean": 5.0,
+                                  "pav/tree_generated_tokens": 70.0}}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"step": 3, "da')
     run = read_run(tmp_path, scale)
     per_step = scale.rl.prompts_per_step * scale.rl.group_size
@@ -449,6 +450,15 @@ def test_read_run_takes_the_curves_from_verls_file_logger(tmp_path):
     assert math.isnan(second["zero_outcome_groups_with_signal"]) and second["process_corr"] == 0.5
     assert (second["mc_tokens"], second["response_tokens"]) == (300.0, 5.0 * per_step)
     assert run["training"][0]["mc_tokens"] == 0.0 and math.isnan(run["training"][0]["process_corr"])
+    # a tree run generates fewer tokens than it trains on: its tree_generated_tokens; any other run its responses
+    assert second["generated_tokens"] == 70.0 and math.isnan(run["training"][0]["generated_tokens"])
+    from verl_prm.apps.arithmetic.evaluate import process_summary
+
+    tree = [{"response_tokens": 100.0, "generated_tokens": 90.0, "mc_tokens": 0.0},
+            {"response_tokens": 120.0, "generated_tokens": 100.0, "mc_tokens": 0.0}]
+    assert process_summary([tree])["tokens_per_step"] == 95.0
+    sampled = [{"response_tokens": 100.0, "mc_tokens": 1000.0}]  # an export made before generated_tokens
+    assert process_summary([sampled])["tokens_per_step"] == 1100.0
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "da\n' + json.dumps(lines[0]) + "\n")
     with pytest.raises(ValueError, match="metrics.jsonl:1 is not JSON"):
         read_run(tmp_path, scale)
@@ -753,6 +763,25 @@ def test_curves_export_merge_and_summarise_runs_apart_from_their_work_directory(
         read_runs([work, tmp_path / "elsewhere.json"])
     with pytest.raises(ValueError, match="not an export of this module"):
         read_runs([work / "pav" / "DONE.json"])
+    # a record made before read_run read generated_tokens gets them again from the run's verl log
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(work / "rl", old / "rl", ignore=shutil.ignore_patterns("checkpoints", "final"))
+    marker = next((old / "rl").glob("pav_exact_seed0/DONE.json"))
+    record = json.loads(marker.read_text())
+    for step in record["outputs"]["training"]:
+        del step["generated_tokens"]
+    marker.write_text(json.dumps(record))
+    assert "generated_tokens" not in read_runs([old])["pav_exact"][0]["outputs"]["training"][0]
+    reread = read_runs([old], reread_scale=SCALES["micro"])["pav_exact"][0]["outputs"]["training"]
+    # compared as JSON: the metrics a run did not log are NaN, which equals nothing in a dict comparison
+    assert json.dumps(reread, sort_keys=True) == json.dumps(runs["pav_exact"][0]["outputs"]["training"], sort_keys=True)
+    assert all(step["generated_tokens"] == step["response_tokens"] for step in reread)  # no tree: its responses
+    record["outputs"]["curve"][0][2] += 0.5
+    marker.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="the held-out curve read again from its verl log differs"):
+        read_runs([old], reread_scale=SCALES["micro"])
 
 
 def test_value_size_reads_the_micro_runs_critic_and_its_backbone_features(micro_run):

@@ -80,13 +80,15 @@ BOOTSTRAPPED = ("level", "steps_to_level", "samples_to_level", "efficiency", "au
 
 # per training step of verl_rl.read_run: the diagnostics and costs process_summary averages
 PROCESS_KEYS = ("process_corr", "abs_adv_right", "abs_adv_slipped", "exact_abs_adv_right", "exact_abs_adv_slipped",
-                "zero_outcome_groups_with_signal", "mc_seconds", "mc_tokens", "response_tokens", "step_seconds")
+                "zero_outcome_groups_with_signal", "mc_seconds", "mc_tokens", "response_tokens", "generated_tokens",
+                "step_seconds")
 
 
 def process_summary(trainings: Sequence[Sequence[dict]]) -> dict:
     """Mean over seeds of each seed's mean over its training steps (``PROCESS_KEYS``; a metric a run did not log
-    is None), plus ``tokens_per_step`` (response + continuation tokens) and ``seconds_per_step`` (verl's
-    ``timing_s/step``, the continuations' sampling included)."""
+    is None), plus ``tokens_per_step`` (generated tokens: the responses', fewer for tree-shaped groups, plus the
+    continuations'; runs recorded before ``generated_tokens`` existed count their responses) and
+    ``seconds_per_step`` (verl's ``timing_s/step``, the continuations' sampling included)."""
     out = {}
     for key in PROCESS_KEYS:
         per_seed = [np.nanmean([t.get(key, np.nan) for t in steps]) if any(np.isfinite(t.get(key, np.nan))
@@ -94,8 +96,8 @@ def process_summary(trainings: Sequence[Sequence[dict]]) -> dict:
                     for steps in trainings if steps]
         finite = [v for v in per_seed if np.isfinite(v)]
         out[key] = float(np.mean(finite)) if finite else None
-    out["tokens_per_step"] = (None if out["response_tokens"] is None
-                              else out["response_tokens"] + (out["mc_tokens"] or 0.0))
+    generated = out["generated_tokens"] if out["generated_tokens"] is not None else out["response_tokens"]
+    out["tokens_per_step"] = None if generated is None else generated + (out["mc_tokens"] or 0.0)
     out["seconds_per_step"] = out["step_seconds"]
     return out
 

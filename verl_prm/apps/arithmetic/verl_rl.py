@@ -383,13 +383,17 @@ def read_run(run_dir: Path, scale) -> dict:
         if key in data:
             evaluations[step] = float(data[key])
         if "critic/score/mean" in data:
+            responses = _metric(data, "response_length/mean") * per_step
             training[step] = {
                 "batch_accuracy": float(data["critic/score/mean"]),
                 "zero_signal_groups": _metric(data, "pav/outcome_zero_signal_groups"),
                 "process_term_std": _metric(data, "pav/process_term/std"),
                 "step_seconds": _metric(data, "timing_s/step"),
-                # the batch's response tokens, and the Monte-Carlo continuations' (format=rollout; 0 otherwise)
-                "response_tokens": _metric(data, "response_length/mean") * per_step,
+                # the batch's response tokens (what the update trains on), the tokens sampled to make them (fewer
+                # for tree-shaped groups, whose branches share their prefixes), and the Monte-Carlo continuations'
+                # (format=rollout; 0 otherwise)
+                "response_tokens": responses,
+                "generated_tokens": _metric(data, "pav/tree_generated_tokens", responses),
                 "mc_tokens": _metric(data, "pav/mc_tokens", 0.0),
                 **{name: _metric(data, key) for name, key in DIAGNOSTIC_METRICS.items()},
             }

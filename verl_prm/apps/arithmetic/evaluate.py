@@ -397,7 +397,7 @@ def process_table(arms: dict) -> list[str]:
     lines += ["", "Process columns: verl_prm.diagnostics against the exact prover on each arm's own RL batches, mean "
               "over steps and seeds (A = the process term before alpha; right: steps whose exact value stays > 0, "
               "slipped: the step where it falls to 0). Tokens and seconds to L: steps to L times the arm's mean per "
-              "step (verl's timing_s/step, the runs two at a time on the machine)."]
+              "step (verl's timing_s/step, on the cores as the runs shared them: see each run's environment)."]
     return lines
 
 

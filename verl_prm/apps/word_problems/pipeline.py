@@ -348,11 +348,13 @@ def read_partial_rows(path: Path, settings: dict) -> list[dict]:
     from verl_prm.resume import check_same_settings, read_settings
 
     fix = f"delete {path} to recompute every row"
-    saved = read_settings(path, fix=fix, field="settings")
+    saved = read_settings(path, fix=fix)  # the whole object, read once
     if saved is None:
         return []
-    check_same_settings(saved, settings, source=path, what="search rows", fix=fix)
-    return check_rows(json.loads(path.read_text()).get("rows"), source=path)
+    if not isinstance(saved.get("settings"), dict):
+        raise ValueError(f"{path} has no object of settings: {fix}")
+    check_same_settings(saved["settings"], settings, source=path, what="search rows", fix=fix)
+    return check_rows(saved.get("rows"), source=path)
 
 
 # ------------------------------------------------------------------------------------------------- running

@@ -259,9 +259,10 @@ async def sample_tree(generate: Generate, prompt_ids: Sequence[int], n: int, sha
 
 
 def tree_step_values(group_ids: Sequence[Hashable], responses: Sequence[Sequence[int]],
-                     step_ends: Sequence[Sequence[int]], outcomes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     step_ends: Sequence[Sequence[int]], outcomes, width: int | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Node values of tree-shaped groups: ``(step_values [B, S] float32, leaf_counts [B, S] int64,
-    prompt_values [B] float32)``, S the most steps of a row.
+    prompt_values [B] float32)``, S = ``width`` when given (a step tensor's width), else the most steps of a row.
 
     The rows of one group id are the leaves of one tree. For row b and its step h (end e = ``step_ends[b][h]``,
     exclusive, in response tokens) the node is the prefix ``responses[b][:e]``;
@@ -288,7 +289,11 @@ def tree_step_values(group_ids: Sequence[Hashable], responses: Sequence[Sequence
     ends = [_checked_ends(f"row {b}", row_ends, len(responses[b])) for b, row_ends in enumerate(step_ends)]
     queries = [(b, e) for b, row_ends in enumerate(ends) for e in row_ends]
     sums = prefix_match_sums(group_ids, responses, values, queries, longer_only=False)
-    width = max((len(row) for row in ends), default=0)
+    most_steps = max((len(row) for row in ends), default=0)
+    if width is None:
+        width = most_steps
+    elif width < most_steps:
+        raise ValueError(f"width {width} is below the {most_steps} steps of a row: pass at least the most steps")
     step_values = torch.zeros(rows, width, dtype=torch.float64)
     leaf_counts = torch.zeros(rows, width, dtype=torch.int64)
     if queries:

@@ -312,6 +312,12 @@ def test_equal_prefixes_of_independent_roots_are_one_node_and_groups_stay_apart(
     assert counts.tolist() == [[3, 2], [3, 1], [3, 2], [1, 0]]
     torch.testing.assert_close(values, torch.tensor([[2 / 3, 1.0], [2 / 3, 0.0], [2 / 3, 1.0], [1.0, 0.0]]))
     torch.testing.assert_close(prompt_values, torch.tensor([2 / 3, 2 / 3, 2 / 3, 1.0]))
+    # a wider step tensor: the same nodes, then "no node" (count 0, value 0) columns
+    wide_values, wide_counts, _ = tree_step_values(groups, responses, [step_ends(r) for r in responses],
+                                                   torch.tensor([1.0, 0.0, 1.0, 1.0]), width=4)
+    assert wide_counts.tolist() == [row + [0, 0] for row in counts.tolist()]
+    torch.testing.assert_close(wide_values[:, :2], values)
+    assert not wide_values[:, 2:].any()
 
 
 def test_tree_step_values_reject_bad_rows():
@@ -321,6 +327,8 @@ def test_tree_step_values_reject_bad_rows():
         tree_step_values(["a"], [[1, SEP]], [[3]], [1.0])
     with pytest.raises(ValueError, match="2 group ids, 1 responses"):
         tree_step_values(["a", "b"], [[1]], [[1]], [1.0])
+    with pytest.raises(ValueError, match="width 1 is below the 2 steps of a row"):
+        tree_step_values(["a"], [[1, SEP, 2, SEP]], [[2, 4]], [1.0], width=1)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -187,22 +187,14 @@ class TreeNodeValues:
         ends = [[int(end) + 1 for end in split.step_ends[b, : int(split.num_steps[b])].tolist()]
                 for b in range(len(groups))]
         successes = (batch.outcomes > self.success_threshold).float()
-        step_values, leaf_counts, prompt_values = tree_step_values(groups, batch.response_ids(), ends, successes)
+        step_values, leaf_counts, prompt_values = tree_step_values(groups, batch.response_ids(), ends, successes,
+                                                                   width=split.step_ends.shape[1])
         if self.prior_strength > 0:
             shrunk = shrink_success_rates(step_values * leaf_counts, leaf_counts, prompt_values[:, None],
                                           self.prior_strength)
             step_values = torch.where(leaf_counts > 0, shrunk, step_values)
-        width = split.step_ends.shape[1]
-        step_values, leaf_counts = _to_width(step_values, width, 0.0), _to_width(leaf_counts, width, 0)
         return StepValues(step_values.float(), prompt_values.float(), time.perf_counter() - start,
                           metrics=tree_metrics(batch, self.roots, leaf_counts), leaf_counts=leaf_counts)
-
-
-def _to_width(tensor: torch.Tensor, width: int, fill) -> torch.Tensor:
-    """[B, S'] -> [B, width], cut or padded with ``fill`` (the split's step width)."""
-    if tensor.shape[1] >= width:
-        return tensor[:, :width]
-    return torch.cat([tensor, tensor.new_full((tensor.shape[0], width - tensor.shape[1]), fill)], dim=1)
 
 
 class ExactReferenceValues:

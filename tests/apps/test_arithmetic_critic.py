@@ -125,6 +125,53 @@ def test_result_targets_mark_each_written_result_with_the_result_of_its_operatio
     assert miscopied.slipped == [False, False] and miscopied.prefix_right == [True, False]
 
 
+class _Interrupt(Exception):
+    pass
+
+
+def test_an_interrupted_critic_init_resumes_to_the_uninterrupted_result(tmp_path):
+    from safetensors.torch import load_file
+
+    from verl_prm.apps.arithmetic.critic_init import CriticInitConfig, train_critic_init
+    from verl_prm.apps.arithmetic.model import ModelConfig, build_model, build_tokenizer, save_policy
+
+    tokenizer = build_tokenizer()
+    policy = save_policy(build_model(tokenizer, ModelConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                            num_attention_heads=2, num_key_value_heads=2,
+                                                            max_position_embeddings=64)), tokenizer, tmp_path / "p")
+    problem = Problem(3, (("+", 2), ("*", 3)), 7)
+    prompts = [problem.prompt_text] * 8
+    responses = ["\n".join(solution_lines(problem, 0, 6)), "\n".join(solution_lines(problem))] * 4
+    config = CriticInitConfig(steps=4, batch_size=2, eval_fraction=0.5, eval_every=1, check_weight=1.0)
+    whole = train_critic_init(policy, tmp_path / "whole", prompts, responses, 7, config, progress=False)
+
+    def stop_at_step_2(record):
+        if record["step"] == 2:
+            raise _Interrupt
+
+    with pytest.raises(_Interrupt):
+        train_critic_init(policy, tmp_path / "resumed", prompts, responses, 7, config, progress=False,
+                          log=stop_at_step_2)
+    assert (tmp_path / "resumed" / "critic_init_state.pt").exists()
+    steps = []
+    resumed = train_critic_init(policy, tmp_path / "resumed", prompts, responses, 7, config, progress=False,
+                                log=lambda record: steps.append(record["step"]))
+    assert steps == [3, 4]  # only the steps after the saved state were trained again
+    assert resumed["curve"] == whole["curve"]
+    for name in ("model.safetensors", "critic_init_heads.safetensors"):
+        want, got = load_file(tmp_path / "whole" / name), load_file(tmp_path / "resumed" / name)
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert not (tmp_path / "resumed" / "critic_init_state.pt").exists()
+    # a state left by other settings is refused, naming the file
+    with pytest.raises(_Interrupt):
+        train_critic_init(policy, tmp_path / "other", prompts, responses, 7, config, progress=False,
+                          log=stop_at_step_2)
+    with pytest.raises(ValueError, match=r"critic_init_state.pt is the state of a training with other settings"):
+        train_critic_init(policy, tmp_path / "other", prompts, responses, 7,
+                          CriticInitConfig(steps=4, batch_size=2, eval_fraction=0.5, eval_every=1, check_weight=0.5),
+                          progress=False)
+
+
 def test_critic_init_needs_a_slipped_result_and_saves_a_causal_lm(tmp_path):
     from verl_prm.apps.arithmetic.critic_init import CriticInitConfig, train_critic_init
     from verl_prm.apps.arithmetic.model import ModelConfig, build_model, build_tokenizer, save_policy

@@ -192,18 +192,37 @@ def _save(output_dir: Path, model, tokenizer, head, curve: list[dict]) -> None:
     (output_dir / "critic_init_metrics.json").write_text(json.dumps(curve, indent=2))
 
 
+_STATE = "critic_init_state.pt"
+
+
+def _fingerprint(policy_model, examples: Sequence[ResultTargets], config: CriticInitConfig) -> str:
+    """What a resumed training must share with the interrupted one: the settings, the examples and the starting
+    weights (sha256)."""
+    import hashlib
+
+    digest = hashlib.sha256(json.dumps([asdict(config), [asdict(e) for e in examples]]).encode())
+    for name, tensor in sorted(policy_model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
 def train_critic_init(policy: str | Path, output_dir: str | Path, prompts: Sequence[str], responses: Sequence[str],
                       modulus: int, config: CriticInitConfig, *, device: str = "cpu", progress: bool = True,
                       log: Callable[[dict], None] | None = None) -> dict:
     """Train the backbone of the causal LM at ``policy`` to recompute every slipped result at its last token (see
     the module docstring) and save it as a causal LM with its tokenizer under ``output_dir``. ``prompts`` are
     raw problem texts (rendered with the policy's chat template here). Returns the final held-out accuracy of
-    the recomputed result on slipped steps (``eval/slipped_accuracy``) and the curve."""
+    the recomputed result on slipped steps (``eval/slipped_accuracy``), the curve and the training seconds.
+
+    Resumable: at every evaluation the training state (weights, heads, optimizer, sampler, curve) is saved to
+    ``output_dir/critic_init_state.pt``; a rerun with the same settings, examples and starting weights continues
+    from it (the result equals an uninterrupted run's), any other is an error naming the file. The state file is
+    removed once the checkpoint is saved."""
     import torch
     import torch.nn.functional as F
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
 
     if len(prompts) != len(responses):
         raise ValueError(f"train_critic_init: {len(prompts)} prompts but {len(responses)} responses")
@@ -214,6 +233,7 @@ def train_critic_init(policy: str | Path, output_dir: str | Path, prompts: Seque
     if not any(any(e.slipped) for e in train_set) or not any(any(e.slipped) for e in eval_set):
         raise ValueError("train_critic_init: no solution with a slipped result to learn from (the data stage's "
                          "slip_rate / step_slip_rate must be > 0)")
+    fingerprint = _fingerprint(model, examples, config)
     torch.manual_seed(config.seed)
     model.to(device)
     backbone = model.get_decoder()
@@ -224,9 +244,23 @@ def train_critic_init(policy: str | Path, output_dir: str | Path, prompts: Seque
     optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=0.0)
     rng = random.Random(config.seed + 1)
 
-    curve = []
+    output_dir = Path(output_dir)
+    state_path = output_dir / _STATE
+    curve, start, seconds_before = [], 0, 0.0
+    if state_path.exists():
+        state = torch.load(state_path, map_location=device, weights_only=True)
+        if state.get("fingerprint") != fingerprint:
+            raise ValueError(f"{state_path} is the state of a training with other settings, examples or starting "
+                             "weights; delete it to start over, or rerun with the interrupted training's inputs")
+        model.load_state_dict(state["model"])
+        head.load_state_dict(state["head"])
+        optimizer.load_state_dict(state["optimizer"])
+        rng.setstate((state["rng"][0], tuple(state["rng"][1]), state["rng"][2]))
+        curve, start, seconds_before = state["curve"], state["step"], state["seconds"]
+    started = time.perf_counter()
     backbone.train()
-    bar = tqdm(range(config.steps), desc="critic init", unit="step", disable=not progress)
+    bar = tqdm(range(start, config.steps), desc="critic init", unit="step", disable=not progress,
+               initial=start, total=config.steps)
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = config.lr * lr_factor(step, config.warmup_steps, config.steps, 0.0)
@@ -248,11 +282,20 @@ def train_critic_init(policy: str | Path, output_dir: str | Path, prompts: Seque
                       **_evaluate(backbone, head, eval_set, tokenizer.pad_token_id, modulus, device)}
             curve.append(record)
             bar.set_postfix(accuracy=f"{record['eval/slipped_accuracy']:.3f}")
+            output_dir.mkdir(parents=True, exist_ok=True)
+            version, internal, gauss = rng.getstate()
+            state = {"fingerprint": fingerprint, "step": step + 1, "curve": curve,
+                     "seconds": seconds_before + time.perf_counter() - started, "model": model.state_dict(),
+                     "head": head.state_dict(), "optimizer": optimizer.state_dict(),
+                     "rng": [version, list(internal), gauss]}
+            torch.save(state, state_path.with_suffix(".tmp"))
+            state_path.with_suffix(".tmp").replace(state_path)
             if log is not None:
                 log(record)
-    _save(Path(output_dir), model, tokenizer, head, curve)
+    _save(output_dir, model, tokenizer, head, curve)
+    state_path.unlink(missing_ok=True)
     return {"eval/slipped_accuracy": curve[-1]["eval/slipped_accuracy"], "eval/check_auroc": curve[-1]["eval/check_auroc"],
-            "curve": curve,
+            "curve": curve, "seconds": round(seconds_before + time.perf_counter() - started, 1),
             "train_solutions": len(train_set), "eval_solutions": len(eval_set)}
 
 
@@ -269,11 +312,9 @@ def critic_init_from_sft(output_dir: Path, policy: Path, data_dir: Path, modulus
                              f"{asdict(config)}); delete it or use the same settings")
         return summary
     rows = [json.loads(line) for line in (Path(data_dir) / "sft.jsonl").read_text().splitlines()]
-    started = time.perf_counter()
     result = train_critic_init(policy, output_dir, [r["prompt"] for r in rows], [r["response"] for r in rows], modulus,
                                config, device=device, progress=progress,
                                log=lambda record: log(f"critic_init {json.dumps(record)}"))
-    result["seconds"] = round(time.perf_counter() - started, 1)
     result["config"] = asdict(config)
     summary_path.write_text(json.dumps(result, indent=2))
     return result

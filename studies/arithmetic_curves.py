@@ -161,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--arms", default=None, help="comma-separated arms (default: every arm found)")
     parser.add_argument("--scale", default="cpu", help="the scale whose statistics settings apply (default cpu)")
     parser.add_argument("--export", default=None, help="write the runs found to this JSON file")
+    parser.add_argument("--plot", default=None, type=Path,
+                        help="write accuracy against generated tokens and against training seconds (PNGs) here")
     parser.add_argument("--reread", action="store_true",
                         help="read each work-directory run's training metrics again from its verl log (records made "
                              "before a metric was read, e.g. a tree's generated tokens)")
@@ -177,6 +179,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"written: {export_runs(runs, args.export)}")
     lines, _ = summary_table(runs, SCALES[args.scale])
     print("\n".join(lines))
+    if args.plot:
+        from verl_prm.apps.arithmetic.evaluate import plot_cost_curves
+
+        args.plot.mkdir(parents=True, exist_ok=True)
+        for path in plot_cost_curves({arm: {seed: r["outputs"] for seed, r in seeds.items()}
+                                      for arm, seeds in runs.items()}, args.plot):
+            print(f"written: {path}")
     return 0
 
 

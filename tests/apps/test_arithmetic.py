@@ -75,7 +75,7 @@ def test_micro_run_of_the_whole_recipe(micro_run):
     assert set(results["arms"]) == {"pav_exact"} and results["arms"]["pav_exact"]["seeds"] == [0]
     assert "PAV-GRPO, exact prover" in (work / "results" / "results.md").read_text()
     for png in ("accuracy_vs_rl_steps.png", "accuracy_vs_rl_samples.png", "zero_signal_groups.png",
-                "search_accuracy_vs_compute.png"):
+                "search_accuracy_vs_compute.png", "accuracy_vs_generated_tokens.png", "accuracy_vs_seconds.png"):
         assert (work / "results" / png).read_bytes()[:4] == b"\x89PNG"
 
 
@@ -763,6 +763,12 @@ def test_curves_export_merge_and_summarise_runs_apart_from_their_work_directory(
         read_runs([work, tmp_path / "elsewhere.json"])
     with pytest.raises(ValueError, match="not an export of this module"):
         read_runs([work / "pav" / "DONE.json"])
+    from studies.arithmetic_curves import main
+
+    assert main(["--runs", str(work), str(tmp_path / "seed1.json"), "--scale", "micro",
+                 "--plot", str(tmp_path / "plots")]) == 0
+    for png in ("accuracy_vs_generated_tokens.png", "accuracy_vs_seconds.png"):
+        assert (tmp_path / "plots" / png).read_bytes()[:4] == b"\x89PNG"
     # a record made before read_run read generated_tokens gets them again from the run's verl log
     import shutil
 

@@ -282,3 +282,15 @@ def test_refresh_summary_means_each_refresh_step_over_the_seeds_that_refreshed_t
     assert body[0].split(" | ")[1:7] == ["5", "2", "500", "0.200", "0.225", "0.700"], body[0]
     assert body[1].split(" | ")[6] == "n/a", body[1]
     assert refresh_table(summarise_arms({"grpo": runs["grpo"]}, budget=30, resamples=20)) == []
+
+
+def test_cost_curve_sums_each_evaluations_training_steps_and_names_a_missing_one():
+    from verl_prm.apps.arithmetic.evaluate import cost_curve
+
+    curve = [(0, 0, 0.1), (2, 16, 0.2), (3, 24, 0.4)]
+    training = [{"step": 3, "generated_tokens": 5.0}, {"step": 1, "generated_tokens": 10.0},
+                {"step": 2, "generated_tokens": 20.0}]
+    # by hand: nothing before training, then 10 + 20, then 10 + 20 + 5
+    assert cost_curve(curve, training, "generated_tokens") == [(0.0, 0.1), (30.0, 0.2), (35.0, 0.4)]
+    with pytest.raises(ValueError, match=r"training steps \[2\] have no record of 'generated_tokens'"):
+        cost_curve(curve, [training[0], training[1]], "generated_tokens")

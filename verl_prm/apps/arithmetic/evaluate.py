@@ -420,8 +420,60 @@ def refresh_table(arms: dict) -> list[str]:
     return lines
 
 
+def cost_curve(curve: Sequence, training: Sequence[dict], key: str) -> list[tuple[float, float]]:
+    """(cost, held-out accuracy) at each evaluation of one run: for the evaluation after step s,
+
+        cost(s) = sum over the run's training steps t <= s of training[t][key]
+
+    (0 before training), e.g. ``generated_tokens`` (tokens sampled) or ``step_seconds`` (verl's ``timing_s/step``).
+    ``curve`` holds (step, samples, accuracy); a step without a training record is an error naming it."""
+    per_step = {int(t["step"]): float(t[key]) for t in training}
+    steps = sorted(per_step)
+    points = []
+    for step, _, accuracy in curve:
+        missing = [t for t in range(1, int(step) + 1) if t not in per_step]
+        if missing:
+            raise ValueError(f"cost_curve: training steps {missing[:5]} have no record of {key!r} "
+                             f"(recorded: {steps[:3]}..{steps[-3:]})")
+        points.append((sum(per_step[t] for t in range(1, int(step) + 1)), float(accuracy)))
+    return points
+
+
+def plot_cost_curves(runs: dict, output_dir: str | Path) -> list[str]:
+    """PNGs of held-out accuracy (seed mean ± standard error) against what the runs spent (``cost_curve``):
+    generated tokens and training seconds, each point at the seeds' mean cost. ``runs``: arm -> seed -> a run's
+    ``curve`` and ``training``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    output_dir = Path(output_dir)
+    paths = []
+    for key, name, xlabel in (("generated_tokens", "accuracy_vs_generated_tokens.png", "generated tokens (RL, cumulative)"),
+                              ("step_seconds", "accuracy_vs_seconds.png", "training seconds (verl timing_s/step, cumulative)")):
+        figure, axis = plt.subplots(figsize=(6.4, 4.2))
+        for arm, seeds in runs.items():
+            points = np.array([cost_curve(run["curve"], run["training"], key) for run in seeds.values()])
+            x, y = points[..., 0].mean(0), points[..., 1].mean(0)
+            se = points[..., 1].std(0, ddof=1) / np.sqrt(len(seeds)) if len(seeds) > 1 else np.zeros_like(y)
+            axis.plot(x, y, marker="o", markersize=3, label=f"{_arm_label(arm)} ({len(seeds)} seeds)")
+            axis.fill_between(x, y - se, y + se, alpha=0.2)
+        axis.set_xlabel(xlabel)
+        axis.set_ylabel("held-out accuracy (T=1), mean ± s.e.")
+        axis.set_title("arithmetic recipe on verl's main_ppo: accuracy against cost", fontsize=9)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+        figure.tight_layout()
+        figure.savefig(output_dir / name, dpi=120)
+        plt.close(figure)
+        paths.append(str(output_dir / name))
+    return paths
+
+
 def plot_all(results: dict, output_dir: str | Path) -> list[str]:
-    """PNGs: held-out accuracy against RL steps and against sampled responses (seed mean ± standard error, the
+    """PNGs: held-out accuracy against generated tokens and training seconds (``plot_cost_curves``), against RL
+    steps and against sampled responses (seed mean ± standard error, the
     level L of the sample efficiency), the share of groups with no outcome signal per step, and search accuracy
     against generated tokens."""
     import matplotlib
@@ -430,7 +482,7 @@ def plot_all(results: dict, output_dir: str | Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     output_dir = Path(output_dir)
-    paths = []
+    paths = plot_cost_curves(results["runs"], output_dir)
     arms = results["arms"]
     reference = next((s for s in arms.values() if "level" in s), None)
     for column, name, xlabel in ((0, "accuracy_vs_rl_steps.png", "RL steps"),

@@ -75,6 +75,11 @@ def welch(first: Sequence[float], second: Sequence[float]) -> tuple[float, float
     return t, df, student_t_two_sided(t, df)
 
 
+def format_p(p: float) -> str:
+    """Two decimals, three below 0.01 (a p of 0.004 is not "0.00"), "< 0.001" below that."""
+    return "< 0.001" if p < 0.001 else f"{p:.3f}" if p < 0.01 else f"{p:.2f}"
+
+
 def _mean_se(values: Sequence[float]) -> str:
     n = len(values)
     mean = sum(values) / n
@@ -107,7 +112,7 @@ def significance_table(runs: dict[str, dict[int, dict]], reference: str = "grpo"
         finals, areas = measures(records)
         p_final = p_area = ""
         if arm != reference and len(finals) > 1:
-            p_final, p_area = (f"{welch(mine, theirs)[2]:.2f}" for mine, theirs in zip((finals, areas), base))
+            p_final, p_area = (format_p(welch(mine, theirs)[2]) for mine, theirs in zip((finals, areas), base))
         lines.append(f"| {arm} | {', '.join(map(str, sorted(records)))} | {_mean_se(finals)} | {_mean_se(areas)} | "
                      f"{p_final} | {p_area} |")
     return "\n".join(lines)

@@ -56,3 +56,9 @@ def test_the_docs_p_values_come_from_the_exported_runs():
     assert rows["grpo"].endswith("| 0.271 ± 0.011 | 0.221 ± 0.002 |  |  |")
     with pytest.raises(ValueError, match="no 'reinforce' runs to compare against"):
         significance_table({"grpo": {}}, reference="reinforce")
+
+
+def test_small_p_values_keep_their_size():
+    from studies.arithmetic_significance import format_p
+
+    assert [format_p(p) for p in (0.6213, 0.0412, 0.00745, 0.0004)] == ["0.62", "0.04", "0.007", "< 0.001"]

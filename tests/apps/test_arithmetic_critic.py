@@ -129,16 +129,21 @@ class _Interrupt(Exception):
     pass
 
 
+def _tiny_policy(path):
+    """(tokenizer, path) of an untrained one-layer policy saved at ``path``."""
+    from verl_prm.apps.arithmetic.model import ModelConfig, build_model, build_tokenizer, save_policy
+
+    tokenizer = build_tokenizer()
+    return tokenizer, save_policy(build_model(tokenizer, ModelConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+        max_position_embeddings=64)), tokenizer, path)
+
+
 def test_an_interrupted_critic_init_resumes_to_the_uninterrupted_result(tmp_path):
     from safetensors.torch import load_file
 
     from verl_prm.apps.arithmetic.critic_init import CriticInitConfig, train_critic_init
-    from verl_prm.apps.arithmetic.model import ModelConfig, build_model, build_tokenizer, save_policy
-
-    tokenizer = build_tokenizer()
-    policy = save_policy(build_model(tokenizer, ModelConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                                            num_attention_heads=2, num_key_value_heads=2,
-                                                            max_position_embeddings=64)), tokenizer, tmp_path / "p")
+    tokenizer, policy = _tiny_policy(tmp_path / "p")
     problem = Problem(3, (("+", 2), ("*", 3)), 7)
     prompts = [problem.prompt_text] * 8
     responses = ["\n".join(solution_lines(problem, 0, 6)), "\n".join(solution_lines(problem))] * 4
@@ -174,12 +179,7 @@ def test_an_interrupted_critic_init_resumes_to_the_uninterrupted_result(tmp_path
 
 def test_critic_init_needs_a_slipped_result_and_saves_a_causal_lm(tmp_path):
     from verl_prm.apps.arithmetic.critic_init import CriticInitConfig, train_critic_init
-    from verl_prm.apps.arithmetic.model import ModelConfig, build_model, build_tokenizer, save_policy
-
-    tokenizer = build_tokenizer()
-    policy = save_policy(build_model(tokenizer, ModelConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                                            num_attention_heads=2, num_key_value_heads=2,
-                                                            max_position_embeddings=64)), tokenizer, tmp_path / "p")
+    tokenizer, policy = _tiny_policy(tmp_path / "p")
     problem = Problem(3, (("+", 2), ("*", 3)), 7)
     right = "\n".join(solution_lines(problem))
     with pytest.raises(ValueError, match="no solution with a slipped result"):

@@ -439,6 +439,21 @@ def cost_curve(curve: Sequence, training: Sequence[dict], key: str) -> list[tupl
     return points
 
 
+def _save_accuracy_plot(figure, axis, xlabel: str, title: str, path: Path) -> str:
+    """Label a held-out accuracy plot (its legend below the axes), save it as a PNG and close it."""
+    import matplotlib.pyplot as plt
+
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel("held-out accuracy (T=1), mean ± s.e.")
+    axis.set_title(f"arithmetic recipe on verl's main_ppo: {title}", fontsize=9)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return str(path)
+
+
 def plot_cost_curves(runs: dict, output_dir: str | Path) -> list[str]:
     """PNGs of held-out accuracy (seed mean ± standard error) against what the runs spent (``cost_curve``):
     generated tokens and training seconds, each point at the seeds' mean cost. ``runs``: arm -> seed -> a run's
@@ -459,15 +474,7 @@ def plot_cost_curves(runs: dict, output_dir: str | Path) -> list[str]:
             se = points[..., 1].std(0, ddof=1) / np.sqrt(len(seeds)) if len(seeds) > 1 else np.zeros_like(y)
             axis.plot(x, y, marker="o", markersize=3, label=f"{_arm_label(arm)} ({len(seeds)} seeds)")
             axis.fill_between(x, y - se, y + se, alpha=0.2)
-        axis.set_xlabel(xlabel)
-        axis.set_ylabel("held-out accuracy (T=1), mean ± s.e.")
-        axis.set_title("arithmetic recipe on verl's main_ppo: accuracy against cost", fontsize=9)
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
-        figure.tight_layout()
-        figure.savefig(output_dir / name, dpi=120)
-        plt.close(figure)
-        paths.append(str(output_dir / name))
+        paths.append(_save_accuracy_plot(figure, axis, xlabel, "accuracy against cost", output_dir / name))
     return paths
 
 
@@ -497,15 +504,7 @@ def plot_all(results: dict, output_dir: str | Path) -> list[str]:
         if reference is not None:
             axis.axhline(reference["level"], color="gray", linestyle=":", linewidth=1,
                          label=f"L: GRPO's accuracy at step {reference['level_step']:g}")
-        axis.set_xlabel(xlabel)
-        axis.set_ylabel("held-out accuracy (T=1), mean ± s.e.")
-        axis.set_title("arithmetic recipe on verl's main_ppo: GRPO vs PAV-GRPO", fontsize=9)
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
-        figure.tight_layout()
-        figure.savefig(output_dir / name, dpi=120)
-        plt.close(figure)
-        paths.append(str(output_dir / name))
+        paths.append(_save_accuracy_plot(figure, axis, xlabel, "GRPO vs PAV-GRPO", output_dir / name))
     figure, axis = plt.subplots(figsize=(6.4, 4.2))
     for arm, seeds in results["runs"].items():
         steps = sorted({t["step"] for s in seeds.values() for t in s["training"]})

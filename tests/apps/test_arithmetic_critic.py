@@ -171,7 +171,7 @@ def test_an_interrupted_critic_init_resumes_to_the_uninterrupted_result(tmp_path
     with pytest.raises(_Interrupt):
         train_critic_init(policy, tmp_path / "other", prompts, responses, 7, config, progress=False,
                           log=stop_at_step_2)
-    with pytest.raises(ValueError, match=r"critic_init_state.pt is the state of a training with other settings"):
+    with pytest.raises(ValueError, match=r"critic_init_state.pt holds a critic_init training state made with other settings \(check_weight: 1.0 -> 0.5\)"):
         train_critic_init(policy, tmp_path / "other", prompts, responses, 7,
                           CriticInitConfig(steps=4, batch_size=2, eval_fraction=0.5, eval_every=1, check_weight=0.5),
                           progress=False)

@@ -195,16 +195,15 @@ def _save(output_dir: Path, model, tokenizer, head, curve: list[dict]) -> None:
 _STATE = "critic_init_state.pt"
 
 
-def _fingerprint(policy_model, examples: Sequence[ResultTargets], config: CriticInitConfig) -> str:
-    """What a resumed training must share with the interrupted one: the settings, the examples and the starting
-    weights (sha256)."""
+def _resume_settings(policy: str | Path, examples: Sequence[ResultTargets], config: CriticInitConfig) -> dict:
+    """What a resumed training must share with the interrupted one: the settings, the examples (sha256) and the
+    starting weights (``checkpoints.weights_digest``)."""
     import hashlib
 
-    digest = hashlib.sha256(json.dumps([asdict(config), [asdict(e) for e in examples]]).encode())
-    for name, tensor in sorted(policy_model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
+    from verl_prm.checkpoints import weights_digest
+
+    examples_digest = hashlib.sha256(json.dumps([asdict(e) for e in examples]).encode()).hexdigest()
+    return {**asdict(config), "examples": examples_digest, "policy_weights": weights_digest(policy)}
 
 
 def train_critic_init(policy: str | Path, output_dir: str | Path, prompts: Sequence[str], responses: Sequence[str],
@@ -233,7 +232,7 @@ def train_critic_init(policy: str | Path, output_dir: str | Path, prompts: Seque
     if not any(any(e.slipped) for e in train_set) or not any(any(e.slipped) for e in eval_set):
         raise ValueError("train_critic_init: no solution with a slipped result to learn from (the data stage's "
                          "slip_rate / step_slip_rate must be > 0)")
-    fingerprint = _fingerprint(model, examples, config)
+    settings = _resume_settings(policy, examples, config)
     torch.manual_seed(config.seed)
     model.to(device)
     backbone = model.get_decoder()
@@ -248,10 +247,11 @@ def train_critic_init(policy: str | Path, output_dir: str | Path, prompts: Seque
     state_path = output_dir / _STATE
     curve, start, seconds_before = [], 0, 0.0
     if state_path.exists():
+        from verl_prm.resume import check_same_settings
+
         state = torch.load(state_path, map_location=device, weights_only=True)
-        if state.get("fingerprint") != fingerprint:
-            raise ValueError(f"{state_path} is the state of a training with other settings, examples or starting "
-                             "weights; delete it to start over, or rerun with the interrupted training's inputs")
+        check_same_settings(state["settings"], settings, source=state_path, what="a critic_init training state",
+                            fix="delete it to start over")
         model.load_state_dict(state["model"])
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
@@ -284,7 +284,7 @@ def train_critic_init(policy: str | Path, output_dir: str | Path, prompts: Seque
             bar.set_postfix(accuracy=f"{record['eval/slipped_accuracy']:.3f}")
             output_dir.mkdir(parents=True, exist_ok=True)
             version, internal, gauss = rng.getstate()
-            state = {"fingerprint": fingerprint, "step": step + 1, "curve": curve,
+            state = {"settings": settings, "step": step + 1, "curve": curve,
                      "seconds": seconds_before + time.perf_counter() - started, "model": model.state_dict(),
                      "head": head.state_dict(), "optimizer": optimizer.state_dict(),
                      "rng": [version, list(internal), gauss]}

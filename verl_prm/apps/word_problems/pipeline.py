@@ -374,10 +374,8 @@ def stages_of(config: RecipeConfig, root: Path) -> dict[str, Stage]:
     common = {"policy": sft.settings, "max_new_tokens": config.max_new_tokens}
     measure = Stage(root, "measure", {**common, "problems": config.measure_problems})
     label = Stage(root, "labels", {**common, "n": [config.n_cov, config.n_mc], "problems": config.label_problems})
-    # no penalty is the plain fit the recipe made before it had the option: the same settings
-    penalty = {"l2": config.pav_l2} if config.pav_l2 else {}
     pav = Stage(root, "pav", {"labels": label.settings, "steps": config.pav_steps, "batch": config.pav_batch_size,
-                              **penalty})
+                              "l2": config.pav_l2})
     orm = Stage(root, "orm", pav.settings)
     search = Stage(root, "search", {"pav": pav.settings, "problems": config.search_problems,
                                     "best_of_n": config.best_of_n, "beam_widths": config.beam_widths,

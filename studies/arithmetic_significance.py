@@ -17,7 +17,7 @@ import math
 import sys
 from typing import Sequence
 
-__all__ = ["main", "significance_table", "student_t_two_sided", "welch"]
+__all__ = ["format_mean_se", "main", "significance_table", "student_t_two_sided", "welch"]
 
 
 def _beta_continued_fraction(a: float, b: float, x: float) -> float:
@@ -80,7 +80,8 @@ def format_p(p: float) -> str:
     return "< 0.001" if p < 0.001 else f"{p:.3f}" if p < 0.01 else f"{p:.2f}"
 
 
-def _mean_se(values: Sequence[float]) -> str:
+def format_mean_se(values: Sequence[float]) -> str:
+    """The mean ± its standard error over the values, to 3 decimals (the mean alone for one value)."""
     n = len(values)
     mean = sum(values) / n
     if n < 2:
@@ -113,8 +114,8 @@ def significance_table(runs: dict[str, dict[int, dict]], reference: str = "grpo"
         p_final = p_area = ""
         if arm != reference and len(finals) > 1:
             p_final, p_area = (format_p(welch(mine, theirs)[2]) for mine, theirs in zip((finals, areas), base))
-        lines.append(f"| {arm} | {', '.join(map(str, sorted(records)))} | {_mean_se(finals)} | {_mean_se(areas)} | "
-                     f"{p_final} | {p_area} |")
+        lines.append(f"| {arm} | {', '.join(map(str, sorted(records)))} | {format_mean_se(finals)} | "
+                     f"{format_mean_se(areas)} | {p_final} | {p_area} |")
     return "\n".join(lines)
 
 

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from studies.arithmetic_significance import format_p, welch
+from studies.arithmetic_significance import format_mean_se, format_p, welch
 from studies.word_problems_rl import SIZE
 from verl_prm.apps.cpu_loop import read_metrics
 
@@ -69,13 +69,6 @@ def run_measures(steps: dict[int, dict], val_key: str) -> dict:
             "generated": mean(generated), "trained": mean(trained)}
 
 
-def _mean_se(values: Sequence[float]) -> str:
-    n, mean = len(values), sum(values) / len(values)
-    if n < 2:
-        return f"{mean:.3f}"
-    return f"{mean:.3f} ± {math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n):.3f}"
-
-
 def table(runs: dict[str, dict[int, dict[int, dict]]], problems: int, reference: str = "grpo",
           val_key: str = "val-core/word_problems/acc/mean@1") -> str:
     """Per-run rows, then per-arm rows with Welch's p against ``reference`` on the last held-out accuracy and on
@@ -106,8 +99,8 @@ def table(runs: dict[str, dict[int, dict[int, dict]]], problems: int, reference:
             if min(len(last), len(base_last), len(reward), len(base_reward)) >= 2:
                 p = " / ".join(format_p(welch(mine, theirs)[2])
                                for mine, theirs in ((last, base_last), (reward, base_reward)))
-        accuracy = f"{_mean_se(first)} -> {_mean_se(last)}" if last else "-"
-        lines.append(f"| {arm} | {', '.join(map(str, measures[arm]))} | {accuracy} | {_mean_se(reward)} | {p} |")
+        accuracy = f"{format_mean_se(first)} -> {format_mean_se(last)}" if last else "-"
+        lines.append(f"| {arm} | {', '.join(map(str, measures[arm]))} | {accuracy} | {format_mean_se(reward)} | {p} |")
     return "\n".join(lines)
 
 

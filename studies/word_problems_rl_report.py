@@ -91,11 +91,11 @@ def table(runs: dict[str, dict[int, dict[int, dict]]], problems: int, reference:
         return ([m["curve"][0][1] for m in seeds], [m["curve"][-1][1] for m in seeds],
                 [m["reward_second"] for m in measures[arm].values()])
 
+    _, base_last, base_reward = finals(reference) if reference in measures else ([], [], [])
     for arm in measures:
         first, last, reward = finals(arm)
         p = ""
         if arm != reference and reference in measures:
-            _, base_last, base_reward = finals(reference)
             if min(len(last), len(base_last), len(reward), len(base_reward)) >= 2:
                 p = " / ".join(format_p(welch(mine, theirs)[2])
                                for mine, theirs in ((last, base_last), (reward, base_reward)))

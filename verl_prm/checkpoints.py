@@ -13,7 +13,9 @@ these checks, each an error that names the checkpoint:
 ``safetensors_keys(directory)`` lists the tensor names of a checkpoint from the safetensors headers (no tensor
 is read), so a loader can verify that the weights it needs are really in the checkpoint.
 ``safetensors_problem(file)`` says why a safetensors file is cut short or damaged (its header promises more bytes
-than the file has), and ``check_tokenizer_files(directory, what)`` names the tokenizer files a directory lacks. No torch import here:
+than the file has), and ``check_tokenizer_files(directory, what)`` names the tokenizer files a directory lacks.
+``apply_umask_modes(directory)`` gives a written checkpoint the modes of the user's umask (safetensors writes
+its files 0600, ``tempfile.mkdtemp`` its folders 0700). No torch import here:
 the startup check of a verl run uses this module before any model is loaded.
 """
 
@@ -29,8 +31,10 @@ __all__ = [
     "ALLOW_PICKLE_ENV",
     "CheckpointError",
     "allow_pickle_default",
+    "apply_umask_modes",
     "check_tokenizer_files",
     "check_weights",
+    "current_umask",
     "file_digest",
     "from_pretrained_kwargs",
     "offline_mode",
@@ -271,3 +275,34 @@ def check_tokenizer_files(directory: str | os.PathLike, what: str = "tokenizer")
     if problem is not None:
         raise CheckpointError(f"{what} {text!r} {problem}: pass a directory saved by tokenizer.save_pretrained "
                               "(a checkpoint-*/ of `verl-prm train` holds one)")
+
+
+def current_umask() -> int:
+    """The process's umask, read from ``/proc/self/status`` (Linux 4.7+); elsewhere set and put back at once
+    (``os.umask`` has no getter)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask_modes(directory: str | Path) -> None:
+    """``directory`` and every folder under it ``0o777 & ~umask``, every file ``0o666 & ~umask``: the modes that
+    ``mkdir`` and ``open`` give (a checkpoint holds no executables). Symbolic links are left as they are."""
+    mask = current_umask()
+    root = Path(directory)
+    os.chmod(root, 0o777 & ~mask)
+    for folder, subfolders, files in os.walk(root):
+        for name in subfolders:
+            path = os.path.join(folder, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(folder, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~mask)

@@ -164,6 +164,7 @@ def test_bad_files_are_errors_naming_the_file_and_the_fix(tiny_gguf, tmp_path, m
     monkeypatch.undo()
     half_done = tmp_path / "half"
     half_done.mkdir()
+    (half_done / "config.json").write_text("{}")  # something else's files, no conversion record
     with pytest.raises(GgufError, match="not a finished conversion: delete the directory"):
         convert_gguf(path, half_done)
     with pytest.raises(GgufError, match="dtype must be one of"):
@@ -199,3 +200,55 @@ def test_smollm2_from_pypi_answers_with_its_own_eos():
     # generation stops at the file's EOS
     assert answer.startswith("12 + 7 =") and answer.endswith("<|im_end|>"), answer
     assert int(finished.argmax()) == 2 and finished[2] > finished[1] + 5
+
+
+def test_output_paths_that_are_files_are_named_on_the_terminal_before_any_download(tiny_gguf, tmp_path, capsys,
+                                                                                      monkeypatch):
+    """Issue 59: a file as --output-dir or --cache-dir printed "[Errno 17] File exists" or told to delete a
+    directory; an empty directory was refused. The terminal line names the file and the fix; an empty directory
+    is converted into; --cache-dir is checked before anything is downloaded."""
+    from verl_prm.apps import cli as app_cli
+    from verl_prm.models import gguf as module
+
+    monkeypatch.setenv("VERL_PRM_LOG_DIR", str(tmp_path / "logs"))
+    a_file = tmp_path / "a_file"
+    a_file.write_text("notes")
+    assert app_cli.main(["model", "from-gguf", str(tiny_gguf[0]), "--output-dir", str(a_file)]) == 1
+    err = capsys.readouterr().err
+    assert f"verl-prm model: error: {a_file} is a file, not a directory: the output directory (--output-dir) " \
+           "must be a directory" in err and "remove the file" in err
+    assert app_cli.main(["model", "from-gguf", str(tiny_gguf[0]), "--output-dir", str(a_file / "sub")]) == 1
+    assert f"{a_file} is a file, not a directory (it would hold {a_file / 'sub'})" in capsys.readouterr().err
+
+    def no_download(*args, **kwargs):
+        raise AssertionError(f"downloaded before checking the cache directory: {args}")
+
+    monkeypatch.setattr(module.subprocess, "run", no_download)
+    assert app_cli.main(["model", "smollm2", "--cache-dir", str(a_file)]) == 1
+    err = capsys.readouterr().err
+    assert f"error: {a_file} is a file, not a directory (it would hold {a_file / SMOLLM2.name}): the cache " \
+           "directory (--cache-dir, $VERL_PRM_CACHE) must be a directory" in err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert app_cli.main(["model", "from-gguf", str(tiny_gguf[0]), "--output-dir", str(empty)]) == 0
+    assert capsys.readouterr().out.strip() == str(empty)
+    assert read_conversion(empty)["source"] == tiny_gguf[0].name and (empty / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_the_converted_directory_has_the_modes_of_the_umask(tiny_gguf, tmp_path, umask):
+    """Issue 59: the folder was 0700 (mkdtemp) and model.safetensors 0600 (safetensors' writer) whatever the
+    umask, so a Ray worker or another user could not read the path `verl-prm model` printed."""
+    import os
+    import stat
+
+    previous = os.umask(umask)
+    try:
+        output = convert_gguf(tiny_gguf[0], tmp_path / "converted")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(output.stat().st_mode) == 0o777 & ~umask
+    files = sorted(output.iterdir())
+    assert "model.safetensors" in [f.name for f in files]
+    assert {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in files} == {
+        f.name: oct(0o666 & ~umask) for f in files}

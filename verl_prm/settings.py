@@ -12,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 import types as types_module
 import typing
 from typing import Any, Callable, Literal, Optional, Union
 
 from verl_prm.checks import check_number, range_text
 
-__all__ = ["check_bounds", "check_choices", "doc_of", "setting", "setting_type"]
+__all__ = ["check_bounds", "check_choices", "check_integer", "doc_of", "setting", "setting_type"]
 
 
 def setting(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Any = dataclasses.MISSING,
@@ -55,28 +56,40 @@ def _setting_types(cls: type) -> dict[str, tuple[Any, bool]]:
     return types
 
 
+def check_integer(key: str, value: Any, low: Optional[float] = None, high: Optional[float] = None, *,
+                  low_open: bool = False, high_open: bool = False) -> int:
+    """``value`` as an ``int`` if it is an integer within the bounds; else ``ValueError`` naming ``key``.
+
+    The one rule of every integer knob: an integer (Python's or numpy's), never a bool and never a float, not
+    even a whole one (``1e3`` or ``4.0`` in a YAML file is a float; the error says to write ``1000``), so that
+    what a config says is what runs."""
+    bounds = range_text(low, high, low_open=low_open, high_open=high_open)
+    wanted = f"{key} must be an integer{' ' + bounds if bounds else ''}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        if isinstance(value, float) and math.isfinite(value) and value == int(value):
+            raise ValueError(f"{wanted}, got the float {value!r}: write it as an integer ({int(value)})")
+        raise ValueError(f"{wanted}, got {value!r}")
+    number = int(value)
+    try:
+        check_number(key, number, low, high, low_open=low_open, high_open=high_open)
+    except ValueError:
+        raise ValueError(f"{wanted}, got {number!r}") from None
+    return number
+
+
 def check_bounds(config: Any, key: Callable[[str], str]) -> None:
-    """Every number field of dataclass ``config`` with bounds is a finite number within them (Optional fields
-    may be None); the ``ValueError`` names ``key(field name)`` and the bounds. An int field takes a whole number
-    (``4.0``, as a YAML file may give it, becomes ``4``); a float field's value becomes a float."""
+    """Every number field of dataclass ``config`` is within its bounds (Optional fields may be None); the
+    ``ValueError`` names ``key(field name)`` and the bounds. Every int field, bounded or not, holds an integer
+    (``check_integer``: a float such as ``4.0`` is refused); a float field with bounds holds a finite number
+    within them, which becomes a float."""
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        if "bounds" not in f.metadata or value is None:
+        is_int = setting_type(type(config), f.name)[0] is int
+        if value is None or not (is_int or "bounds" in f.metadata):
             continue
-        low, high, low_open, high_open = f.metadata["bounds"]
-        if setting_type(type(config), f.name)[0] is int:
-            bounds = range_text(low, high, low_open=low_open, high_open=high_open)
-            whole = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) \
-                and int(value) == value
-            try:
-                check_number(key(f.name), value, low, high, low_open=low_open, high_open=high_open)
-            except ValueError:
-                whole = False
-            if not whole:
-                raise ValueError(f"{key(f.name)} must be an integer {bounds}, got {value!r}")
-            number = int(value)
-        else:
-            number = check_number(key(f.name), value, low, high, low_open=low_open, high_open=high_open)
+        low, high, low_open, high_open = f.metadata.get("bounds", (None, None, False, False))
+        check = check_integer if is_int else check_number
+        number = check(key(f.name), value, low, high, low_open=low_open, high_open=high_open)
         object.__setattr__(config, f.name, number)  # also for frozen dataclasses
 
 
@@ -115,8 +128,8 @@ def from_mapping(cls: type, data: Any, key: str, error: type = ValueError) -> An
 
 
 def _typed(value: Any, cls: type, name: str, key: str, error: type) -> Any:
-    """``value`` as field ``name`` of ``cls`` takes it: numbers for numbers (an int for an int field only when
-    whole), text for text and choices, mappings for mappings; anything else is ``error`` naming ``key``."""
+    """``value`` as field ``name`` of ``cls`` takes it: numbers for numbers (an int field an integer only:
+    ``check_integer``), text for text and choices, mappings for mappings; anything else is ``error`` naming ``key``."""
     kind, optional = setting_type(cls, name)
     if value is None:
         if optional or kind is Any:
@@ -127,8 +140,11 @@ def _typed(value: Any, cls: type, name: str, key: str, error: type) -> Any:
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if kind is bool and not isinstance(value, bool):
         raise error(f"{key} must be true or false, got {value!r}")
-    if kind is int and not (number and math.isfinite(value) and int(value) == value):
-        raise error(f"{key} must be an integer, got {value!r}")
+    if kind is int:
+        try:
+            return check_integer(key, value)
+        except ValueError as failure:
+            raise error(str(failure)) from None
     if kind is float and not number:
         raise error(f"{key} must be a number, got {value!r}")
     if (kind is str or typing.get_origin(kind) is Literal) and not isinstance(value, str):
@@ -137,4 +153,4 @@ def _typed(value: Any, cls: type, name: str, key: str, error: type) -> Any:
         raise error(f"{key} must be text, got {value!r}")
     if (kind is dict or typing.get_origin(kind) is dict) and not isinstance(value, dict):
         raise error(f"{key} must be a mapping, got {value!r}")
-    return int(value) if kind is int else float(value) if kind is float else value
+    return float(value) if kind is float else value

@@ -93,7 +93,9 @@ def _extreme_batch(groups: int = 2, per_group: int = 4, tokens: int = 2048, toke
                 index=[str(i // per_group) for i in range(size)],
                 step_ids=(torch.arange(tokens) // tokens_per_step).repeat(size, 1), step_values=step_values,
                 prompt_values=torch.zeros(size), num_steps=torch.full((size,), steps),
-                leaf_counts=torch.ones(size, steps, dtype=torch.long))  # read by the tree estimators only
+                # read by the tree estimators only
+                leaf_counts=torch.ones(size, steps, dtype=torch.long), response_values=torch.zeros(size),
+                response_leaf_counts=torch.ones(size, dtype=torch.long))
 
 
 OPTION_SETS = [{}, {"normalize": True}, {"prime_reward_mask": "response"}, {"min_form_baseline": "step"},
@@ -152,3 +154,39 @@ def test_every_label_setting_has_exactly_one_flag_with_its_default():
     args = parser.parse_args(["--input", "x", "--output-dir", "o", "--policy", "p", "--no-prompt-value",
                               "--prefix-rule", "fixed", "--code-rule", "block", "--code-depth", "1"])
     assert (args.prompt_value, args.prefix_rule, args.code_rule, args.code_depth) == (False, "fixed", "block", 1)
+
+
+def _int_fields(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if setting_type(cls, f.name)[0] is int]
+
+
+def test_every_integer_knob_refuses_a_float_by_one_rule():
+    """verl_prm.critic.mc_token_budget=1e3 (a float in YAML) was taken as 1000 while 2.5 was refused: every int
+    field of every verl_prm section, of algorithm.pav and of the label and train settings takes an integer
+    only; a whole float is refused with the integer to write, a bool too."""
+    from verl_prm.config.hook import ConfigError, HookConfig, read_hook_config
+
+    checked = 0
+    for section in dataclasses.fields(HookConfig):
+        section_cls = setting_type(HookConfig, section.name)[0]
+        if not dataclasses.is_dataclass(section_cls):
+            continue
+        for name in _int_fields(section_cls):
+            with pytest.raises(ConfigError, match=rf"^verl_prm\.{section.name}\.{name} must be an integer.*, got "
+                                                   r"the float 1000\.0: write it as an integer \(1000\)$"):
+                read_hook_config({section.name: {name: 1e3}})
+            with pytest.raises(ConfigError, match=rf"verl_prm\.{section.name}\.{name} must be an integer.*got True"):
+                read_hook_config({section.name: {name: True}})
+            checked += 1
+    assert checked >= 12 and "mc_token_budget" in _int_fields(setting_type(HookConfig, "critic")[0])
+    assert read_hook_config({"critic": {"mc_token_budget": 1000}}).critic.mc_token_budget == 1000
+    required = {TrainConfig: dict(labels=["l"], output_dir="o", init="m")}
+    for cls in (PavConfig, LabelSettings, TrainConfig):
+        for name in _int_fields(cls):
+            value = getattr(cls(**required.get(cls, {})), name)
+            whole = float(value if value is not None else 3)
+            # (TrainConfig.keep_checkpoints has its own message: "got 2.0: the newest checkpoint ...")
+            with pytest.raises(ValueError, match=rf"{name}.* must be an integer.*got (the float )?{whole!r}"):
+                cls(**required.get(cls, {}), **{name: whole})
+            checked += 1
+    assert checked >= 25

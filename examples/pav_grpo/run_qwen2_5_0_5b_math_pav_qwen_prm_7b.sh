@@ -10,8 +10,8 @@
 # Differs from the GRPO baseline (run_qwen2_5_0_5b_math_grpo_baseline.sh) only in the verl-prm block (and the
 # experiment name). The settings, and why:
 # - format=qwen_prm: the model card's input (its chat template and system prompt, each step followed by
-#   <extra_0>) and value (P(positive) of the two-class head at each <extra_0>; docs/critic.md). The PRM has the
-#   policy's Qwen2.5 vocabulary, so the steps are read from the policy's own tokens.
+#   <extra_0>) and value (P(positive) of the two-class head at each <extra_0>; docs/critic.md), rebuilt from the
+#   policy's prompt and step texts.
 # - dtype=bfloat16: 7.07B parameters without an LM head x 2 bytes = 13.2 GiB of weights.
 # - max_tokens_per_batch=16384: one micro-batch's activations are 16,384 x (3,584 + 2 x 18,944) x 2 bytes =
 #   1.27 GiB (one layer's MLP at a time), so scoring needs 14.5 GiB. Larger micro-batches would grow the

@@ -75,9 +75,10 @@ def _check(name: str, steps: dict[str, Any], token_level_rewards, response_mask,
     if missing:
         raise MissingStepTensorsError(
             f"advantage estimator {name!r} needs the step tensors {list(STEP_KEYS)} but got none for {missing}. "
-            "verl's own compute_advantage does not pass them to plugin estimators: compute advantages with "
-            "verl_prm.integrations.verl.advantage.compute_advantage_with_steps on a DataProto that carries the "
-            "step tensors (the verl-prm trainer hook does this after the prover critic has scored the steps)."
+            "verl's compute_advantage does not pass them to plugin estimators: run it inside "
+            "verl_prm.integrations.verl.advantage.estimator_step_inputs(StepInputs(...)), whose step tensors the "
+            "registered estimator reads (the verl-prm trainer hook, which +verl_prm=pav selects, does this after "
+            "the steps are valued), or pass the step tensors to the estimator as keyword arguments."
         )
     # shapes before the math (free); the values after it, in one host read (register_estimator)
     adv.check_step_shapes(steps["step_ids"], steps["step_values"], steps["prompt_values"], steps["num_steps"],

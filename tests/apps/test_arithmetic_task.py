@@ -185,7 +185,9 @@ def test_rl_batch_advantages_follow_the_lines(tmp_path):
     import verl  # noqa: F401  (registers pav_grpo)
     from omegaconf import OmegaConf
 
-    from verl_prm.integrations.verl.advantage import compute_advantage_with_steps
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+
+    from verl_prm.integrations.verl.advantage import StepInputs, estimator_step_inputs
     from verl_prm.apps.arithmetic.model import build_tokenizer
     from verl_prm.apps.arithmetic.batch import build_data
     from verl_prm.apps.arithmetic.rollout import Rollouts
@@ -213,10 +215,16 @@ def test_rl_batch_advantages_follow_the_lines(tmp_path):
     rewards = torch.tensor([0.0, 1.0, 0.0, 1.0])
     uids = ["a", "a", "b", "b"]
 
+    inputs = StepInputs(steps["step_ids"], steps["step_values"], steps["prompt_values"], steps["num_steps"],
+                        torch.zeros(4, dtype=torch.bool))
+
     def advantages(estimator, alpha):
+        """verl's compute_advantage inside estimator_step_inputs, the trainer hook's path."""
         config = OmegaConf.create({"adv_estimator": estimator, "norm_adv_by_std_in_grpo": True,
                                    "pav": {"alpha": alpha, "best_of_k": 1}})
-        return compute_advantage_with_steps(build_data(rollouts, rewards, uids, steps), config).batch["advantages"]
+        with estimator_step_inputs(inputs):
+            data = compute_advantage(build_data(rollouts, rewards, uids), adv_estimator=estimator, config=config)
+        return data.batch["advantages"]
 
     grpo = advantages("grpo", 0.0)
     assert torch.allclose(advantages("pav_grpo", 0.0), grpo)

@@ -139,37 +139,37 @@ def _mixed_batch(task: PlantedTask, seed: int = 0) -> torch.Tensor:
 
 def test_advantage_path_equals_the_registered_estimator(verl_loaded):
     from verl.trainer.ppo.core_algos import get_adv_estimator_fn
-    from verl_prm.integrations.verl.advantage import compute_advantage_with_steps
-    from verl_prm.apps.demo.policy_gradient import RLConfig, algorithm_config, build_batch, exact_values, parsed_algorithm_config
+    from verl_prm.apps.demo.policy_gradient import (RLConfig, algorithm_config, build_batch, compute_advantages,
+                                                    exact_values, parsed_algorithm_config)
 
     task = PlantedTask()
     tokens = _mixed_batch(task)
     values = exact_values(task, 10.0)
     for cfg in (RLConfig(alpha=1.0), RLConfig(alpha=3.0, norm_adv_by_std=False)):
         config = algorithm_config(cfg)
-        data = build_batch(task, tokens, values)
+        data, inputs = build_batch(task, tokens, values)
         rewards = data.batch["token_level_rewards"].sum(dim=1)
         assert 0 < float(rewards.sum()) < tokens.shape[0]
         # the step tensors of docs/concepts.md, every token a step
         mask = data.batch["response_mask"]
-        assert torch.equal(data.batch["num_steps"], mask.sum(dim=1))
-        assert torch.equal(data.batch["step_ids"], torch.where(mask.bool(), torch.arange(10).expand(48, 10), -1))
-        last = data.batch["num_steps"] - 1
+        assert torch.equal(inputs.num_steps, mask.sum(dim=1))
+        assert torch.equal(inputs.step_ids, torch.where(mask.bool(), torch.arange(10).expand(48, 10), -1))
+        last = inputs.num_steps - 1
         assert torch.equal(data.batch["token_level_rewards"].gather(1, last[:, None]).squeeze(1), rewards)
-        compute_advantage_with_steps(data, config)
+        compute_advantages(data, inputs, config)
         direct, _ = get_adv_estimator_fn("pav_grpo")(
             token_level_rewards=data.batch["token_level_rewards"],
             response_mask=mask,
             index=data.non_tensor_batch["uid"],
             config=config,
-            step_ids=data.batch["step_ids"],
-            step_values=data.batch["step_values"],
-            prompt_values=data.batch["prompt_values"],
-            num_steps=data.batch["num_steps"],
+            step_ids=inputs.step_ids,
+            step_values=inputs.step_values,
+            prompt_values=inputs.prompt_values,
+            num_steps=inputs.num_steps,
         )
         assert torch.equal(data.batch["advantages"], direct)
         # the hot-loop config (pav parsed once, input checks off) gives the same advantages
-        fast = compute_advantage_with_steps(build_batch(task, tokens, values), parsed_algorithm_config(config))
+        fast = compute_advantages(*build_batch(task, tokens, values), parsed_algorithm_config(config))
         assert torch.equal(fast.batch["advantages"], direct)
         # and by hand: one group; out_i + alpha * (v_t - v_{t-1}) on every valid token
         centred = rewards - rewards.mean()
@@ -180,7 +180,7 @@ def test_advantage_path_equals_the_registered_estimator(verl_loaded):
         assert torch.allclose(direct, expected, atol=1e-5)
     # alpha = 0 is verl's own grpo
     config = algorithm_config(RLConfig(alpha=0.0))
-    data = compute_advantage_with_steps(build_batch(task, tokens, values), config)
+    data = compute_advantages(*build_batch(task, tokens, values), config)
     grpo, _ = get_adv_estimator_fn("grpo")(
         token_level_rewards=data.batch["token_level_rewards"],
         response_mask=data.batch["response_mask"],
@@ -189,6 +189,38 @@ def test_advantage_path_equals_the_registered_estimator(verl_loaded):
         config=config,
     )
     assert torch.allclose(data.batch["advantages"], grpo, atol=1e-6)
+
+
+def test_demo_advantages_take_the_trainer_hooks_path(verl_loaded, monkeypatch):
+    """The demo's advantages: verl's compute_advantage_for_multi_trajectories -> compute_advantage -> the registered
+    estimator, which reads the step tensors from estimator_step_inputs (they are not on the DataProto), as in the
+    trainer hook's advantage phase."""
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+    from verl.trainer.ppo.v1 import utils as verl_v1_utils
+
+    from verl_prm.apps.demo.policy_gradient import RLConfig, algorithm_config, build_batch, compute_advantages, exact_values
+    from verl_prm.estimators import MissingStepTensorsError
+
+    task = PlantedTask()
+    tokens = _mixed_batch(task, seed=2)
+    config = algorithm_config(RLConfig(alpha=1.0))
+    data, inputs = build_batch(task, tokens, exact_values(task, 10.0))
+    assert not {"step_ids", "step_values", "prompt_values", "num_steps"} & set(data.batch.keys())
+    assert not inputs.truncated.any()  # T tokens end an episode: V(T, k) is terminal
+    calls = []
+
+    def recorded(batch, **kwargs):
+        calls.append(kwargs["adv_estimator"])
+        return compute_advantage(batch, **kwargs)
+
+    monkeypatch.setattr(verl_v1_utils, "compute_advantage", recorded)
+    compute_advantages(data, inputs, config)
+    assert calls == ["pav_grpo"]
+    assert data.batch["advantages"].shape == tokens.shape
+    # verl's function alone, without the context, gives the estimator's error naming the context
+    with pytest.raises(MissingStepTensorsError, match="estimator_step_inputs"):
+        compute_advantage(build_batch(task, tokens, exact_values(task, 10.0))[0], adv_estimator="pav_grpo",
+                          config=config)
 
 
 def test_rl_step_takes_the_policy_gradient_of_verls_loss(verl_loaded):
@@ -203,7 +235,7 @@ def test_rl_step_takes_the_policy_gradient_of_verls_loss(verl_loaded):
         reference = MadePolicy()
         reference.load_state_dict(policy.state_dict())
         optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
-        advantages = rl_step(policy, optimizer, build_batch(task, tokens, exact_values(task, 10.0)),
+        advantages = rl_step(policy, optimizer, *build_batch(task, tokens, exact_values(task, 10.0)),
                              algorithm_config(cfg), actor_config(cfg))
         # reference: plain policy gradient -sum(adv * log pi) with verl's aggregation, one SGD step
         mask = task.response_mask(tokens).float()

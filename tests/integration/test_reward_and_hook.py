@@ -201,7 +201,7 @@ def test_hook_trainer_is_sync_everywhere_verl_checks(hook_trainer):
 @pytest.mark.ray
 def test_hook_advantage_phase_equals_the_pieces(hook_trainer, transfer_queue, gsm8k_rows, critic_dir, bpe_small):
     """trainer._compute_advantage (TransferQueue in and out, critic worker group) == split_steps + ProverCritic +
-    compute_advantage_with_steps called directly; metrics from the same values."""
+    the registered estimator called directly; metrics from the same values."""
     from verl_prm.critic import ProverCritic
 
     critic = ProverCritic.from_pretrained(str(critic_dir), format="value_head", device="cpu")
@@ -263,11 +263,10 @@ def test_hook_with_an_exact_critic(transfer_queue, policy_dir, bpe_small):
 def check_advantage_phase(hook_trainer, transfer_queue, samples, bpe_small, score, split_kwargs):
     """``hook_trainer._compute_advantage`` on ``samples`` (triples: rewards 1, 0, 0; the third truncated) ==
     ``split_steps(**split_kwargs)`` + ``score(prompts, responses, attention, split)`` (the critic called
-    directly) + ``compute_advantage_with_steps``; metrics from the same values."""
+    directly) + the registered estimator called directly with the step tensors; metrics from the same values."""
     from transfer_queue import KVBatchMeta
-    from verl import DataProto
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
-    from verl_prm.integrations.verl.advantage import compute_advantage_with_steps
     from verl_prm.steps import split_steps
     from verl_prm.integrations.verl.batch_metrics import step_metrics
     from verl_prm.responses import truncated_responses
@@ -303,15 +302,13 @@ def check_advantage_phase(hook_trainer, transfer_queue, samples, bpe_small, scor
     rm_scores[torch.arange(len(samples)), torch.tensor(lengths) - 1] = torch.tensor(
         [float(i % 3 == 0) for i in range(len(samples))]
     )
-    data = DataProto.from_dict(
-        tensors={
-            "token_level_rewards": rm_scores, "response_mask": response_mask, "step_ids": split.step_ids,
-            "step_values": scores.step_values, "prompt_values": scores.prompt_values,
-            "num_steps": split.num_steps, "truncated": truncated,
-        },
-        non_tensors={"uid": np.array([key.rsplit("_", 2)[0] for key in keys], dtype=object)},
+    algorithm = hook_trainer.config.algorithm
+    expected, _ = get_adv_estimator_fn(algorithm.adv_estimator)(
+        token_level_rewards=rm_scores, response_mask=response_mask,
+        index=np.array([key.rsplit("_", 2)[0] for key in keys], dtype=object), config=algorithm,
+        step_ids=split.step_ids, step_values=scores.step_values, prompt_values=scores.prompt_values,
+        num_steps=split.num_steps, truncated=truncated,
     )
-    expected = compute_advantage_with_steps(data, hook_trainer.config.algorithm).batch["advantages"]
 
     assert split.num_steps.min() >= 2
     assert advantages.shape == expected.shape

@@ -21,7 +21,7 @@ from verl.trainer.ppo import core_algos
 from verl_prm import advantages as adv
 from verl_prm.config import PavConfig, read_pav_config
 from verl_prm.estimators import ESTIMATORS, TREE_ESTIMATORS
-from verl_prm.integrations.verl.advantage import compute_advantage_with_steps
+from verl_prm.integrations.verl.advantage import StepInputs, estimator_step_inputs
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -552,7 +552,7 @@ def small_batch():
 @pytest.mark.parametrize("name", list(ESTIMATORS))
 def test_estimator_without_step_tensors_says_what_must_supply_them(name):
     t = small_batch()
-    with pytest.raises(ValueError, match="needs the step tensors.*compute_advantage_with_steps"):
+    with pytest.raises(ValueError, match="needs the step tensors.*estimator_step_inputs"):
         core_algos.get_adv_estimator_fn(name)(token_level_rewards=t["token_level_rewards"],
                                               response_mask=t["response_mask"], index=t["index"],
                                               config=algo_config(name))
@@ -569,21 +569,27 @@ def test_verl_compute_advantage_alone_gives_the_same_clear_error():
         compute_advantage(data, adv_estimator="pav_grpo", config=algo_config())
 
 
-def test_compute_advantage_with_steps_equals_direct_call():
+def test_verl_compute_advantage_inside_estimator_step_inputs_equals_direct_call():
+    """The trainer hook's path: verl's own compute_advantage (no step tensors passed) inside the context."""
     from verl import DataProto
+    from verl.trainer.ppo.ray_trainer import compute_advantage
 
     t = small_batch()
     config = algo_config(alpha=2.0, best_of_k=2)
-    tensors = {k: v for k, v in t.items() if k != "index"}
-    data = compute_advantage_with_steps(DataProto.from_dict(tensors=tensors, non_tensors={"uid": t["index"]}),
-                                        config)
+    tensors = {k: t[k] for k in ("token_level_rewards", "response_mask")}
+    inputs = StepInputs(t["step_ids"], t["step_values"], t["prompt_values"], t["num_steps"],
+                        torch.zeros(2, dtype=torch.bool), leaf_counts=t["leaf_counts"])
+    with estimator_step_inputs(inputs):
+        data = compute_advantage(DataProto.from_dict(tensors=tensors, non_tensors={"uid": t["index"]}),
+                                 adv_estimator="pav_grpo", config=config)
     direct, _ = core_algos.get_adv_estimator_fn("pav_grpo")(**t, config=config)
     torch.testing.assert_close(data.batch["advantages"], direct)
     torch.testing.assert_close(data.batch["returns"], direct)
     # a verl estimator gets verl's arguments only
     config_grpo = algo_config("grpo_vectorized")
-    data = compute_advantage_with_steps(DataProto.from_dict(tensors=tensors, non_tensors={"uid": t["index"]}),
-                                        config_grpo)
+    with estimator_step_inputs(inputs):
+        data = compute_advantage(DataProto.from_dict(tensors=tensors, non_tensors={"uid": t["index"]}),
+                                 adv_estimator="grpo_vectorized", config=config_grpo)
     expected, _ = core_algos.compute_grpo_vectorized_outcome_advantage(
         t["token_level_rewards"], t["response_mask"], t["index"])
     torch.testing.assert_close(data.batch["advantages"], expected)

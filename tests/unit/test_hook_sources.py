@@ -298,6 +298,30 @@ def test_the_trainer_hook_does_not_copy_verls_advantage_phase():
         assert verl_step not in inspect.getsource(inspect.getmodule(PavSyncTrainer)), verl_step
 
 
+def test_the_hook_docstring_names_verls_chain_to_the_estimator():
+    """The verl functions the docstring names between the hook and the estimator exist, and each calls the next
+    (read from verl's own source), the last looking the estimator up in verl's registry."""
+    import importlib
+    import inspect
+
+    from verl_prm.integrations.verl import hook_trainer
+
+    chain = [("verl.trainer.ppo.v1.trainer_base", "PPOTrainer._compute_advantage"),
+             ("verl.trainer.ppo.v1.utils", "compute_advantage_for_multi_trajectories"),
+             ("verl.trainer.ppo.ray_trainer", "compute_advantage"), ("verl.trainer.ppo.core_algos", "get_adv_estimator_fn")]
+    doc = " ".join(hook_trainer.__doc__.split())
+    functions = []
+    for module, attribute in chain:
+        assert f"``{module}.{attribute}``" in doc, attribute
+        target = importlib.import_module(module)
+        for part in attribute.split("."):
+            target = getattr(target, part)
+        functions.append(target)
+    for caller, callee in zip(functions, functions[1:]):
+        assert f"{callee.__name__}(" in inspect.getsource(caller), (caller.__name__, callee.__name__)
+    assert "advantage.verl_estimator" in doc and "estimator_step_inputs" in doc
+
+
 def test_an_outcome_estimator_keeps_verls_advantages(bpe_small, monkeypatch):
     """grpo through the hook: the pav/* metrics are logged, the advantages are verl's grpo (no step tensors)."""
     from transfer_queue import KVBatchMeta

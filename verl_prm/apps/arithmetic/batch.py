@@ -4,7 +4,7 @@ The RL runs themselves are verl's (``python -m verl.trainer.main_ppo``, :mod:`.v
 the outcome reward of sampled responses (:func:`outcome_rewards`), and ``step_tensors``:
 the advantage path of the trainer hook on one process (``verl_prm.steps.split_steps`` with ``task.STEP_REGEX``,
 ``ProverCritic.score_policy_batch``), which the evaluation uses to measure the critic and
-``tests/apps/test_arithmetic.py`` uses to check ``compute_advantage_with_steps`` on a recipe batch (``build_data``).
+``tests/apps/test_arithmetic_task.py`` uses to check verl's advantage phase on a recipe batch (``build_data``).
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ def outcome_rewards(rollouts: Rollouts, problems: Sequence[Problem]) -> torch.Te
                          for text, i in zip(rollouts.texts, rollouts.prompt_index)], dtype=torch.float32)
 
 
-def build_data(rollouts: Rollouts, rewards: torch.Tensor, uids: Sequence[str], step_tensors: dict | None = None):
+def build_data(rollouts: Rollouts, rewards: torch.Tensor, uids: Sequence[str]):
     """The verl ``DataProto`` of a rollout batch: ``responses``, ``response_mask``, ``token_level_rewards``
-    (the outcome at the last valid token), the step tensors when given, and ``uid`` (the GRPO group)."""
+    (the outcome at the last valid token) and ``uid`` (the GRPO group). The step tensors travel beside it, as
+    ``StepInputs`` (``verl_prm.integrations.verl.advantage``)."""
     from verl import DataProto
 
     mask = rollouts.response_mask
@@ -37,7 +38,6 @@ def build_data(rollouts: Rollouts, rewards: torch.Tensor, uids: Sequence[str], s
     token_level_rewards = torch.zeros_like(mask)
     token_level_rewards.scatter_(1, last[:, None], rewards[:, None])
     tensors = {"responses": rollouts.responses, "response_mask": mask, "token_level_rewards": token_level_rewards}
-    tensors.update(step_tensors or {})
     return DataProto.from_dict(tensors=tensors, non_tensors={"uid": np.array(list(uids), dtype=object)})
 
 

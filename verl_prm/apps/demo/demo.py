@@ -17,9 +17,10 @@ It prints tables, writes ``accuracy_vs_iterations.png``, ``accuracy_vs_gamma.png
 the ratio is then a bound: ``>N.Nx`` when only outcome-only runs missed (a lower bound), ``<N.Nx`` when only PAV
 runs missed (an upper bound), ``n/a`` when runs of both methods missed.
 
-Every RL update goes through the plugin: the advantages come from the registered ``pav_grpo`` estimator via
-``verl_prm.integrations.verl.advantage.compute_advantage_with_steps`` on a verl ``DataProto`` (alpha = 0: outcome-only), the loss
-from verl's ``compute_policy_loss_vanilla`` (see ``verl_prm.apps.demo.policy_gradient``).
+Every RL update goes through the plugin: the advantages come from the registered ``pav_grpo`` estimator, which
+verl's ``compute_advantage_for_multi_trajectories`` calls on a verl ``DataProto`` inside
+``verl_prm.integrations.verl.advantage.estimator_step_inputs``, the path of the trainer hook (alpha = 0:
+outcome-only); the loss from verl's ``compute_policy_loss_vanilla`` (see ``verl_prm.apps.demo.policy_gradient``).
 
 Modules: this one (the command and the experiments' orchestration), ``settings`` (``DemoSettings``), ``runs``
 (one RL run and the process pool), ``report`` (analysis and printed tables), ``plots`` (the three PNGs).

@@ -1,11 +1,13 @@
 """Policy-gradient RL on the planted sub-sequence task through the product's own path.
 
 Every iteration: sample a batch from the policy; build a verl ``DataProto`` with the outcome reward at the last
-valid token, the response mask, one ``uid`` for the whole batch (the task has a single prompt, so the batch is one
-GRPO group), and the step tensors (every token a step: ``step_ids[i, t] = t``; ``step_values`` = the prover's
-value after each token; ``prompt_values`` = its value of the empty prefix); compute advantages with
-``verl_prm.integrations.verl.advantage.compute_advantage_with_steps`` (the registered estimator, looked up in verl's registry, the
-function the verl trainer hook calls); take the loss from verl's own policy-loss function
+valid token, the response mask and one ``uid`` for the whole batch (the task has a single prompt, so the batch is
+one GRPO group), and the batch's step tensors (``StepInputs``; every token a step: ``step_ids[i, t] = t``;
+``step_values`` = the prover's value after each token; ``prompt_values`` = its value of the empty prefix);
+compute advantages as the verl trainer hook does (:func:`compute_advantages`: verl's
+``compute_advantage_for_multi_trajectories`` inside ``estimator_step_inputs``, so verl looks the registered
+estimator up and the estimator reads the step tensors from the context); take the loss from verl's own
+policy-loss function
 (``get_policy_loss_fn("vanilla")`` with a real ``ActorConfig``); one Adam step. On-policy with one update per
 batch, so ``old_log_prob = log_prob.detach()``, the PPO ratio is 1 and the loss is the policy gradient
 ``-mean(adv * log pi)`` (aggregated by verl's ``loss_agg_mode``).
@@ -24,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from verl_prm.apps.demo.env import PlantedTask
 from verl_prm.apps.demo.policy import MadePolicy, sequence_log_probs, supervised_warm_start
 from verl_prm.config import read_pav_config
+from verl_prm.integrations.verl.advantage import StepInputs, estimator_step_inputs
 
 __all__ = [
     "RLConfig",
@@ -32,6 +35,7 @@ __all__ = [
     "actor_config",
     "algorithm_config",
     "build_batch",
+    "compute_advantages",
     "exact_values",
     "import_verl",
     "iterations_to",
@@ -130,15 +134,17 @@ def exact_values(task: PlantedTask, gamma: float) -> ValueFn:
 
 
 def build_batch(task: PlantedTask, tokens: torch.Tensor, values: ValueFn):
-    """The verl ``DataProto`` of a sampled batch (the step tensors of docs/concepts.md), every token one step.
+    """The verl ``DataProto`` of a sampled batch and its step tensors (docs/concepts.md), every token one step.
 
     Args:
         tokens: [B, T] sampled sequences (EOS-padded).
 
     Returns:
-        DataProto with batch keys ``responses``, ``token_level_rewards`` (outcome at the last valid token),
-        ``response_mask``, ``step_ids`` (t for valid tokens, -1 after EOS), ``step_values``, ``prompt_values``,
-        ``num_steps`` and non-tensor ``uid`` (one group: the task has one prompt).
+        ``(data, inputs)``: ``data`` a DataProto with batch keys ``responses``, ``token_level_rewards`` (outcome
+        at the last valid token), ``response_mask`` and non-tensor ``uid`` (one group: the task has one prompt);
+        ``inputs`` the ``StepInputs`` (``step_ids`` t for valid tokens, -1 after EOS; ``step_values``;
+        ``prompt_values``; ``num_steps``; ``truncated`` all False, as T tokens end the episode: V(T, k) is
+        terminal).
     """
     from verl.protocol import DataProto
 
@@ -150,33 +156,46 @@ def build_batch(task: PlantedTask, tokens: torch.Tensor, values: ValueFn):
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     step_ids = torch.where(mask.bool(), positions, torch.full_like(positions, -1))
     step_values, prompt_values = values(tokens)
-    return DataProto.from_dict(
-        tensors={
-            "responses": tokens,
-            "token_level_rewards": token_level_rewards,
-            "response_mask": mask,
-            "step_ids": step_ids,
-            "step_values": step_values.float(),
-            "prompt_values": prompt_values.float(),
-            "num_steps": num_steps,
-        },
+    data = DataProto.from_dict(
+        tensors={"responses": tokens, "token_level_rewards": token_level_rewards, "response_mask": mask},
         non_tensors={"uid": np.full(tokens.shape[0], "planted", dtype=object)},
     )
+    inputs = StepInputs(step_ids, step_values.float(), prompt_values.float(), num_steps,
+                        torch.zeros(tokens.shape[0], dtype=torch.bool))
+    return data, inputs
+
+
+def compute_advantages(data, inputs: StepInputs, algo_config: DictConfig | dict):
+    """``advantages`` and ``returns`` written into ``data`` as in the trainer hook's advantage phase.
+
+    The hook runs verl's ``PPOTrainer._compute_advantage`` inside ``estimator_step_inputs``; that method reads and
+    writes TransferQueue around verl's ``compute_advantage_for_multi_trajectories``, which is called here inside
+    the same context, with the keys verl's agent loop writes (``{uid}_{session}_{index}``, one session a
+    response). No Ray, no TransferQueue; the KL-in-reward penalty and the rollout correction are off.
+    """
+    from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
+
+    rows = len(data)
+    keys = [f"{uid}_{row}_0" for row, uid in enumerate(data.non_tensor_batch["uid"])]
+    with estimator_step_inputs(inputs):
+        return compute_advantage_for_multi_trajectories(
+            data, batch_keys=keys, adv_estimator=algo_config["adv_estimator"], num_repeat=rows,
+            norm_adv_by_std_in_grpo=algo_config["norm_adv_by_std_in_grpo"], config=algo_config,
+        )
 
 
 def rl_step(
     policy: MadePolicy,
     optimizer: torch.optim.Optimizer,
     data,
+    inputs: StepInputs,
     algo_config: DictConfig | dict,
     actor_cfg,
 ) -> torch.Tensor:
     """Advantages through the plugin, loss through verl, one optimizer step. Returns the advantages [B, T]."""
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    from verl_prm.integrations.verl.advantage import compute_advantage_with_steps
-
-    data = compute_advantage_with_steps(data, algo_config)
+    data = compute_advantages(data, inputs, algo_config)
     tokens = data.batch["responses"]
     mask = data.batch["response_mask"]
     log_prob = sequence_log_probs(policy, tokens)
@@ -250,15 +269,14 @@ def train_rl(
         if it in cfg.snapshots:
             snapshots[it] = copy.deepcopy(policy.state_dict())
         tokens = policy.sample(cfg.batch_size, generator, task.eos)
-        data = build_batch(task, tokens, values)
+        data, inputs = build_batch(task, tokens, values)
         rewards = data.batch["token_level_rewards"].sum(dim=1)
         accuracy[it] = float(rewards.mean())
-        step_values, prompt_values = data.batch["step_values"], data.batch["prompt_values"]
-        progress_terms = torch.diff(torch.cat([prompt_values[:, None], step_values], dim=1), dim=1)
+        progress_terms = torch.diff(torch.cat([inputs.prompt_values[:, None], inputs.step_values], dim=1), dim=1)
         mask = data.batch["response_mask"].float()
         mean_abs_process[it] = float((progress_terms.abs() * mask).sum() / mask.sum())
         config = checked if (it == 0 and cfg.check_first) else unchecked
-        rl_step(policy, optimizer, data, config, actor_cfg)
+        rl_step(policy, optimizer, data, inputs, config, actor_cfg)
         if progress is not None:
             progress(1)
     if cfg.iterations in cfg.snapshots:

@@ -3,7 +3,7 @@
 - ``plugin``: the ``verl.plugins`` entry point (``import verl`` loads it in every process); ``import_hooks``: the
   registration-on-import machinery it uses;
 - ``advantage``: the step tensors -> the registered estimator (``verl_prm.estimators``), inside verl's own
-  advantage phase or from a ``DataProto``;
+  advantage phase;
 - ``hook_trainer``: the trainer hook ``pav_sync`` (verl's ``PPOTrainerSync`` plus the step values), which only
   orchestrates its parts: ``step_batch`` (the batch it reads), ``value_sources`` (critic workers, the rollout
   sampler, the exact reference), ``head_refresh`` (``verl_prm.refresh``), ``batch_metrics`` (``pav/*``),

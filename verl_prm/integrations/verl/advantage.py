@@ -1,14 +1,13 @@
-"""verl's ``DataProto`` -> the registered estimator: the one place that hands the step tensors to an estimator.
+"""verl's advantage phase -> the registered estimator: the one place that hands the step tensors to an estimator.
 
 verl's own ``compute_advantage`` passes a plugin estimator only the rewards, mask, uid and config (patch 0001
-would pass more). Two ways in, both here:
-
-- the trainer hook calls verl's own ``_compute_advantage`` inside :func:`estimator_step_inputs`, a context
-  that holds the batch's step tensors (:class:`StepInputs`); the estimators registered in verl
-  (:data:`VERL_ESTIMATORS`, each :func:`verl_estimator` of an entry of ``verl_prm.estimators.ESTIMATORS``) read
-  them from it when verl calls them;
-- the demo and tests outside a trainer call :func:`compute_advantage_with_steps` on a ``DataProto`` that carries
-  the step tensors.
+would pass more). So the step tensors go around it: the caller runs verl's advantage phase inside
+:func:`estimator_step_inputs`, a context that holds the batch's step tensors (:class:`StepInputs`), and the
+estimators registered in verl (:data:`VERL_ESTIMATORS`, each :func:`verl_estimator` of an entry of
+``verl_prm.estimators.ESTIMATORS``) read them from it when verl calls them. The trainer hook wraps verl's
+``PPOTrainer._compute_advantage`` so (``hook_trainer``); the demo, on one process without Ray or
+TransferQueue, wraps the part of it that computes the advantages, verl's
+``compute_advantage_for_multi_trajectories``.
 """
 
 from __future__ import annotations
@@ -20,11 +19,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
-from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
 from verl_prm.estimators import ESTIMATORS, STEP_KEYS
 
-__all__ = ["StepInputs", "VERL_ESTIMATORS", "compute_advantage_with_steps", "estimator_step_inputs", "verl_estimator"]
+__all__ = ["StepInputs", "VERL_ESTIMATORS", "estimator_step_inputs", "verl_estimator"]
 
 
 @dataclass(frozen=True)
@@ -97,34 +95,3 @@ def verl_estimator(estimator: Callable[..., Any]) -> Callable[..., Any]:
 # What the plugin registers in verl's ADV_ESTIMATOR_REGISTRY (name -> estimator).
 VERL_ESTIMATORS: dict[str, Callable[..., Any]] = {name: verl_estimator(fn) for name, fn in ESTIMATORS.items()}
 
-
-def compute_advantage_with_steps(data, config) -> Any:
-    """Compute ``advantages`` and ``returns`` of a verl ``DataProto`` with the configured estimator.
-
-    Reads ``token_level_rewards``, ``response_mask`` and, for a PAV estimator, the step tensors (plus
-    ``truncated`` and ``leaf_counts`` when present) from ``data.batch`` and ``uid`` from
-    ``data.non_tensor_batch``; looks the estimator ``config.adv_estimator`` up in verl's registry and writes the results into ``data.batch``.
-    Other estimators (``grpo``, ``rloo``, ...) get verl's usual arguments, so a run can switch estimators
-    without other changes.
-
-    Args:
-        data: ``verl.DataProto``.
-        config: verl's algorithm config (``adv_estimator``, ``norm_adv_by_std_in_grpo``, ``pav``).
-    """
-    name = config.get("adv_estimator") if hasattr(config, "get") else config.adv_estimator
-    estimator = get_adv_estimator_fn(name)
-    kwargs: dict[str, Any] = {
-        "token_level_rewards": data.batch["token_level_rewards"],
-        "response_mask": data.batch["response_mask"],
-        "config": config,
-    }
-    if "uid" in data.non_tensor_batch:
-        kwargs["index"] = data.non_tensor_batch["uid"]
-    if name in ESTIMATORS:
-        for key in (*STEP_KEYS, "truncated", "leaf_counts"):
-            if key in data.batch.keys():
-                kwargs[key] = data.batch[key]
-    advantages, returns = estimator(**kwargs)
-    data.batch["advantages"] = advantages
-    data.batch["returns"] = returns
-    return data

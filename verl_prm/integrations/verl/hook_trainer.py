@@ -16,9 +16,15 @@ orchestrates; compared with verl's ``PPOTrainerSync`` it changes:
 3. the advantage phase (``_compute_advantage``): the batch is read from TransferQueue and split into steps
    (``step_batch.read_step_batch``), its steps are valued by the source (``StepValues``; with
    ``verl_prm.diagnostics.reference`` also by that exact prover, for the metrics only), the ``pav/*`` metrics are
-   added to the step's metrics (``batch_metrics``), then verl's own ``_compute_advantage`` runs unchanged
-   (KL-in-reward, rollout correction, the estimator, the write-back) inside ``advantage.estimator_step_inputs``,
-   from which the registered step estimator (pav_*, prm_aggregate) reads the step tensors verl does not pass.
+   added to the step's metrics (``batch_metrics``), then verl's own advantage phase runs unchanged inside
+   ``advantage.estimator_step_inputs(StepInputs(...))``. Between this hook and the estimator run only verl's
+   functions: ``verl.trainer.ppo.v1.trainer_base.PPOTrainer._compute_advantage`` (reads the batch from
+   TransferQueue, applies the KL-in-reward penalty and the rollout correction when configured, writes the
+   advantages back) calls ``verl.trainer.ppo.v1.utils.compute_advantage_for_multi_trajectories``, which calls
+   ``verl.trainer.ppo.ray_trainer.compute_advantage``, which looks the estimator up with
+   ``verl.trainer.ppo.core_algos.get_adv_estimator_fn`` and calls it with the rewards, mask, uid and config
+   only. The registered step estimator (pav_*, prm_aggregate; ``advantage.verl_estimator``) reads the step
+   tensors verl does not pass from the context.
 
 verl compares ``self.trainer_mode == "sync"`` in several places (replay-buffer class, dataloader refill,
 checkpoint save/load of TransferQueue, re-issuing in-flight prompts, prompt persistence). ``trainer_mode`` is
@@ -217,8 +223,9 @@ class PavSyncTrainer(PPOTrainerSync):
                                self.hook_config.steps, self._eos_token_ids())
 
     def _compute_advantage(self, batch, metrics: dict):
-        """The step values and their metrics, then verl's own advantage phase, whose step estimator reads the
-        step tensors from ``estimator_step_inputs`` (module docstring)."""
+        """The step values and their metrics, then verl's own advantage phase (``PPOTrainer._compute_advantage``
+        -> ``compute_advantage_for_multi_trajectories`` -> ``compute_advantage`` -> the registered estimator),
+        whose step estimator reads the step tensors from ``estimator_step_inputs`` (module docstring)."""
         if not self._runs_critic():
             return super()._compute_advantage(batch, metrics)
         step_estimator = self.config.algorithm.adv_estimator in ESTIMATORS

@@ -27,6 +27,7 @@ from verl_prm.training.data import (
     class_balanced_weights,
     collate,
     encode_labels,
+    prompt_value_carriers,
     sample_batch_indices,
     split_by_prompt,
 )
@@ -138,21 +139,24 @@ def test_encode_labels_positions_targets_and_truncation(bpe_small):
     frame.at[0, "q"] = [math.nan] + list(frame.at[0, "q"][1:])  # an unlabelled step is skipped
     examples, stats = encode_labels(frame, bpe_small)
     assert len(examples) == 6 and stats.unlabelled_steps == 1 and stats.steps == 18
-    for e, row in zip(examples, frame.itertuples()):
+    carriers = (frame["rollout_index"] == 0).tolist()  # a prompt's value is labelled on its first rollout only
+    assert (stats.prompt_values, stats.repeated_prompt_values) == (3, 3)
+    for e, row, carries in zip(examples, frame.itertuples(), carriers):
         encoded = encode_with_step_ends(bpe_small, row.prompt, row.response, list(zip(row.step_starts, row.step_ends)))
         labelled = [end for end, q in zip(encoded.step_ends, row.q) if not math.isnan(q)]
         assert e.input_ids == list(encoded.input_ids)
-        assert e.positions == [encoded.prompt_end] + labelled
-        assert e.targets == [row.prompt_value] + [q for q in row.q if not math.isnan(q)]
-    limit = examples[1].positions[2] + 1  # keeps the prompt and two steps of rollout 1, cuts its last step
+        assert e.positions == [encoded.prompt_end] * carries + labelled
+        assert e.targets == [row.prompt_value] * carries + [q for q in row.q if not math.isnan(q)]
+    limit = examples[1].positions[1] + 1  # keeps two steps of rollout 1 (no prompt value), cuts its last step
     short, stats = encode_labels(frame, bpe_small, max_length=limit, use_prompt_value=False)
     assert stats.truncated_rollouts == sum(len(e.input_ids) > limit for e in examples) >= 1
-    assert "not trained on" in stats.notes[0]
+    assert "not trained on" in stats.notes[0] and stats.prompt_values == 0
     dropped = 0
-    for cut, full in zip(short, examples):
+    for cut, full, carries in zip(short, examples, carriers):
+        steps = full.positions[carries:]  # no prompt value here
         assert cut.input_ids == full.input_ids[:limit]
-        assert cut.positions == [p for p in full.positions[1:] if p < limit]  # [1:]: no prompt value here
-        dropped += sum(p >= limit for p in full.positions[1:])
+        assert cut.positions == [p for p in steps if p < limit]
+        dropped += sum(p >= limit for p in steps)
     assert stats.steps_beyond_max_length == dropped >= 1
     bok, _ = encode_labels(frame.iloc[1:2], bpe_small, best_of_k=2, use_prompt_value=False)
     q, s, n = (np.asarray(frame.at[1, c], dtype=float) for c in ("q", "n_success", "n_mc"))
@@ -160,6 +164,89 @@ def test_encode_labels_positions_targets_and_truncation(bpe_small):
     assert bok[0].targets == pytest.approx(expected.tolist())
     batch = collate(examples[:2], pad_token_id=bpe_small.pad_token_id)
     assert batch["input_ids"].shape[0] == 2 and batch["step_mask"].sum().item() == sum(len(e.positions) for e in examples[:2])
+
+
+def _four_rollouts_of_one_prompt() -> pd.DataFrame:
+    """A label shard's rows of one prompt labelled with 4 rollouts: each row repeats the prompt's value."""
+    frame = pd.DataFrame(_label_rows(ScriptedStepTask(num_steps=3), range(1), n_cov=4, n_mc=4, seed=2))
+    assert len(frame) == 4 and frame["prompt_value"].nunique() == 1 and frame["prompt_n_mc"].iloc[0] == 4
+    return frame
+
+
+def _labels_once(frame: pd.DataFrame, tokenizer) -> tuple[list[int], list[int], list[float]]:
+    """(row, token position, label) of every label of ``frame`` (rows of one prompt), the prompt value counted
+    once: the position of the prompt's last token (its first row's), then each row's labelled step ends."""
+    labels = []
+    for b, row in enumerate(frame.itertuples()):
+        encoded = encode_with_step_ends(tokenizer, row.prompt, row.response, list(zip(row.step_starts, row.step_ends)))
+        if b == 0:
+            labels.append((b, encoded.prompt_end, row.prompt_value))
+        labels += [(b, end, q) for end, q in zip(encoded.step_ends, row.q) if not math.isnan(q)]
+    return labels
+
+
+def test_a_prompt_value_repeated_on_four_rollouts_weighs_as_one_label(bpe_small):
+    """4 rollouts of one prompt repeat V(prompt) in the shard; the training loss holds it once: the loss of a
+    batch of the 4 rollouts is the mean binary cross-entropy over the prompt value and the steps' labels."""
+    frame = _four_rollouts_of_one_prompt()
+    examples, stats = encode_labels(frame, bpe_small)
+    assert (stats.prompt_values, stats.repeated_prompt_values) == (1, 3)
+    batch = collate(examples, pad_token_id=bpe_small.pad_token_id)
+    logit = 0.4
+    loss = soft_label_bce(gather_step_logits(torch.full(batch["input_ids"].shape, logit), batch["positions"]),
+                          batch["targets"], batch["step_mask"]).item()
+
+    def bce(y: float) -> float:
+        p = 1.0 / (1.0 + math.exp(-logit))
+        return -(y * math.log(p) + (1.0 - y) * math.log(1.0 - p))
+
+    labels = [y for _, _, y in _labels_once(frame, bpe_small)]
+    steps = labels[1:]
+    assert loss == pytest.approx(np.mean([bce(y) for y in labels]), rel=1e-6)
+    per_rollout = np.mean([bce(labels[0])] * 4 + [bce(y) for y in steps])  # V counted once per rollout
+    assert abs(per_rollout - np.mean([bce(y) for y in labels])) > 1e-3  # the data tell the two apart
+
+
+class _TokenValues(torch.nn.Module):
+    """A stand-in critic whose logit at a token is (token id mod 11 - 5) / 3: every position's value is known."""
+
+    def forward(self, input_ids, attention_mask):
+        return type("Output", (), {"logits": ((input_ids % 11).float() - 5.0)[..., None] / 3.0})()
+
+
+def test_held_out_metrics_count_a_repeated_prompt_value_once(bpe_small):
+    """The held-out evaluation of the trainer (``evaluate_examples`` then ``value_metrics``) over 4 rollouts of one
+    prompt counts V(prompt) once: its MSE is the mean over the prompt value and the steps' labels."""
+    from verl_prm.training.trainer import evaluate_examples
+
+    frame = _four_rollouts_of_one_prompt()
+    examples, _ = encode_labels(frame, bpe_small)
+    predictions, targets = evaluate_examples(_TokenValues(), examples, batch_size=3,
+                                             pad_token_id=bpe_small.pad_token_id, device="cpu")
+    metrics = value_metrics(predictions, targets)
+    labels = _labels_once(frame, bpe_small)
+    ids = [list(e.input_ids) for e in examples]
+    value = [1.0 / (1.0 + math.exp(-((ids[b][t] % 11) - 5.0) / 3.0)) for b, t, _ in labels]
+    assert metrics["num_steps"] == len(labels) == 1 + sum(len(q) for q in frame["q"])
+    assert metrics["mse"] == pytest.approx(np.mean([(v - y) ** 2 for v, (_, _, y) in zip(value, labels)]), rel=1e-6)
+
+
+def test_the_same_prompt_value_is_one_shard_one_prompt_index_one_prompt_text():
+    rows = pd.DataFrame({"prompt_index": [0, 0, 0, 1, 1, 0], "rollout_index": [0, 1, 2, 0, 1, 3],
+                         "prompt": ["a", "a", "b", "a", "a", "a"], "prompt_value": [0.5, 0.5, 0.25, 1.0, 1.0, 0.5],
+                         "prompt_n_success": [2, 2, 1, 4, 4, 2], "prompt_n_mc": [4, 4, 4, 4, 4, 4]})
+    # (0, "a") twice, then (0, "b"), (1, "a") and (0, "a") again, non-adjacent: three prompt values
+    assert prompt_value_carriers(rows).tolist() == [True, False, True, True, False, False]
+    two_shards = rows.assign(shard=["s1", "s1", "s1", "s1", "s1", "s2"], shard_row=[0, 1, 2, 3, 4, 0])
+    assert prompt_value_carriers(two_shards).tolist() == [True, False, True, True, False, True]
+    nan = rows.assign(prompt_value=math.nan, prompt_n_success=0, prompt_n_mc=0)  # not computed: the same on each row
+    assert prompt_value_carriers(nan).tolist() == [True, False, True, True, False, False]
+    edited = two_shards.copy()
+    edited.loc[1, ["prompt_value", "prompt_n_success"]] = [0.75, 3]
+    with pytest.raises(ValueError, match=r"label shard s1 row 1 \(prompt_index=0, rollout_index=1\) has the prompt "
+                                         r"of label shard s1 row 0 .* but another prompt value .*0\.75.* vs .*0\.5"):
+        prompt_value_carriers(edited)
+    assert prompt_value_carriers(rows.iloc[:0]).tolist() == []
 
 
 def test_split_by_prompt_keeps_rollouts_of_a_prompt_together():
@@ -201,8 +288,12 @@ def test_trained_critic_beats_a_constant_on_exact_values(critic_setup):
     from verl_prm.critic import ProverCritic
 
     root, task, rows = critic_setup
-    summary = train(_config(root, "run"))
+    config = _config(root, "run")
+    summary = train(config)
     assert summary["eval_rollouts"] > 0 and summary["metrics"]["eval/num_steps"] > 0
+    _, held_out = split_by_prompt(read_labels(root / "labels"), config.held_out_fraction, config.seed)
+    # each held-out prompt's value counts once, not once per rollout (4 here)
+    assert summary["metrics"]["eval/num_steps"] == held_out["prompt"].nunique() + sum(map(len, held_out["q"]))
     critic = ProverCritic.from_pretrained(summary["checkpoint"], format="value_head", device="cpu")
     seeds = ScriptedStepGenerator(P_POLICY).generate([task.prompt(i) for i in range(1000, 1030)], 4, list(range(30)))
     prompts = [task.prompt(1000 + i) for i, samples in enumerate(seeds) for _ in samples]

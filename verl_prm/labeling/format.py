@@ -23,7 +23,9 @@ n_mc               list<int32>       continuations sampled for the step's prefix
 first_pit          int32             first step whose value is 0 (first-pit strategy or converted data);
                                      -1 = none found or not searched
 prompt_value       float64           V(prompt) label (fraction of n_mc continuations of the bare prompt);
-                                     NaN = not computed
+                                     NaN = not computed. Repeated on every rollout of the prompt (the same
+                                     in each row of one prompt_index and prompt in a shard); training counts
+                                     it once (verl_prm.training.data.prompt_value_carriers)
 prompt_n_success   int32             accepted continuations of the bare prompt (0 if not computed)
 prompt_n_mc        int32             continuations of the bare prompt (0 = not computed)
 outcome            float64           1.0 / 0.0: the verifier accepted the full response; NaN = unknown

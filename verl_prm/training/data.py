@@ -3,7 +3,8 @@
 Each rollout is encoded once (``verl_prm.steps.encode_with_step_ends``: prompt and response tokenised
 separately and concatenated, the critic reads step h at the token holding its last character), so one forward
 pass trains all of its steps, exactly as the critic scores them. The prompt's last token carries the prompt
-value label when the rows have one.
+value label when the rows have one, on one rollout of the prompt only (:func:`prompt_value_carriers`): a label
+shard repeats V(prompt) on each of the prompt's rollouts, and it is one label, not one per rollout.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from verl_prm.steps import encode_with_step_ends
 __all__ = [
     "EncodedRollout",
     "encode_labels",
+    "prompt_value_carriers",
     "split_by_prompt",
     "class_balanced_weights",
     "sample_batch_indices",
@@ -50,6 +52,9 @@ class EncodingStats:
     rollouts_without_labels: int = 0
     truncated_rollouts: int = 0
     steps_beyond_max_length: int = 0
+    # prompt value labels encoded, and rows whose prompt value another row of the prompt carries
+    prompt_values: int = 0
+    repeated_prompt_values: int = 0
     notes: list[str] = field(default_factory=list)
 
 
@@ -70,6 +75,44 @@ def split_by_prompt(frame: pd.DataFrame, eval_fraction: float, seed: int = 0) ->
     return frame[~held_out].reset_index(drop=True), frame[held_out].reset_index(drop=True)
 
 
+# the columns that hold a row's prompt value, and those that say whose prompt value it is (within one shard)
+_PROMPT_VALUE_COLUMNS = ("prompt_value", "prompt_n_success", "prompt_n_mc")
+_PROMPT_KEY = ("prompt_index", "prompt")
+
+
+def prompt_value_carriers(frame: pd.DataFrame) -> np.ndarray:
+    """Which label rows carry their prompt's value label: [num rows] booleans, True for one row per prompt value.
+
+    A label shard repeats the prompt value (``prompt_value``, ``prompt_n_success``, ``prompt_n_mc``) on every
+    rollout of the prompt; it is one Monte-Carlo estimate of V(prompt), so it is trained on and measured once.
+    Rows hold *the same prompt value* iff they come from the same label shard (the frame's ``shard`` column,
+    which ``verl-prm train`` adds; a frame without it counts as one shard) and have the same ``prompt_index``
+    and the same ``prompt`` text. The first such row in frame order carries the label. Two prompts of one
+    index but different text (or the same text at two indices, or in two shards: two labelling runs, two
+    refresh steps) are separate prompt values.
+
+    Raises:
+        ValueError naming both rows if rows of one prompt value disagree on its columns (a labelling run
+        writes V(prompt) once per prompt; disagreeing rows were edited or merged by hand).
+    """
+    if not len(frame):
+        return np.zeros(0, dtype=bool)
+    key = (["shard"] if "shard" in frame.columns else []) + list(_PROMPT_KEY)
+    group = frame.groupby(key, sort=False, dropna=False).ngroup().to_numpy()
+    order = np.arange(len(frame))
+    first = pd.Series(order).groupby(group).transform("min").to_numpy()
+    values = frame[list(_PROMPT_VALUE_COLUMNS)].to_numpy(dtype=np.float64)
+    same = (values == values[first]) | (np.isnan(values) & np.isnan(values[first]))
+    bad = np.flatnonzero(~same.all(axis=1))
+    if bad.size:
+        row, carrier = (next(frame.iloc[[i]].itertuples(index=False)) for i in (bad[0], first[bad[0]]))
+        row_value, carrier_value = (dict(zip(_PROMPT_VALUE_COLUMNS, values[i].tolist())) for i in (bad[0], first[bad[0]]))
+        raise ValueError(f"{_row_name(row)} has the prompt of {_row_name(carrier)} but another prompt value "
+                         f"({row_value} vs {carrier_value}); the rollouts of one prompt in a label shard share one "
+                         "V(prompt): fix or relabel the shard (see verl_prm.labeling.format)")
+    return first == order
+
+
 def encode_labels(
     frame: pd.DataFrame,
     tokenizer,
@@ -84,10 +127,12 @@ def encode_labels(
     :func:`verl_prm.labeling.format.best_of_k_from_counts`). A sequence longer than ``max_length`` keeps its
     first ``max_length`` tokens and loses the labels of the steps that end beyond them (counted in the stats
     and reported; no label is moved to another position). Rows left without any label are counted and skipped.
+    The prompt value is encoded once per prompt value, on the row :func:`prompt_value_carriers` picks.
     """
     stats = EncodingStats()
     examples: list[EncodedRollout] = []
-    for row in frame.itertuples(index=False):
+    carriers = prompt_value_carriers(frame) if use_prompt_value else np.zeros(len(frame), dtype=bool)
+    for carries, row in zip(carriers, frame.itertuples(index=False)):
         stats.rollouts += 1
         spans = [(int(a), int(b)) for a, b in zip(row.step_starts, row.step_ends)]
         q = np.asarray(row.q, dtype=np.float64)
@@ -99,7 +144,10 @@ def encode_labels(
             raise ValueError(f"{_row_name(row)}: {str(error).removeprefix('sample 0: ')}") from None
         positions, targets, counts = [], [], []
         prompt_value = float(row.prompt_value)
-        if use_prompt_value and not math.isnan(prompt_value):
+        if use_prompt_value and not carries and not math.isnan(prompt_value):
+            stats.repeated_prompt_values += 1  # the prompt's first row carries it
+        elif carries and not math.isnan(prompt_value):
+            stats.prompt_values += 1
             if best_of_k > 1:
                 prompt_value = float(best_of_k_from_counts(np.asarray(row.prompt_n_success), np.asarray(row.prompt_n_mc),
                                                            np.asarray(prompt_value), best_of_k))

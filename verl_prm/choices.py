@@ -20,6 +20,7 @@ __all__ = [
     "CriticFormat", "GeneratorBackend", "HeadFit", "LabelStrategy", "MinFormBaseline", "MixedPrecision",
     "OffloadMode", "PlacementPool", "PrefixRule", "PrimeRewardMask", "ProcessTerm", "ShardMode", "ShardableFormat",
     "SuccessLabels", "Truncation",
+    "TREE_RL_SCALES", "TREE_SEGMENT_WEIGHTS", "TreeRlScale", "TreeSegmentWeight",
 ]
 
 # Estimator knobs (algorithm.pav; verl_prm.config.PavConfig).
@@ -28,6 +29,10 @@ ProcessTerm = Literal["progress", "value"]
 CompileMode = Literal["auto", "always", "never"]
 MinFormBaseline = Literal["token", "step", "none"]
 PrimeRewardMask = Literal["step_end", "response"]
+# The tree estimators' conventions (verl_prm.trees.tree_step_advantages): TreeRL's paper or its code's scale; a
+# node's tokens weighed once per leaf below it (verl's rows) or once (SPO-tree's edges).
+TreeRlScale = Literal["paper", "code"]
+TreeSegmentWeight = Literal["per_leaf", "once"]
 
 # The prover critic (verl_prm.critic; verl_prm.config.hook.CriticSection). The checkpoint formats are the keys of
 # verl_prm.critic.formats.FORMATS; "exact" and "rollout" read no checkpoint.
@@ -66,6 +71,8 @@ PROCESS_TERMS = get_args(ProcessTerm)
 COMPILE_MODES = get_args(CompileMode)
 MIN_FORM_BASELINES = get_args(MinFormBaseline)
 PRIME_REWARD_MASKS = get_args(PrimeRewardMask)
+TREE_RL_SCALES = get_args(TreeRlScale)
+TREE_SEGMENT_WEIGHTS = get_args(TreeSegmentWeight)
 CHECKPOINT_FORMATS = get_args(CheckpointFormat)
 CRITIC_FORMATS = get_args(CriticFormat)
 SHARDABLE_FORMATS = get_args(ShardableFormat)

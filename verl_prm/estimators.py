@@ -23,10 +23,13 @@ from verl_prm import advantages as adv
 from verl_prm import trees
 from verl_prm.config import PavConfig, read_pav_config
 
-__all__ = ["ESTIMATORS", "STEP_KEYS", "TREE_ESTIMATORS", "EstimatorInputs", "MissingStepTensorsError",
+__all__ = ["ESTIMATORS", "STEP_KEYS", "TREE_ESTIMATORS", "TREE_KEYS", "EstimatorInputs", "MissingStepTensorsError",
            "register_estimator"]
 
 STEP_KEYS = ("step_ids", "step_values", "prompt_values", "num_steps")
+# The tensors of tree-shaped groups (verl_prm.trees.TreeValues) that the tree estimators read besides the step
+# tensors: the leaves below each step's node [B, S], each response's own node's value [B] and leaves [B].
+TREE_KEYS = ("leaf_counts", "response_values", "response_leaf_counts")
 # verl's compute_advantage passes these to every registered estimator when the batch has them.
 _VERL_OPTIONAL_KWARGS = frozenset({"reward_baselines"})
 
@@ -60,11 +63,14 @@ class EstimatorInputs:
     # [B] bool, set by rules whose lookup flags the responses that break the tensor contract as it reads the step
     # ids (verl_prm.advantages.bad_input_rows)
     bad_rows: torch.Tensor | None = None
-    # the raw step values [B, S] and prompt values [B] (before Best-of-K), and the leaves below each step's node
-    # [B, S] (tree-shaped groups: verl_prm.trees; None otherwise): what the tree estimators read
+    # the raw step values [B, S] and prompt values [B] (before Best-of-K), and the tree tensors (TREE_KEYS:
+    # tree-shaped groups, verl_prm.trees; None otherwise): what the tree estimators read
     step_values: torch.Tensor | None = None
     prompt_values: torch.Tensor | None = None
-    leaf_counts: torch.Tensor | None = None
+    tree: dict[str, torch.Tensor | None] | None = None
+    # [B] bool, set by the tree rules: the responses whose own node (response_values, response_leaf_counts) breaks
+    # its contract, checked in the same host read as the step tensors
+    tree_bad_rows: torch.Tensor | None = None
 
 
 def _check(name: str, steps: dict[str, Any], token_level_rewards, response_mask, pav: PavConfig, extra: dict):
@@ -96,6 +102,25 @@ def _keep(name: str, pav: PavConfig, truncated) -> torch.Tensor | None:
     return ~truncated.bool()
 
 
+def _check_tree_inputs(name: str, inputs: EstimatorInputs, step_ids, step_values, prompt_values, num_steps,
+                       response_mask, token_level_rewards) -> None:
+    """``check_step_inputs`` with the tree tensors' flags in its one host read; the tensors are read again only
+    to name a bad sample."""
+    step_bad = inputs.bad_rows
+    if step_bad is None:
+        step_bad = adv.bad_input_rows(step_ids, step_values, prompt_values, num_steps, inputs.outcome_rewards)
+    any_step_bad, any_tree_bad = torch.stack([step_bad.any(), inputs.tree_bad_rows.any()]).tolist()
+    if any_step_bad:
+        adv.check_step_inputs(step_ids, step_values, prompt_values, num_steps, response_mask, token_level_rewards,
+                              bad_rows=step_bad)
+    if any_tree_bad:
+        row = int(inputs.tree_bad_rows.nonzero()[0, 0])
+        values, leaves = inputs.tree["response_values"], inputs.tree["response_leaf_counts"]
+        raise ValueError(f"{name}: sample {row} has response_values {float(values[row])} and response_leaf_counts "
+                         f"{int(leaves[row])}; a response's own node is a success rate in [0, 1] over >= 1 leaves "
+                         "(verl_prm.trees.tree_step_values)")
+
+
 def register_estimator(name: str) -> Callable[[Callable[..., torch.Tensor]], Estimator]:
     """Register ``rule(name, inputs: EstimatorInputs, pav: PavConfig, config) -> advantages [B, T]`` as the
     estimator ``name`` with verl's keyword signature; the estimator returns ``(advantages, advantages)`` (the
@@ -115,6 +140,8 @@ def register_estimator(name: str) -> Callable[[Callable[..., torch.Tensor]], Est
             num_steps: torch.Tensor | None = None,
             truncated: torch.Tensor | None = None,
             leaf_counts: torch.Tensor | None = None,
+            response_values: torch.Tensor | None = None,
+            response_leaf_counts: torch.Tensor | None = None,
             **verl_kwargs,
         ) -> tuple[torch.Tensor, torch.Tensor]:
             pav = read_pav_config(config)
@@ -126,13 +153,19 @@ def register_estimator(name: str) -> Callable[[Callable[..., torch.Tensor]], Est
                 scores = pav.process_scores(step_values, prompt_values, num_steps, keep)
                 inputs = EstimatorInputs(token_level_rewards, response_mask, index, step_ids, num_steps, scores,
                                          keep, token_level_rewards.sum(dim=-1), step_values=step_values,
-                                         prompt_values=prompt_values, leaf_counts=leaf_counts)
+                                         prompt_values=prompt_values,
+                                         tree=dict(leaf_counts=leaf_counts, response_values=response_values,
+                                                   response_leaf_counts=response_leaf_counts))
                 advantages = rule(name, inputs, pav, config)
                 if pav.check_inputs:
                     # one host read per batch, after the math (which clamps every index): the [B, T] inputs are
                     # checked through the outcome sums and the lookup's flags (verl_prm.advantages)
-                    adv.check_step_inputs(step_ids, step_values, prompt_values, num_steps, response_mask,
-                                          token_level_rewards, bad_rows=inputs.bad_rows)
+                    if inputs.tree_bad_rows is None:
+                        adv.check_step_inputs(step_ids, step_values, prompt_values, num_steps, response_mask,
+                                              token_level_rewards, bad_rows=inputs.bad_rows)
+                    else:
+                        _check_tree_inputs(name, inputs, step_ids, step_values, prompt_values, num_steps,
+                                           response_mask, token_level_rewards)
             return advantages, advantages
 
         estimator.__name__ = estimator.__qualname__ = name
@@ -267,31 +300,51 @@ def _pav_prime(name: str, inputs: EstimatorInputs, pav: PavConfig, config) -> to
 TREE_ESTIMATORS = ("tree_rl", "spo_tree")
 
 
-def _tree_rule(name: str, inputs: EstimatorInputs) -> torch.Tensor:
-    """Each token gets the advantage of its step's segment (``verl_prm.trees.tree_step_advantages``); a token in
-    no step (EOS, special tokens) that of the response's last node (its leaf). A response with no step is a leaf
-    right below the prompt: V = its outcome R_i (verl's), |L| = 1."""
-    counts = inputs.leaf_counts
-    if counts is None:
+def _tree_tensors(name: str, inputs: EstimatorInputs, pav: PavConfig) -> tuple[torch.Tensor, ...]:
+    """The tree tensors (``TREE_KEYS``): their shapes checked; the responses whose own node's value is outside
+    [0, 1] (NaN included) or has no leaf flagged in ``inputs.tree_bad_rows`` (read with the step checks)."""
+    tree = inputs.tree or {}
+    missing = [key for key in TREE_KEYS if tree.get(key) is None]
+    if missing:
         raise MissingStepTensorsError(
-            f"advantage estimator {name!r} needs the step tensor leaf_counts [B, S] (the leaves below each step's "
-            "node), which tree-shaped groups supply (verl_prm.critic.format=tree); with other step values use "
-            "pav_grpo, pav_rloo, ...")
+            f"advantage estimator {name!r} needs the step tensor{'s' if len(missing) > 1 else ''} "
+            f"{', '.join(missing)} (the "
+            "leaves below each step's node and each response's own node: verl_prm.trees.TreeValues), which "
+            "tree-shaped groups supply (verl_prm.critic.format=tree); with other step values use pav_grpo, "
+            "pav_rloo, ...")
+    counts, values, leaves = (tree[key] for key in TREE_KEYS)
+    rows = inputs.step_values.shape[0]
     if counts.shape != inputs.step_values.shape or counts.dtype.is_floating_point:
         raise ValueError(f"{name}: leaf_counts must be an integer tensor of step_values' shape "
                          f"{tuple(inputs.step_values.shape)}, got {counts.dtype} {tuple(counts.shape)}")
-    step_advantages = trees.tree_step_advantages(name, inputs.step_values, inputs.prompt_values, counts,
-                                                 inputs.num_steps)
-    rows, width = step_advantages.shape
-    num_steps = inputs.num_steps.to(step_advantages.device)
-    last = (num_steps - 1).clamp(min=0, max=max(width - 1, 0))[:, None]
-    root = inputs.prompt_values.to(step_advantages.dtype)
-    empty = inputs.outcome_rewards.to(step_advantages.dtype) - root  # V(leaf) - V(root), |L| = 1
-    empty = empty if name == "spo_tree" else 2.0 * empty
-    leaf = step_advantages.gather(1, last)[:, 0] if width else empty
-    leaf = torch.where(num_steps > 0, leaf, empty)
+    if values.shape != (rows,) or leaves.shape != (rows,) or leaves.dtype.is_floating_point:
+        raise ValueError(f"{name}: response_values must be [{rows}] and response_leaf_counts an integer [{rows}], "
+                         f"got {values.dtype} {tuple(values.shape)} and {leaves.dtype} {tuple(leaves.shape)}")
+    inputs.tree_bad_rows = ~((values >= 0) & (values <= 1)) | (leaves < 1)  # NaN fails too
+    return counts, values, leaves
+
+
+def _tree_rule(name: str, inputs: EstimatorInputs, pav: PavConfig) -> torch.Tensor:
+    """Each token gets the advantage of its step's segment (``verl_prm.trees.tree_step_advantages``); a token in
+    no step (EOS, special tokens) that of the response's own node, its leaf (``verl_prm.trees.with_leaf_nodes``),
+    which is its last step's segment when no other leaf shares that step, else a segment of its own below it. A
+    response with no step is a leaf right below the prompt. Node values are success rates everywhere, the
+    leaf's included (``response_values``, never the raw reward)."""
+    counts, response_values, response_leaves = _tree_tensors(name, inputs, pav)
+    values, node_counts = trees.with_leaf_nodes(inputs.step_values, counts, inputs.num_steps, response_values,
+                                                response_leaves)
+    group_leaves = None
+    if name == "tree_rl" and pav.tree_rl_scale == "code":
+        groups, num_groups = _groups(name, inputs)
+        group_leaves = torch.bincount(groups, minlength=num_groups)[groups]
+    num_steps = inputs.num_steps.to(values.device)
+    step_advantages = trees.tree_step_advantages(name, values, inputs.prompt_values, node_counts, num_steps + 1,
+                                                 scale=pav.tree_rl_scale, group_leaves=group_leaves,
+                                                 segment_weight=pav.tree_segment_weight)
+    width = step_advantages.shape[1]
+    leaf = step_advantages.gather(1, num_steps.long().clamp(min=0, max=width - 1)[:, None])
     per_token = adv.step_scores_per_token(step_advantages, inputs.step_ids)
-    per_token = torch.where(inputs.step_ids >= 0, per_token, leaf[:, None])
+    per_token = torch.where(inputs.step_ids >= 0, per_token, leaf)
     return per_token * inputs.response_mask
 
 
@@ -299,17 +352,18 @@ def _tree_rule(name: str, inputs: EstimatorInputs) -> torch.Tensor:
 def _tree_rl(name: str, inputs: EstimatorInputs, pav: PavConfig, config) -> torch.Tensor:
     """``tree_rl``: TreeRL's process advantage (Hou et al. 2025, https://github.com/THUDM/TreeRL) of tree-shaped
     groups: every token of a leaf's segment with node n gets ``(GA + LA) / sqrt(|L(n)|)``, GA = V(n) - V(root),
-    LA = V(n) - V(parent(n)), V = the mean outcome of the leaves below a node (``verl_prm.trees``). Needs the step
-    tensor ``leaf_counts``. Returns ``(advantages, advantages)``.
+    LA = V(n) - V(parent(n)), V = the success rate of the leaves below a node (``verl_prm.trees``);
+    ``pav.tree_rl_scale=code`` takes TreeRL's code's scale, ``pav.tree_segment_weight=once`` weighs each node
+    once. Needs the tree tensors ``TREE_KEYS``. Returns ``(advantages, advantages)``.
     """
-    return _tree_rule(name, inputs)
+    return _tree_rule(name, inputs, pav)
 
 
 @register_estimator("spo_tree")
 def _spo_tree(name: str, inputs: EstimatorInputs, pav: PavConfig, config) -> torch.Tensor:
     """``spo_tree``: SPO-tree's segment advantage (Guo et al. 2025, https://github.com/AIFrameResearch/SPO) of
     tree-shaped groups: every token of a leaf's segment with node n gets ``V(n) - V(parent(n))``, V = the mean
-    outcome of the leaves below a node (``verl_prm.trees``). Needs the step tensor ``leaf_counts``. Returns
-    ``(advantages, advantages)``.
+    success rate of the leaves below a node (``verl_prm.trees``); ``pav.tree_segment_weight=once`` weighs each
+    node once, as SPO-tree's edges. Needs the tree tensors ``TREE_KEYS``. Returns ``(advantages, advantages)``.
     """
-    return _tree_rule(name, inputs)
+    return _tree_rule(name, inputs, pav)

@@ -24,22 +24,26 @@ generates their continuations concurrently:
   token after the boundary, ties by step, then leaf. TreeRL's EPTree forks at the tokens of highest ``-log p``
   (Hou et al. 2025, https://github.com/THUDM/TreeRL, ``entropy_chain_local_manager.py``: ``entropy_value =
   -node.log_prob_list[token_idx]``, sorted descending); here the forks are restricted to step boundaries, so the
-  branch points are nodes of the step tensors.
+  branch points are nodes of the step tensors. A NaN log-prob there is an error naming the leaf and its request
+  (NaN has no order).
 
 Fallback: when budget is left but no candidate (e.g. every response has one step), the remaining ``b`` leaves
 of each unused branch point are sampled as extra independent roots (``Leaf.fallback_root``): the group still has
 n leaves, and the trees are then partly a plain GRPO group.
 
 **Node values** (:func:`tree_step_values`). The node of step h of a leaf is its response prefix up to the step's
-end; its value is the mean outcome of the group's leaves that begin with that prefix (SPO-tree's and TreeRL's
-"value of a node = mean reward of the leaves below it"), a Monte-Carlo estimate from the tree itself.
+end, and the leaf itself (the whole response) is a node too; a node's value is the mean outcome (success: 0/1) of
+the group's leaves that begin with that prefix (SPO-tree's and TreeRL's "value of a node = mean reward of the
+leaves below it"), a Monte-Carlo estimate from the tree itself.
 
 **Advantages** (:func:`tree_step_advantages`): TreeRL's ``(GA + LA) / sqrt(|L(n)|)`` and SPO-tree's
-``V(n) - V(parent(n))`` per segment of a leaf; the estimators ``tree_rl`` and ``spo_tree`` (``verl_prm.estimators``)
-put them on the tokens. Each leaf is its own training row with its own per-token advantages (TreeRL's
-``gather_paths``: one path per leaf), so the tokens of a node shared by |L(n)| leaves enter the policy loss
-|L(n)| times; their gradient equals that of the node's tokens once with the summed advantage of its leaves
-(``tests/unit/test_trees.py`` checks this on verl's policy loss).
+``V(n) - V(parent(n))`` per segment of a leaf, the leaf's own node last (:func:`with_leaf_nodes`: the tokens after
+the last step end, e.g. EOS, and all tokens of a response with no step); the estimators ``tree_rl`` and
+``spo_tree`` (``verl_prm.estimators``) put them on the tokens. Where this differs from the peers' code by design,
+and the options that reproduce them: docs, step_values, "Tree-shaped groups". Each leaf is its own training row
+with its own per-token advantages (TreeRL's ``gather_paths``: one path per leaf), so the tokens of a node shared by
+|L(n)| leaves enter the policy loss |L(n)| times; their gradient equals that of the node's tokens once with the
+summed advantage of its leaves (``tests/unit/test_trees.py`` checks this on verl's policy loss).
 
 This module imports no verl.
 """
@@ -47,22 +51,26 @@ This module imports no verl.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
-from verl_prm.choices import BRANCH_RULES, BranchRule
+from verl_prm.choices import (BRANCH_RULES, TREE_RL_SCALES, TREE_SEGMENT_WEIGHTS, BranchRule, TreeRlScale,
+                              TreeSegmentWeight)
 from verl_prm.monte_carlo import fixed_prefix_steps, prefix_match_sums
 
 __all__ = [
     "TREE_ADVANTAGE_RULES",
     "Leaf",
     "TreeShape",
+    "TreeValues",
     "sample_tree",
     "tree_step_advantages",
     "tree_step_values",
+    "with_leaf_nodes",
 ]
 
 # generate(prompt_ids, max_tokens) -> (token_ids, log_probs or None)
@@ -190,7 +198,19 @@ class _Tree:
                 f"{self.label}, leaf {index}: branch_rule confidence reads the rollout's log-prob of the token after "
                 "each step boundary, but the rollout returned none: enable the rollout's log-probs or use "
                 "branch_rule every or fixed")
-        return leaf.log_probs[self.ends[index][step]]
+        token = self.ends[index][step]
+        value = leaf.log_probs[token]
+        # NaN would sort anywhere (every comparison with it is False): refuse rather than branch where the
+        # candidate list's order happens to put it
+        if math.isnan(value):
+            request = "its root request" if leaf.parent is None else \
+                f"the continuation of leaf {leaf.parent} after step {leaf.fork_step}"
+            raise ValueError(
+                f"{self.label}, leaf {index}: branch_rule confidence reads the log-prob of the token after step "
+                f"{step} (response token {token}), and {request} returned NaN, which has no order: fix the rollout's "
+                "log-probs (a NaN from an overflow in the sampler's logits, or a backend that fills missing "
+                "log-probs with NaN) or use branch_rule every or fixed")
+        return value
 
     def choose(self, budget: int) -> list[tuple[int, int]]:
         """This round's branch points (leaf, step), at most ``budget``, by the shape's rule."""
@@ -258,11 +278,23 @@ async def sample_tree(generate: Generate, prompt_ids: Sequence[int], n: int, sha
     return tree.leaves
 
 
+class TreeValues(NamedTuple):
+    """Node values of tree-shaped groups (:func:`tree_step_values`): ``step_values`` [B, S] float32 and
+    ``leaf_counts`` [B, S] int64 of each step's node, ``prompt_values`` [B] float32 (the root), and
+    ``response_values`` [B] float32 and ``response_leaf_counts`` [B] int64 of each response's own node (its leaf:
+    the whole response, so also the tokens after its last step end, e.g. EOS)."""
+
+    step_values: torch.Tensor
+    leaf_counts: torch.Tensor
+    prompt_values: torch.Tensor
+    response_values: torch.Tensor
+    response_leaf_counts: torch.Tensor
+
+
 def tree_step_values(group_ids: Sequence[Hashable], responses: Sequence[Sequence[int]],
-                     step_ends: Sequence[Sequence[int]], outcomes, width: int | None = None,
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Node values of tree-shaped groups: ``(step_values [B, S] float32, leaf_counts [B, S] int64,
-    prompt_values [B] float32)``, S = ``width`` when given (a step tensor's width), else the most steps of a row.
+                     step_ends: Sequence[Sequence[int]], outcomes, width: int | None = None) -> TreeValues:
+    """Node values of tree-shaped groups (:class:`TreeValues`), S = ``width`` when given (a step tensor's width),
+    else the most steps of a row.
 
     The rows of one group id are the leaves of one tree. For row b and its step h (end e = ``step_ends[b][h]``,
     exclusive, in response tokens) the node is the prefix ``responses[b][:e]``;
@@ -270,12 +302,15 @@ def tree_step_values(group_ids: Sequence[Hashable], responses: Sequence[Sequence
         leaf_counts[b, h] = |L|,  L = {rows c of b's group : responses[c][:e] == responses[b][:e]} (b included),
         step_values[b, h] = mean_{c in L} outcomes[c],     prompt_values[b] = mean outcome of b's group,
 
-    so a leaf's last node holds its own outcome (and that of identical leaves). SPO-tree's code averages a node's
-    children's values instead (``hybrid_inference_strategy._construct_tree``), the same in its balanced trees;
-    TreeRL's averages its leaves, as here. Entries at h >= num_steps are 0 in
-    both (the step tensors' contract ignores them; a count of 0 marks "no node"). ``outcomes`` in [0, 1] (0/1
-    successes: the values are success rates). The prefixes are matched exactly by
-    ``verl_prm.monte_carlo.prefix_match_sums`` (incremental: O(B T + B S |ends of the group|) dictionary work).
+    and the response's own node (its leaf) is the prefix e = len(responses[b]): ``response_values[b]``,
+    ``response_leaf_counts[b]`` by the same formulas, so a leaf holds its own outcome (and that of identical
+    leaves), also when no step ends at its last token (the tokens after the last step end, e.g. EOS) or it has no
+    step at all. SPO-tree's code averages a node's children's values instead (``hybrid_inference_strategy.
+    _construct_tree``), the same in its balanced trees; TreeRL's averages its leaves, as here (docs:
+    step_values, "Tree-shaped groups"). Entries at h >= num_steps are 0 in both (the step tensors' contract
+    ignores them; a count of 0 marks "no node"). ``outcomes`` in [0, 1] (0/1 successes: the values are success
+    rates). The prefixes are matched exactly by ``verl_prm.monte_carlo.prefix_match_sums`` (incremental: O(B T +
+    B S |ends of the group|) dictionary work).
     """
     rows = len(responses)
     if not len(group_ids) == rows == len(step_ends) == len(outcomes):
@@ -288,7 +323,15 @@ def tree_step_values(group_ids: Sequence[Hashable], responses: Sequence[Sequence
                              "successes (e.g. outcome > the success threshold)")
     ends = [_checked_ends(f"row {b}", row_ends, len(responses[b])) for b, row_ends in enumerate(step_ends)]
     queries = [(b, e) for b, row_ends in enumerate(ends) for e in row_ends]
-    sums = prefix_match_sums(group_ids, responses, values, queries, longer_only=False)
+    # the leaves' own nodes in the same pass: one query per row at its full length (an empty response, e.g. a
+    # padding row, has no token to credit: its own outcome, one leaf)
+    nonempty = [b for b, response in enumerate(responses) if len(response)]
+    sums = prefix_match_sums(group_ids, responses, values, queries + [(b, len(responses[b])) for b in nonempty],
+                             longer_only=False)
+    step_sums = sums[: len(queries)]
+    leaf_sums = [(x, 1) for x in values]
+    for b, leaf_sum in zip(nonempty, sums[len(queries):]):
+        leaf_sums[b] = leaf_sum
     most_steps = max((len(row) for row in ends), default=0)
     if width is None:
         width = most_steps
@@ -299,46 +342,83 @@ def tree_step_values(group_ids: Sequence[Hashable], responses: Sequence[Sequence
     if queries:
         at = ([b for b, row_ends in enumerate(ends) for _ in row_ends],
               [h for row_ends in ends for h in range(len(row_ends))])
-        totals, counts = (torch.tensor(column, dtype=torch.float64) for column in zip(*sums))
+        totals, counts = (torch.tensor(column, dtype=torch.float64) for column in zip(*step_sums))
         step_values[at], leaf_counts[at] = totals / counts, counts.long()
+    leaf_totals = torch.tensor([total for total, _ in leaf_sums], dtype=torch.float64)
+    response_leaf_counts = torch.tensor([count for _, count in leaf_sums], dtype=torch.int64)
     group_sums: dict[Hashable, list[float]] = {}
     for group, x in zip(group_ids, values):
         entry = group_sums.setdefault(group, [0.0, 0])
         entry[0] += x
         entry[1] += 1
     prompt_values = torch.tensor([group_sums[g][0] / group_sums[g][1] for g in group_ids], dtype=torch.float64)
-    return step_values.float(), leaf_counts, prompt_values.float()
+    return TreeValues(step_values.float(), leaf_counts, prompt_values.float(),
+                      (leaf_totals / response_leaf_counts.clamp(min=1)).float(), response_leaf_counts)
+
+
+def with_leaf_nodes(step_values: torch.Tensor, leaf_counts: torch.Tensor, num_steps: torch.Tensor,
+                    response_values: torch.Tensor, response_leaf_counts: torch.Tensor,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The node values and leaf counts [B, S + 1] of each response's steps followed by its own node (its leaf):
+    column h < num_steps[b] is step h's node, column num_steps[b] the leaf (``response_values``,
+    ``response_leaf_counts``), later columns as given (ignored). Read by :func:`tree_step_advantages` with
+    ``num_steps + 1`` nodes, a leaf whose leaf set equals its last step's (nothing after the last step end, or no
+    other leaf through the last step) joins that step's segment; one whose last step is shared (a branch whose
+    continuation ends no step, e.g. only EOS) is a segment of its own below it, and a response with no step is
+    the leaf right below the prompt."""
+    rows, width = step_values.shape
+    values = torch.cat([step_values.float(), step_values.new_zeros(rows, 1, dtype=torch.float32)], dim=1)
+    counts = torch.cat([leaf_counts, leaf_counts.new_zeros(rows, 1)], dim=1)
+    at = num_steps.to(values.device).long().clamp(min=0, max=width)[:, None]
+    values = values.scatter(1, at, response_values.to(values.device, values.dtype)[:, None])
+    counts = counts.scatter(1, at, response_leaf_counts.to(counts.device, counts.dtype)[:, None])
+    return values, counts
 
 
 def tree_step_advantages(rule: TreeAdvantageRule, step_values: torch.Tensor, prompt_values: torch.Tensor,
-                         leaf_counts: torch.Tensor, num_steps: torch.Tensor) -> torch.Tensor:
+                         leaf_counts: torch.Tensor, num_steps: torch.Tensor, *, scale: TreeRlScale = "paper",
+                         group_leaves: torch.Tensor | None = None,
+                         segment_weight: TreeSegmentWeight = "per_leaf") -> torch.Tensor:
     """Advantage [B, S] of each step's segment of a leaf, from its node values (vectorised, any device).
 
     A segment is a maximal run of steps whose nodes have the same leaf set: along a leaf the leaf sets shrink, so
     a segment starts at step 0 and wherever ``leaf_counts`` changes. For step h of row b, n its node, V(n) =
-    ``step_values[b, h]``, parent(n) the node of the step before the segment's first step (the prompt, value
-    ``prompt_values[b]``, for the first segment), |L(n)| = ``leaf_counts[b, h]``:
+    ``step_values[b, h]``, p = parent(n) the node of the step before the segment's first step (the prompt, value
+    V(root) = ``prompt_values[b]``, for the first segment), |L(n)| = ``leaf_counts[b, h]``:
 
-    * ``spo_tree``: A = V(n) - V(parent(n)) (SPO-tree, Guo et al. 2025, https://github.com/AIFrameResearch/SPO,
+    * ``spo_tree``: A = V(n) - V(p) (SPO-tree, Guo et al. 2025, https://github.com/AIFrameResearch/SPO,
       ``tree_episode_generator.extract_edges_from_tree``: ``advantage = child_reward - parent_reward``, adv_method
       rloo);
-    * ``tree_rl``: A = (GA + LA) / sqrt(|L(n)|), GA = V(n) - V(root), LA = V(n) - V(parent(n)), V(root) the prompt
-      value (TreeRL, Hou et al. 2025, arXiv 2506.11902, https://github.com/THUDM/TreeRL). This is the paper's
-      formula; TreeRL's code (``tree_node.py``, ``parallel_mcts.path_from_root_to_node``) differs in scale: it
-      centres each leaf's reward by the mean of the other leaves (GA and LA times N/(N - 1) for N leaves),
-      subtracts a token-level mean, and divides node values by sqrt(leaves) before taking differences.
+    * ``tree_rl``, ``scale="paper"``: A = (GA + LA) / sqrt(|L(n)|), GA = V(n) - V(root), LA = V(n) - V(p)
+      (TreeRL, Hou et al. 2025, arXiv 2506.11902, https://github.com/THUDM/TreeRL);
+    * ``tree_rl``, ``scale="code"``: TreeRL's code (``tree_node.leaf_normalize``: each leaf's reward minus the
+      mean of the other N - 1 leaves; ``compute_weighted_update`` with weighted_value_style sqrt: a node's value
+      divided by sqrt of its leaves before the differences; ``parallel_mcts.gather_paths`` with
+      use_state_value_reward: state value + local difference):
 
-    Entries at h >= num_steps are 0. Counts below 1 are read as 1 (no division by 0; real nodes have >= 1).
+          A = s(n) + (s(n) - s(p)),   s(x) = N / (N - 1) (V(x) - V(root)) / sqrt(|L(x)|),   s(root) = 0,
+
+      N = ``group_leaves[b]``, the leaves of b's tree (the factor is 1 for N = 1, where every V(x) = V(root)).
+
+    ``segment_weight="once"`` divides each advantage by |L(n)|: a node's tokens appear in the |L(n)| rows of its
+    leaves, so their summed gradient is then that of the node once with its advantage, as SPO-tree's code trains
+    each edge once. Entries at h >= num_steps are 0. Counts below 1 are read as 1 (no division by 0; real nodes
+    have >= 1).
     """
     if rule not in TREE_ADVANTAGE_RULES:
         raise ValueError(f"rule must be one of {TREE_ADVANTAGE_RULES}, got {rule!r}")
+    if scale not in TREE_RL_SCALES:
+        raise ValueError(f"scale must be one of {TREE_RL_SCALES}, got {scale!r}")
+    if segment_weight not in TREE_SEGMENT_WEIGHTS:
+        raise ValueError(f"segment_weight must be one of {TREE_SEGMENT_WEIGHTS}, got {segment_weight!r}")
     if leaf_counts.shape != step_values.shape:
         raise ValueError(f"leaf_counts has shape {tuple(leaf_counts.shape)} but step_values "
                          f"{tuple(step_values.shape)}: one count per step value")
     rows, width = step_values.shape
     values = step_values.float()
-    root = prompt_values.to(values.dtype)[:, None]
+    root = prompt_values.to(values.device, values.dtype)[:, None]
     counts = leaf_counts.to(values.device)
+    sizes = counts.clamp(min=1).to(values.dtype)
     steps = torch.arange(width, device=values.device)
     starts = torch.ones_like(counts, dtype=torch.bool)
     starts[:, 1:] = counts[:, 1:] != counts[:, :-1]
@@ -346,10 +426,20 @@ def tree_step_advantages(rule: TreeAdvantageRule, step_values: torch.Tensor, pro
     first = torch.where(starts, steps[None, :], torch.zeros_like(steps)[None, :]).cummax(dim=1).values
     before = torch.cat([root, values[:, :-1]], dim=1)  # before[:, h] = V of the step before h (the prompt for h = 0)
     parent = before.gather(1, first)
-    local = values - parent
     if rule == "spo_tree":
-        advantages = local
+        advantages = values - parent
+    elif scale == "paper":
+        advantages = (values - root + values - parent) / sizes.sqrt()
     else:
-        advantages = (values - root + local) / counts.clamp(min=1).to(values.dtype).sqrt()
+        if group_leaves is None:
+            raise ValueError("tree_rl with scale code needs group_leaves (the leaves N of each row's tree)")
+        leaves = group_leaves.to(values.device, values.dtype)[:, None]
+        factor = torch.where(leaves > 1, leaves / (leaves - 1).clamp(min=1), torch.ones_like(leaves))
+        state = factor * (values - root) / sizes.sqrt()
+        # s(parent): the prompt's is 0 (its value is V(root)); any count reads it as 0
+        parent_sizes = torch.cat([torch.ones_like(sizes[:, :1]), sizes[:, :-1]], dim=1).gather(1, first)
+        advantages = 2.0 * state - factor * (parent - root) / parent_sizes.sqrt()
+    if segment_weight == "once":
+        advantages = advantages / sizes
     valid = steps[None, :] < num_steps.to(values.device)[:, None]
     return torch.where(valid, advantages, torch.zeros_like(advantages))

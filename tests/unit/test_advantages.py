@@ -182,6 +182,8 @@ def to_tensors(batch, device="cpu"):
         num_steps=torch.tensor(batch["num_steps"], dtype=torch.int64, device=device),
         # the leaves below each step's node, which only the tree estimators read (one leaf: a chain)
         leaf_counts=torch.ones(len(batch["values"]), len(batch["values"][0]), dtype=torch.int64, device=device),
+        response_values=torch.zeros(len(batch["values"]), device=device),
+        response_leaf_counts=torch.ones(len(batch["values"]), dtype=torch.int64, device=device),
     )
 
 

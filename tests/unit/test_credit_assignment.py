@@ -452,7 +452,8 @@ def estimator_inputs(b, values_seed=0):
     leaf_counts = (torch.arange(step_values.shape[1])[None, :] < b["num_steps"][:, None]).long()
     return dict(token_level_rewards=rewards, response_mask=b["mask"], index=b["uids"], step_ids=b["step_ids"],
                 step_values=step_values, prompt_values=prompt_values, num_steps=b["num_steps"],
-                leaf_counts=leaf_counts)
+                leaf_counts=leaf_counts, response_values=torch.zeros(len(b["uids"])),
+                response_leaf_counts=torch.ones(len(b["uids"]), dtype=torch.long))
 
 
 def config(name, **pav):

@@ -236,6 +236,26 @@ def test_confidence_without_log_probs_is_an_error_naming_the_leaf_and_the_fix():
     assert all(leaf.log_probs is None for leaf in leaves)
 
 
+def test_confidence_with_a_nan_log_prob_is_an_error_naming_the_request_and_the_fix():
+    """A NaN key would sort anywhere (every comparison with NaN is False): the branch points would be wherever the
+    candidate list put them. Leaf 1's root request returns a bad log-prob for the token after its first step."""
+    policy = ScriptedPolicy(steps=3, seed=1)
+
+    async def generate(ids, max_tokens):
+        tokens, log_probs = policy.sample(ids, max_tokens)
+        if len(ids) == len(PROMPT) and policy.asked[tuple(ids)] == 2:  # the second root
+            log_probs = list(log_probs)
+            log_probs[step_ends(tokens)[0]] = float("nan")
+        return tokens, log_probs
+
+    shape = TreeShape(roots=2, branch_width=2, branch_rule="confidence")
+    with pytest.raises(ValueError, match=r"prompt 0, leaf 1: branch_rule confidence reads the log-prob of the token "
+                                         r"after step 0 \(response token 3\), and its root request returned NaN, "
+                                         r"which has no order: fix the rollout's log-probs .* or use branch_rule "
+                                         "every or fixed"):
+        asyncio.run(sample_tree(generate, PROMPT, 6, shape, step_ends, 64, label="prompt 0"))
+
+
 def test_a_rollout_or_step_rule_that_breaks_the_contract_is_an_error():
     async def too_long(ids, max_tokens):
         return [1] * (max_tokens + 1), None
@@ -287,7 +307,8 @@ def test_tree_step_values_equal_a_loop_over_the_tree_structure():
     groups = [g for g, *_ in rows]
     responses = [leaf.response_ids for _, leaf, *_ in rows]
     outcomes = [success(r) for r in responses]
-    values, counts, prompt_values = tree_step_values(groups, responses, [step_ends(r) for r in responses], outcomes)
+    values, counts, prompt_values, *_ = tree_step_values(groups, responses, [step_ends(r) for r in responses],
+                                                         outcomes)
     assert values.dtype == torch.float32 and counts.dtype == torch.int64 and values.shape == (len(rows), 4)
     for b, (group, leaf, tree, i) in enumerate(rows):
         tree_outcomes = [success(other.response_ids) for other in tree]
@@ -307,13 +328,19 @@ def test_tree_step_values_equal_a_loop_over_the_tree_structure():
 def test_equal_prefixes_of_independent_roots_are_one_node_and_groups_stay_apart():
     responses = [[1, SEP, 1, SEP, EOS], [1, SEP, 2, SEP, EOS], [1, SEP, 1, SEP, EOS], [1, SEP, EOS]]
     groups = ["a", "a", "a", "b"]
-    values, counts, prompt_values = tree_step_values(groups, responses, [step_ends(r) for r in responses],
+    values, counts, prompt_values, *_ = tree_step_values(groups, responses, [step_ends(r) for r in responses],
                                                      torch.tensor([1.0, 0.0, 1.0, 1.0]))
     assert counts.tolist() == [[3, 2], [3, 1], [3, 2], [1, 0]]
     torch.testing.assert_close(values, torch.tensor([[2 / 3, 1.0], [2 / 3, 0.0], [2 / 3, 1.0], [1.0, 0.0]]))
     torch.testing.assert_close(prompt_values, torch.tensor([2 / 3, 2 / 3, 2 / 3, 1.0]))
+    # each response's own node: rows 0 and 2 are the same leaf (two leaves below it); an empty response (a padding
+    # row) is its own outcome, one leaf
+    tree = tree_step_values(groups + ["c"], responses + [[]], [step_ends(r) for r in responses] + [[]],
+                            torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0]))
+    assert tree.response_leaf_counts.tolist() == [2, 1, 2, 1, 1]
+    torch.testing.assert_close(tree.response_values, torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0]))
     # a wider step tensor: the same nodes, then "no node" (count 0, value 0) columns
-    wide_values, wide_counts, _ = tree_step_values(groups, responses, [step_ends(r) for r in responses],
+    wide_values, wide_counts, *_ = tree_step_values(groups, responses, [step_ends(r) for r in responses],
                                                    torch.tensor([1.0, 0.0, 1.0, 1.0]), width=4)
     assert wide_counts.tolist() == [row + [0, 0] for row in counts.tolist()]
     torch.testing.assert_close(wide_values[:, :2], values)
@@ -340,7 +367,7 @@ def _batch(groups, responses, outcomes):
     """verl's tensors of the leaves (right-padded), their step tensors and the node values."""
     width = max(len(r) for r in responses)
     ends = [step_ends(r) for r in responses]
-    values, counts, prompt_values = tree_step_values(groups, responses, ends, outcomes)
+    tree = tree_step_values(groups, responses, ends, outcomes)
     mask = torch.zeros(len(responses), width)
     step_ids = torch.full((len(responses), width), -1, dtype=torch.long)
     rewards = torch.zeros(len(responses), width)
@@ -352,8 +379,9 @@ def _batch(groups, responses, outcomes):
             start = end
         rewards[b, len(response) - 1] = outcomes[b]
     return dict(token_level_rewards=rewards, response_mask=mask, index=list(groups), step_ids=step_ids,
-                step_values=values, prompt_values=prompt_values, num_steps=torch.tensor([len(e) for e in ends]),
-                leaf_counts=counts)
+                step_values=tree.step_values, prompt_values=tree.prompt_values,
+                num_steps=torch.tensor([len(e) for e in ends]), leaf_counts=tree.leaf_counts,
+                response_values=tree.response_values, response_leaf_counts=tree.response_leaf_counts)
 
 
 def _reference_advantages(rule: str, rows, outcomes) -> list[list[float]]:
@@ -418,12 +446,139 @@ def test_tree_estimators_on_a_tree_worked_by_hand():
                                                       [-2 / 3] * 5]))
 
 
+def _issue_batch(groups, responses, rewards, threshold=0.0):
+    """As the hook builds it: verl's raw rewards in token_level_rewards, the node values from the successes
+    (reward > verl_prm.critic.mc_success_threshold)."""
+    batch = _batch(groups, responses, [float(r > threshold) for r in rewards])
+    batch["token_level_rewards"] = torch.zeros_like(batch["token_level_rewards"])
+    for b, (response, reward) in enumerate(zip(responses, rewards)):
+        batch["token_level_rewards"][b, len(response) - 1] = reward
+    return batch
+
+
+def test_a_leaf_with_no_step_is_valued_by_its_success_rate():
+    """root -> {A: one step, success (reward 1); B: one step, failure (-1); Z: no step (only EOS), failure (-1)},
+    success threshold 0. Every value is a success rate: V(root) = 1/3, V(A) = 1, V(B) = V(Z) = 0.
+    SPO-tree (``advantage = child_reward - parent_reward``): A 1 - 1/3 = 2/3, B and Z 0 - 1/3 = -1/3.
+    TreeRL ((GA + LA) / sqrt(|L|), the parent the root, |L| = 1): A 2 (2/3) = 4/3, B and Z 2 (-1/3) = -2/3.
+    (From Z's raw reward -1 instead: -1 - 1/3 = -4/3 and -8/3.)"""
+    responses = [[RIGHT, SEP, EOS], [WRONG, SEP, EOS], [EOS]]
+    batch = _issue_batch(["r"] * 3, responses, [1.0, -1.0, -1.0])
+    assert batch["num_steps"].tolist() == [1, 1, 0]
+    spo, _ = ESTIMATORS["spo_tree"](**batch, config=CONFIG)
+    torch.testing.assert_close(spo, torch.tensor([[2 / 3] * 3, [-1 / 3] * 3, [-1 / 3, 0, 0]]))
+    tree_rl, _ = ESTIMATORS["tree_rl"](**batch, config=CONFIG)
+    torch.testing.assert_close(tree_rl, torch.tensor([[4 / 3] * 3, [-2 / 3] * 3, [-2 / 3, 0, 0]]))
+
+
+# root -> P (one step) -> {A: a step, success; B: a step, failure; Z: only EOS, failure}, and root -> C: two steps,
+# failure. P = [RIGHT, SEP].
+BRANCH_TREE = [[RIGHT, SEP, RIGHT, SEP, EOS], [RIGHT, SEP, WRONG, SEP, EOS], [RIGHT, SEP, EOS],
+               [WRONG, SEP, WRONG, SEP, EOS]]
+BRANCH_OUTCOMES = [1.0, 0.0, 0.0, 0.0]
+
+
+def test_a_branch_that_ends_no_step_gets_its_own_leaf_value():
+    """BRANCH_TREE: V(root) = 1/4, V(P) = 1/3 (A, B, Z below it), V(A) = 1, V(B) = V(Z) = V(C) = 0; C is one
+    segment (one leaf below each of its nodes), and so are A's and B's last step with their EOS.
+    SPO-tree: P's tokens 1/3 - 1/4 = 1/12 in A, B and Z; A's segment 1 - 1/3 = 2/3, B's 0 - 1/3 = -1/3; Z's EOS,
+    the node Z below P, 0 - 1/3 = -1/3 (not P's 1/12); C 0 - 1/4 = -1/4.
+    TreeRL: P (1/12 + 1/12) / sqrt(3); A (3/4 + 2/3) / 1 = 17/12; B (-1/4 - 1/3) = -7/12; Z's EOS -7/12;
+    C (-1/4 - 1/4) = -1/2."""
+    batch = _batch(["t"] * 4, BRANCH_TREE, BRANCH_OUTCOMES)
+    spo, _ = ESTIMATORS["spo_tree"](**batch, config=CONFIG)
+    p = 1 / 12
+    torch.testing.assert_close(spo, torch.tensor([[p, p, 2 / 3, 2 / 3, 2 / 3], [p, p, -1 / 3, -1 / 3, -1 / 3],
+                                                  [p, p, -1 / 3, 0, 0], [-1 / 4] * 5]))
+    tree_rl, _ = ESTIMATORS["tree_rl"](**batch, config=CONFIG)
+    p = (1 / 6) / math.sqrt(3)
+    torch.testing.assert_close(tree_rl, torch.tensor([[p, p] + [17 / 12] * 3, [p, p] + [-7 / 12] * 3,
+                                                      [p, p, -7 / 12, 0, 0], [-1 / 2] * 5]))
+
+
+def _treerl_code_advantages(paths: list[list[str]], rewards: list[float]) -> dict[tuple[str, str], float]:
+    """TreeRL's code, written out over a tree given as each leaf's path of node names (``tree_node.py``:
+    ``leaf_normalize`` sets each leaf's value to its reward minus the mean of the other leaves'; ``leaf_backpropagate``
+    adds it to every ancestor's ``accumulated_value`` and counts ``terminal_in_subtree``; ``compute_weighted_update``
+    with weighted_value_style sqrt divides each node's accumulated value by sqrt(its terminals);
+    ``parallel_mcts.path_from_root_to_node``: value = child / terminals - parent / terminals, state_value = child /
+    terminals; ``gather_paths`` with use_state_value_reward: value + state_value). Returns (leaf, node) -> A."""
+    n = len(rewards)
+    accumulated: dict[str, float] = {"root": 0.0}
+    terminals: dict[str, int] = {"root": 0}
+    for path, reward in zip(paths, rewards):
+        centred = reward - (sum(rewards) - reward) / (n - 1)
+        for node in ["root", *path]:
+            accumulated[node] = accumulated.get(node, 0.0) + centred
+            terminals[node] = terminals.get(node, 0) + 1
+    weighted = {node: accumulated[node] / math.sqrt(terminals[node]) for node in accumulated}
+    state = {node: weighted[node] / terminals[node] for node in weighted}
+    result = {}
+    for path in paths:
+        for parent, node in zip(["root", *path], path):
+            result[(path[-1], node)] = (state[node] - state[parent]) + state[node]
+    return result
+
+
+def test_tree_rl_scale_code_is_treerls_code():
+    """BRANCH_TREE as TreeRL's tree: root -> P -> {A, B, Z}, root -> C (each a segment node, the leaves their own
+    nodes); tree_rl_scale=code equals TreeRL's code on every token, the paper's scale does not."""
+    paths = [["P", "A"], ["P", "B"], ["P", "Z"], ["C"]]
+    reference = _treerl_code_advantages(paths, BRANCH_OUTCOMES)
+    node_of_token = [["P", "P", "A", "A", "A"], ["P", "P", "B", "B", "B"], ["P", "P", "Z"], ["C"] * 5]
+    batch = _batch(["t"] * 4, BRANCH_TREE, BRANCH_OUTCOMES)
+    code = OmegaConf.create({"adv_estimator": "tree_rl", "pav": {"tree_rl_scale": "code"}})
+    ours, _ = ESTIMATORS["tree_rl"](**batch, config=code)
+    for b, (path, nodes) in enumerate(zip(paths, node_of_token)):
+        expected = torch.tensor([reference[(path[-1], node)] for node in nodes])
+        torch.testing.assert_close(ours[b, : len(nodes)], expected)
+    paper, _ = ESTIMATORS["tree_rl"](**batch, config=CONFIG)
+    assert not torch.allclose(paper, ours)
+
+
+@pytest.mark.parametrize("rule", TREE_ESTIMATORS)
+def test_segment_weight_once_weighs_each_node_once(rule):
+    """tree_segment_weight=once: a token of node n (the prefix up to the end of its step; the whole response for
+    a token in no step) appears in the rows of n's leaves; summed over them its advantage is n's advantage once
+    (SPO-tree trains each edge once), on trees with nodes of 2 and 3 leaves (LOSS_TREE with other outcomes, so that
+    the shared nodes have advantages) and BRANCH_TREE (Z's EOS its own node)."""
+    once = OmegaConf.create({"adv_estimator": rule, "pav": {"tree_segment_weight": "once"}})
+    for responses, outcomes in ((LOSS_TREE, [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]), (BRANCH_TREE, BRANCH_OUTCOMES)):
+        batch = _batch(["t"] * len(responses), responses, outcomes)
+        per_leaf, _ = ESTIMATORS[rule](**batch, config=CONFIG)
+        weighted, _ = ESTIMATORS[rule](**batch, config=once)
+        summed: dict[tuple, list[float]] = {}
+        for b, row in enumerate(responses):
+            ends = step_ends(row)
+            for t in range(len(row)):
+                end = next((e for e in ends if t < e), len(row))
+                entry = summed.setdefault((tuple(row[: t + 1]), tuple(row[:end])), [0.0, float(per_leaf[b, t])])
+                entry[0] += float(weighted[b, t])
+                assert entry[1] == pytest.approx(float(per_leaf[b, t]), abs=1e-6)  # one advantage per node
+        assert any(abs(value) > 0.1 for _, value in summed.values())
+        assert len(summed) < sum(len(row) for row in responses)  # nodes shared by several rows
+        for total, value in summed.values():
+            assert total == pytest.approx(value, abs=1e-6)
+
+
 def test_tree_estimators_need_the_leaf_counts():
     batch = _batch(["a"], [[RIGHT, SEP, EOS]], [1.0])
     batch.pop("leaf_counts")
     for rule in TREE_ESTIMATORS:
         with pytest.raises(MissingStepTensorsError, match=f"{rule}.*needs the step tensor leaf_counts"):
             ESTIMATORS[rule](**batch, config=CONFIG)
+
+
+def test_a_bad_response_node_is_an_error_naming_the_sample():
+    batch = _batch(["t"] * 4, BRANCH_TREE, BRANCH_OUTCOMES)
+    for key, value in (("response_values", float("nan")), ("response_values", 1.5), ("response_leaf_counts", 0)):
+        bad = dict(batch)
+        bad[key] = batch[key].clone()
+        bad[key][2] = value
+        for rule in TREE_ESTIMATORS:
+            with pytest.raises(ValueError, match=f"{rule}: sample 2 has response_values .* a response's own node is "
+                                                 r"a success rate in \[0, 1\] over >= 1 leaves"):
+                ESTIMATORS[rule](**bad, config=CONFIG)
 
 
 def test_tree_step_advantages_pad_and_check():

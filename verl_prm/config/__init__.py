@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from verl_prm.advantages import check_softmin_temperature, process_scores
-from verl_prm.choices import Aggregation, CompileMode, MinFormBaseline, PrimeRewardMask, ProcessTerm
+from verl_prm.choices import (Aggregation, CompileMode, MinFormBaseline, PrimeRewardMask, ProcessTerm, TreeRlScale,
+                              TreeSegmentWeight)
 from verl_prm.settings import check_bounds, check_choices, setting, setting_type
 
 if TYPE_CHECKING:
@@ -82,6 +83,16 @@ class PavConfig:
                                                  "applies: step_end (one reward per step, at its last token) or "
                                                  "response (every response token, PRIME's own mask: a baseline "
                                                  "times the tokens left, a length term).")
+    tree_rl_scale: TreeRlScale = setting("paper", "tree_rl only: paper ((GA + LA) / sqrt(|L(n)|), TreeRL's "
+                                         "formula) or code (TreeRL's code: each leaf's success minus the mean of "
+                                         "the other N - 1 leaves, a factor N/(N - 1), and every node value divided "
+                                         "by sqrt(its leaves) before the differences: s(n) + s(n) - s(parent), "
+                                         "s = N/(N-1) (V - V(root)) / sqrt(|L|)).")
+    tree_segment_weight: TreeSegmentWeight = setting("per_leaf", "tree_rl and spo_tree: per_leaf (a node's tokens "
+                                                     "enter the loss once per leaf below it, each leaf a row, as "
+                                                     "TreeRL trains its paths) or once (each advantage divided by "
+                                                     "the node's leaves, so the summed gradient weighs each node "
+                                                     "once, as SPO-tree trains each edge).")
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from verl_prm.estimators import ESTIMATORS, STEP_KEYS
+from verl_prm.estimators import ESTIMATORS, STEP_KEYS, TREE_KEYS
 
 __all__ = ["StepInputs", "VERL_ESTIMATORS", "estimator_step_inputs", "verl_estimator"]
 
@@ -31,7 +31,8 @@ class StepInputs:
 
     ``step_ids`` [B, T'] (-1 outside every step; T' the split's width), ``step_values`` [B, S],
     ``prompt_values`` [B], ``num_steps`` [B], ``truncated`` [B] bool; ``leaf_counts`` [B, S] the leaves below each
-    step's node (tree-shaped groups, ``verl_prm.trees``; None otherwise).
+    step's node and ``response_values`` [B], ``response_leaf_counts`` [B] each response's own node (tree-shaped
+    groups, ``verl_prm.trees.TreeValues``; None otherwise).
     """
 
     step_ids: torch.Tensor
@@ -40,6 +41,8 @@ class StepInputs:
     num_steps: torch.Tensor
     truncated: torch.Tensor
     leaf_counts: torch.Tensor | None = None
+    response_values: torch.Tensor | None = None
+    response_leaf_counts: torch.Tensor | None = None
 
     def estimator_kwargs(self, response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """The estimator's step keyword arguments for verl's padded batch of ``response_mask`` [B, T]:
@@ -58,8 +61,9 @@ class StepInputs:
             step_ids = torch.cat([step_ids, pad], dim=1)
         kwargs = {"step_ids": step_ids.to(response_mask.device), "step_values": self.step_values,
                   "prompt_values": self.prompt_values, "num_steps": self.num_steps, "truncated": self.truncated}
-        if self.leaf_counts is not None:
-            kwargs["leaf_counts"] = self.leaf_counts
+        for key in TREE_KEYS:
+            if getattr(self, key) is not None:
+                kwargs[key] = getattr(self, key)
         return kwargs
 
 

@@ -245,7 +245,9 @@ class PavSyncTrainer(PPOTrainerSync):
             return super()._compute_advantage(batch, metrics)
         split = step_batch.split
         inputs = StepInputs(split.step_ids, values.step_values, values.prompt_values, split.num_steps,
-                            step_batch.truncated, leaf_counts=values.leaf_counts)
+                            step_batch.truncated, leaf_counts=values.leaf_counts,
+                            response_values=values.response_values,
+                            response_leaf_counts=values.response_leaf_counts)
         with estimator_step_inputs(inputs):
             return super()._compute_advantage(batch, metrics)
 

@@ -83,8 +83,9 @@ class StepValues:
     wall time (``pav/critic_seconds``); ``metrics`` its own ``pav/*`` metrics (the sampler's ``pav/mc_*``, the
     refresh's ``pav/refresh/*``); ``timing`` verl ``timing_s/*`` values it measured (``pav_critic_offload``);
     ``features`` [B, S + 1, D] the value head's input when asked for (the refresh); ``sampled`` the rollout
-    sampler's ``verl_prm.critic.sampled.SampledValues``; ``leaf_counts`` [B, S] the leaves below each step's node
-    (tree-shaped groups: what the tree estimators weigh by).
+    sampler's ``verl_prm.critic.sampled.SampledValues``; ``leaf_counts`` [B, S] the leaves below each step's node,
+    ``response_values`` [B] and ``response_leaf_counts`` [B] the value and leaves of each response's own node
+    (tree-shaped groups, ``verl_prm.trees.TreeValues``: what the tree estimators read).
     """
 
     step_values: torch.Tensor
@@ -95,6 +96,8 @@ class StepValues:
     features: torch.Tensor | None = None
     sampled: Any = None
     leaf_counts: torch.Tensor | None = None
+    response_values: torch.Tensor | None = None
+    response_leaf_counts: torch.Tensor | None = None
 
 
 def read_step_batch(fields, keys: list[str], tags: list[dict], step: int, tokenizer, steps,

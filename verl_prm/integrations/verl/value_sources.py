@@ -187,14 +187,19 @@ class TreeNodeValues:
         ends = [[int(end) + 1 for end in split.step_ends[b, : int(split.num_steps[b])].tolist()]
                 for b in range(len(groups))]
         successes = (batch.outcomes > self.success_threshold).float()
-        step_values, leaf_counts, prompt_values = tree_step_values(groups, batch.response_ids(), ends, successes,
-                                                                   width=split.step_ends.shape[1])
+        tree = tree_step_values(groups, batch.response_ids(), ends, successes, width=split.step_ends.shape[1])
+        step_values, leaf_counts, prompt_values = tree.step_values, tree.leaf_counts, tree.prompt_values
+        response_values, response_leaf_counts = tree.response_values, tree.response_leaf_counts
         if self.prior_strength > 0:
             shrunk = shrink_success_rates(step_values * leaf_counts, leaf_counts, prompt_values[:, None],
                                           self.prior_strength)
             step_values = torch.where(leaf_counts > 0, shrunk, step_values)
+            # a leaf's own node is a node like the others: shrunk alike
+            response_values = shrink_success_rates(response_values * response_leaf_counts, response_leaf_counts,
+                                                   prompt_values, self.prior_strength)
         return StepValues(step_values.float(), prompt_values.float(), time.perf_counter() - start,
-                          metrics=tree_metrics(batch, self.roots, leaf_counts), leaf_counts=leaf_counts)
+                          metrics=tree_metrics(batch, self.roots, leaf_counts), leaf_counts=leaf_counts,
+                          response_values=response_values.float(), response_leaf_counts=response_leaf_counts)
 
 
 class ExactReferenceValues:

@@ -1,7 +1,7 @@
 """``python -m studies.shrinkage``: bias and variance of the sampled source's process term against the exact one, for
 the number of continuations n and the prior strength s of ``verl_prm.critic.prior_strength``.
 
-The scripted task of ``verl_prm.labeling.scripted`` (H steps, each written correctly with probability p, a wrong
+The scripted task of ``verl_prm.labeling.closed_form_task`` (H steps, each written correctly with probability p, a wrong
 step never repaired) has exact values: Q = p^(H - h) after h correct steps, 0 after a wrong one, V = p^H for the
 prompt. Each repetition draws a batch of ``--groups`` prompts x ``--group-size`` responses from the policy and
 estimates every step's value as the sampled source does (``verl_prm.critic.sampled.sampled_step_values``,
@@ -30,7 +30,7 @@ NS, STRENGTHS = (1, 2, 4, 8), (0.0, 1.0, 2.0, 4.0)
 def _batch(rep: int, groups: int, size: int, p: float, steps: int):
     """(group, steps) of ``groups`` x ``size`` responses of the scripted policy, seeded by ``rep``."""
     from verl_prm.labeling.generators import derive_seed
-    from verl_prm.labeling.scripted import ScriptedStepGenerator, ScriptedStepTask
+    from verl_prm.labeling.closed_form_task import ScriptedStepGenerator, ScriptedStepTask
 
     task, generator = ScriptedStepTask(num_steps=steps), ScriptedStepGenerator(p)
     rows = []
@@ -45,14 +45,14 @@ class _Sampler:
     continuations of a (repetition, n)."""
 
     def __init__(self, rows, rep: int, p: float, steps: int) -> None:
-        from verl_prm.labeling.scripted import ScriptedStepGenerator, ScriptedStepTask
+        from verl_prm.labeling.closed_form_task import ScriptedStepGenerator, ScriptedStepTask
 
         self.rows, self.rep, self.task = rows, rep, ScriptedStepTask(num_steps=steps)
         self.generator, self.memo = ScriptedStepGenerator(p), {}
 
     def __call__(self, requests):
         from verl_prm.labeling.generators import derive_seed
-        from verl_prm.labeling.scripted import scripted_step_score
+        from verl_prm.labeling.closed_form_task import scripted_step_score
         from verl_prm.monte_carlo import PrefixCounts
 
         counts = []
@@ -73,7 +73,7 @@ def _exact(rows, p: float, steps: int):
     """Exact step values [B, H] and prompt values [B] (closed form), the step classes and the right steps."""
     import torch
 
-    from verl_prm.labeling.scripted import exact_prefix_value
+    from verl_prm.labeling.closed_form_task import exact_prefix_value
 
     values = torch.tensor([[exact_prefix_value("\n\n".join(s[: h + 1]), steps, p) for h in range(steps)]
                            for _, s in rows], dtype=torch.float64)
@@ -91,7 +91,7 @@ def _measure(args) -> dict:
 
     from verl_prm.config import PavConfig
     from verl_prm.critic.sampled import sampled_step_values
-    from verl_prm.labeling.scripted import scripted_step_score
+    from verl_prm.labeling.closed_form_task import scripted_step_score
     from verl_prm.monte_carlo import ResponseSteps
 
     pav = PavConfig(best_of_k=args.best_of_k)

@@ -13,7 +13,7 @@ steps:
     Q(prefix) = 0                      if the prefix holds a wrong step
               = p_correct ** (H - h)   otherwise
 
-and the prompt value is ``p_correct ** H``, exactly as ``verl_prm.labeling.scripted`` for text.
+and the prompt value is ``p_correct ** H``, exactly as ``verl_prm.labeling.closed_form_task`` for text.
 
 `ScriptedCodeGenerator` is a ``verl_prm.labeling.generators.Generator`` (texts = prompt + prefix) and a
 ``verl_prm.search.StepSampler`` (nodes = problem + steps), so the same policy drives ``verl-prm label``'s

@@ -5,17 +5,27 @@ A directory records the settings it was started with (:func:`write_settings`, at
 them back (:func:`read_settings`, which names the file when it is empty, cut short or not a JSON object) and
 :func:`check_same_settings` refuses other settings, naming every differing setting with both values and how to
 start over instead.
+
+The stored settings, and the refresh store's states and label shards, are written by :func:`write_atomically`:
+the bytes go to a temporary file next to the target, named by the one rule of :func:`temporary_path`
+(``.<name>.tmp<pid>``), and are renamed onto it. A writer killed in between leaves only such a file, which
+:func:`temporary_target` recognises by name, so a store can tell its own leftovers from files a user put there.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["check_same_settings", "jsonable", "read_settings", "settings_differences", "write_settings"]
+__all__ = ["check_same_settings", "jsonable", "read_settings", "settings_differences", "temporary_path",
+           "temporary_target", "write_atomically", "write_settings"]
+
+# the temporary file of an atomic write of NAME: .NAME.tmp<pid of the writer> (see temporary_path)
+_TEMPORARY = re.compile(r"\.(?P<target>.+)\.tmp\d+")
 
 
 def jsonable(value: Any) -> Any:
@@ -82,10 +92,37 @@ def read_settings(path: str | os.PathLike, *, fix: str, field: str | None = None
 def write_settings(path: str | os.PathLike, settings: Any) -> None:
     """Write ``settings`` as JSON to ``path`` atomically (a temporary file, flushed, then renamed), so that a
     run killed at any moment leaves the old file or the new one."""
+    write_atomically(path, json.dumps(settings, indent=2, sort_keys=True).encode())
+
+
+def temporary_path(path: str | os.PathLike) -> Path:
+    """The temporary file that an atomic write of ``path`` goes through: ``.<name>.tmp<pid>`` in the same
+    directory (hidden; the pid keeps two writers of one target apart; the same filesystem, so the rename is
+    atomic)."""
     path = Path(path)
-    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(temporary, "w") as handle:
-        handle.write(json.dumps(settings, indent=2, sort_keys=True))
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    return path.with_name(f".{path.name}.tmp{os.getpid()}")
+
+
+def temporary_target(name: str) -> str | None:
+    """The name of the file whose atomic write uses a temporary file called ``name`` (:func:`temporary_path`),
+    or None if ``name`` is not such a temporary file: ``.step_000003.safetensors.tmp4242`` ->
+    ``step_000003.safetensors``; ``.tmpAb12cd`` -> None."""
+    match = _TEMPORARY.fullmatch(name)
+    return match.group("target") if match else None
+
+
+def write_atomically(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: to :func:`temporary_path` (created with the modes of the user's
+    umask), flushed and fsynced, then renamed onto ``path``; a process killed at any moment leaves the old file or
+    the new one, and at most the temporary file. A failed write removes its temporary file."""
+    path = Path(path)
+    temporary = temporary_path(path)
+    try:
+        with open(temporary, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise

@@ -132,7 +132,7 @@ def tiny_run(tmp_path_factory):
     """Every stage on a tiny random Qwen2 with a tokenizer trained on the problems' text."""
     from verl_prm.apps.arithmetic.model import SFTConfig
     from verl_prm.apps.word_problems import pipeline
-    from verl_prm.labeling.tiny_model import write_tiny_causal_lm
+    from tiny_model import write_tiny_causal_lm
 
     root = tmp_path_factory.mktemp("word_problems")
     texts = [p.question + "\n" + p.solution() for p in generate_problems(200, seed=7)]

@@ -484,9 +484,11 @@ def test_main_ppo_refresh_refits_the_pav_to_the_sampled_values(loop_runs, loop_d
     labels = read_labels(directory / "labels")
     assert sorted(p.name for p in (directory / "labels").glob("*.parquet")) == ["step_000003.parquet",
                                                                                   "step_000004.parquet"]
-    # one row per response (4 prompts x 4 responses a step), each labelled position counted once
+    # one row per response (4 prompts x 4 responses a step), each labelled position counted once, each prompt's
+    # value once (not on each of its responses)
     assert len(labels) == 32
-    counted = sum(1 + sum(n > 0 for n in row.n_mc) + (len(row.n_mc) > 0) for row in labels.itertuples())
+    counted = labels["prompt_index"].nunique() + sum(sum(n > 0 for n in row.n_mc) + (len(row.n_mc) > 0)
+                                                     for row in labels.itertuples())
     assert counted == first["pav/refresh/labels"] + second["pav/refresh/labels"]
 
 

@@ -1,6 +1,6 @@
 """The sampling critic (verl_prm.critic.format=rollout) in the trainer hook: a fake LLM server client over the
-scripted policy of verl_prm.labeling.scripted (token ids in, token ids out, as verl's LLMServerClient), the hook's
-advantage phase on TransferQueue, and the startup errors."""
+scripted policy of verl_prm.labeling.closed_form_task (token ids in, token ids out, as verl's LLMServerClient),
+the hook's advantage phase on TransferQueue, and the startup errors."""
 
 from __future__ import annotations
 
@@ -14,7 +14,12 @@ from verl_support import PLUGIN_OVERRIDES, compose_verl, parity_reward_file
 
 from verl_prm.config.hook import ConfigError, read_hook_config
 from verl_prm.labeling.generators import derive_seed
-from verl_prm.labeling.scripted import ScriptedStepGenerator, ScriptedStepTask, exact_prefix_value, scripted_step_score
+from verl_prm.labeling.closed_form_task import (
+    ScriptedStepGenerator,
+    ScriptedStepTask,
+    exact_prefix_value,
+    scripted_step_score,
+)
 
 H, P_CORRECT, N_MC, RESPONSE_LENGTH = 4, 0.7, 24, 96
 TASK = ScriptedStepTask(num_steps=H)
@@ -438,7 +443,8 @@ def test_hook_refresh_refits_the_head_to_the_samples_and_a_resumed_run_starts_wi
     # the refresh step's own values are the PAV's before its refit; its samples are the labels
     metrics = before.metrics
     labels = read_labels(directory / "labels")
-    assert len(labels) == len(rows) and metrics["pav/refresh/labels"] == len(rows) * (1 + (H - 1) + 1)
+    # per response its H - 1 sampled steps and its outcome; per prompt (2) its value, once
+    assert len(labels) == len(rows) and metrics["pav/refresh/labels"] == len(rows) * ((H - 1) + 1) + 2
     state_rows, weight, bias = refresh.store.read(2)
     for b, row in enumerate(labels.itertuples()):
         assert row.n_mc[: H - 1] == [N_MC] * (H - 1) and row.n_mc[H - 1] == 0
@@ -450,7 +456,9 @@ def test_hook_refresh_refits_the_head_to_the_samples_and_a_resumed_run_starts_wi
     after = refresh.values(_step_batch(trainer, transfer_queue, keys, tags))
     assert "pav/refresh/labels" in after.metrics  # (still step 2: scored and refreshed again; the head stays the refit's)
     expected = torch.sigmoid(state_rows.features.double() @ weight + bias)
-    got = torch.cat([after.prompt_values[:, None], after.step_values[:, :H]], dim=1).flatten()
+    labelled = torch.ones(len(rows), H + 1, dtype=torch.bool)
+    labelled[:, 0] = torch.tensor([b % 3 == 0 for b in range(len(rows))])  # the prompt value: its group's first row
+    got = torch.cat([after.prompt_values[:, None], after.step_values[:, :H]], dim=1)[labelled]
     assert torch.allclose(got.double(), expected, atol=2e-4)  # the head runs in fp32
     _, weight, _ = refresh.store.read(2)  # the second refresh of step 2 replaced the first
     assert torch.allclose(worker.critic.adapter.head.weight[0].double(), weight, atol=1e-6)
@@ -488,9 +496,12 @@ def test_hook_refresh_shrinks_the_sampled_labels_toward_the_pav(
         trainer.value_source.store.close()
         transfer_queue.kv_clear(keys=keys, partition_id="train")
     (plain, before), (shrunk, _) = stored[0.0], stored[strength]
-    # labelled positions in row order: the prompt, the H - 1 sampled steps, the outcome (every response has H steps)
-    pav = torch.cat([before.prompt_values[:, None], before.step_values[:, :H]], dim=1).flatten().double()
-    sampled = torch.tensor(([False] + [True] * (H - 1) + [False]) * len(rows))
+    # labelled positions in row order: the prompt (its value on its group's first response only), the H - 1 sampled
+    # steps, the outcome (every response has H steps)
+    labelled = torch.ones(len(rows), H + 1, dtype=torch.bool)
+    labelled[:, 0] = torch.tensor([b % 3 == 0 for b in range(len(rows))])
+    pav = torch.cat([before.prompt_values[:, None], before.step_values[:, :H]], dim=1)[labelled].double()
+    sampled = torch.tensor([False] + [True] * (H - 1) + [False]).expand(len(rows), -1)[labelled]
     assert len(plain.targets) == len(pav) and (plain.trials[sampled] == N_MC).all()
     expected = torch.where(sampled, (plain.trials * plain.targets + strength * pav) / (plain.trials + strength),
                            plain.targets)

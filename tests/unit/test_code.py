@@ -405,7 +405,7 @@ def tiny_code_models(tmp_path_factory, humaneval):
     with its tokenizer, trained on HumanEval text, plus three HumanEval rows as parquet."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForTokenClassification
 
-    from verl_prm.labeling.tiny_model import write_tiny_causal_lm
+    from tiny_model import write_tiny_causal_lm
 
     root = tmp_path_factory.mktemp("code_cli")
     texts = [p["prompt"] + p["canonical_solution"] for p in humaneval]

@@ -23,7 +23,7 @@ from verl_prm.labeling.monte_carlo import LabelSettings, MonteCarloLabeler
 from verl_prm.monte_carlo import first_pit_search_step
 from verl_prm.labeling.runner import run_labeling
 from verl_prm.labeling.scoring import OutcomeScorer
-from verl_prm.labeling.scripted import ScriptedStepGenerator, ScriptedStepTask, scripted_step_score
+from verl_prm.labeling.closed_form_task import ScriptedStepGenerator, ScriptedStepTask, scripted_step_score
 from verl_prm.labeling.store import ShardStore
 from verl_prm.steps import step_char_spans
 
@@ -362,8 +362,8 @@ def test_render_prompt_and_read_prompts_errors(tmp_path):
         load_reward_function("no_function_named")
     with pytest.raises(ImportError, match="cannot import module 'verl_prm.no_such_module'"):
         load_reward_function("pkg://verl_prm.no_such_module:score")
-    with pytest.raises(AttributeError, match="verl_prm.labeling.scripted has no function named 'nope'"):
-        load_reward_function("pkg://verl_prm.labeling.scripted:nope")
+    with pytest.raises(AttributeError, match="verl_prm.labeling.closed_form_task has no function named 'nope'"):
+        load_reward_function("pkg://verl_prm.labeling.closed_form_task:nope")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_reward_function(str(tmp_path / "missing.py") + ":score")
     with pytest.raises(TypeError, match="returned None .*a reward must be a finite real number"):
@@ -442,7 +442,7 @@ def test_batch_reward_function_scores_each_round_in_one_call():
     per-response function with one call per labelling round."""
     from verl_prm.labeling.scoring import is_batch_function, load_reward_function
 
-    assert load_reward_function("pkg://verl_prm.labeling.scripted:scripted_step_score") is scripted_step_score
+    assert load_reward_function("pkg://verl_prm.labeling.closed_form_task:scripted_step_score") is scripted_step_score
     calls = []
 
     def batch_score(data_sources, solution_strs, ground_truths, extra_infos):
@@ -478,7 +478,7 @@ from verl_prm.labeling.inputs import PromptItem
 from verl_prm.labeling.monte_carlo import LabelSettings, MonteCarloLabeler
 from verl_prm.labeling.runner import run_labeling
 from verl_prm.labeling.scoring import OutcomeScorer
-from verl_prm.labeling.scripted import ScriptedStepGenerator, ScriptedStepTask, scripted_step_score
+from verl_prm.labeling.closed_form_task import ScriptedStepGenerator, ScriptedStepTask, scripted_step_score
 from verl_prm.labeling.store import ShardStore
 
 task = ScriptedStepTask(num_steps=3)

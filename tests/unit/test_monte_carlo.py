@@ -15,7 +15,7 @@ from verl_prm.labeling.generators import derive_seed
 from verl_prm.labeling.inputs import PromptItem
 from verl_prm.labeling.monte_carlo import LabelSettings, MonteCarloLabeler
 from verl_prm.labeling.scoring import OutcomeScorer
-from verl_prm.labeling.scripted import ScriptedStepGenerator, ScriptedStepTask, scripted_step_score
+from verl_prm.labeling.closed_form_task import ScriptedStepGenerator, ScriptedStepTask, scripted_step_score
 from verl_prm.monte_carlo import (
     PrefixCounts,
     PrefixRequest,

@@ -5,6 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -52,8 +60,11 @@ def test_targets_are_the_samples_the_group_rate_and_the_outcome_with_their_trial
             assert not trials[b].any()
             continue
         group = [i for i in range(6) if real[i] and groups[i] == groups[b]]
-        assert targets[b, 0] == pytest.approx(sum(success[i] for i in group) / len(group))
-        assert trials[b, 0] == len(group)
+        if b == group[0]:  # the group's prompt value: one label, on its first response (of trials = its size)
+            assert targets[b, 0] == pytest.approx(sum(success[i] for i in group) / len(group))
+            assert trials[b, 0] == len(group)
+        else:
+            assert trials[b, 0] == 0
         for h in range(steps[b] - 1):
             s = (b + 2 * h) % 4
             assert (targets[b, h + 1].item(), trials[b, h + 1].item()) == (pytest.approx(s / 3), 3.0)
@@ -190,9 +201,6 @@ def test_store_round_trip_window_and_labels_that_verl_prm_train_reads(tmp_path):
 def test_store_refuses_other_settings_a_second_writer_and_a_damaged_state(tmp_path):
     from verl_prm.locking import DirectoryLockedError
 
-    import subprocess
-    import sys
-
     store = RefreshStore(tmp_path / "refresh", {"every": 2, "window": 4})
     code = ("from verl_prm.critic.refresh import RefreshStore\n"
             f"RefreshStore({str(tmp_path / 'refresh')!r}, {{'every': 2, 'window': 4}})")
@@ -212,7 +220,7 @@ def test_store_refuses_files_that_are_not_its_own_and_window_size_zero_is_empty(
     """A copy of a state (or any other file in state/) would put its refresh twice into the refit's window: the
     store refuses it by name, when opened and when listing its steps; a killed writer's temporary file is its
     own. ``window(up_to, 0)`` holds no refresh (``[-0:]`` would have been all of them)."""
-    import shutil
+    from verl_prm.resume import temporary_path
 
     values, groups, success, real, _ = _batch()
     store = RefreshStore(tmp_path / "refresh", {"every": 1})
@@ -220,7 +228,7 @@ def test_store_refuses_files_that_are_not_its_own_and_window_size_zero_is_empty(
         store.write(_store_rows(step), _label_rows(values, groups, success, real, step=step), torch.zeros(3), 0.0)
     store.close()
     state = tmp_path / "refresh" / "state"
-    (state / "step_000004.tmp").write_bytes(b"half written")  # what a write killed before its rename leaves
+    temporary_path(state / "step_000004.safetensors").write_bytes(b"half written")  # a write killed before its rename
     store = RefreshStore(tmp_path / "refresh", {"every": 1})
     assert store.steps(10) == [1, 2, 3]
     assert [rows.step for rows in store.window(3, 2)] == [2, 3]
@@ -239,6 +247,95 @@ def test_store_refuses_files_that_are_not_its_own_and_window_size_zero_is_empty(
         (state / stray).unlink()
         store = RefreshStore(tmp_path / "refresh", {"every": 1})  # the refusal released the lock
     store.close()
+
+
+def _killed_writer(directory, features: int) -> subprocess.Popen:
+    """A process that opens the store at ``directory`` and writes refresh step 1 with ``features`` rows of 256
+    features (4 KiB each: the state file's size)."""
+    code = ("import sys, torch\n"
+            "from verl_prm.critic.refresh import RefreshRows, RefreshStore\n"
+            f"store = RefreshStore({str(directory)!r}, {{'every': 1}})\n"
+            "n = int(sys.argv[1])\n"
+            "rows = RefreshRows(1, torch.ones(n, 256), torch.full((n,), 0.5, dtype=torch.float64), "
+            "torch.ones(n, dtype=torch.float64))\n"
+            "store.write(rows, [], torch.zeros(256), 0.0)\n")
+    return subprocess.Popen([sys.executable, "-c", code, str(features)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_a_writer_killed_in_the_middle_of_a_write_leaves_nothing_that_blocks_the_resume(tmp_path):
+    """``kill -9`` of the writer as soon as its state write has created a file in ``state/`` (the write of 100 MB
+    is then under way): the resumed store removes what the write left and writes that step again. Were the state
+    written by a library's own atomic write (safetensors' ``state/.tmpXXXXXX``), the resume would refuse the
+    leftover as a foreign file."""
+    directory = tmp_path / "refresh"
+    state = directory / "state"
+    for features in (25_000, 100_000, 400_000):  # 100 MB; larger if the write was done before the kill landed
+        writer = _killed_writer(directory, features)
+        deadline = time.monotonic() + 300
+        while not (state.is_dir() and any(state.iterdir())):
+            if writer.poll() is not None:
+                pytest.fail(f"the writer ended before its state write (exit {writer.returncode}): "
+                            f"{writer.stderr.read()[-2000:]}")
+            assert time.monotonic() < deadline, "the writer created no file in state/ within 300 s"
+            time.sleep(0.0002)
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.communicate()
+        left = sorted(path.name for path in state.iterdir())
+        if "step_000001.safetensors" not in left:
+            break  # killed in the middle of the write
+        shutil.rmtree(directory)
+    else:
+        pytest.fail("every write was complete before the kill landed")
+    assert writer.returncode == -signal.SIGKILL and left, left
+    store = RefreshStore(directory, {"every": 1})  # the resume
+    assert store.steps(10) == [] and not list(state.iterdir()), sorted(state.iterdir())
+    store.write(_store_rows(1), [], torch.zeros(3), 0.0)
+    assert store.steps(10) == [1] and store.read(1)[1].tolist() == [0.0, 0.0, 0.0]
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE((state / "step_000001.safetensors").stat().st_mode) == 0o666 & ~umask  # the user's umask
+    store.close()
+
+
+def test_the_store_removes_its_own_leftovers_and_refuses_a_users_files_by_name(tmp_path):
+    """Leftovers made exactly as the store's writes make them (``verl_prm.resume.temporary_path`` of a state
+    file, a label shard and the settings; another writer's pid) are removed when the store is opened. A file a user
+    put in ``state/`` is refused by name, one named like a library's temporary file (``.tmpAb12cd``) included; a
+    user's file elsewhere in the store is left alone."""
+    from verl_prm.resume import temporary_path
+
+    directory = tmp_path / "refresh"
+    store = RefreshStore(directory, {"every": 1})
+    store.write(_store_rows(1), [], torch.zeros(3), 0.0)
+    store.close()
+
+    def of_a_dead_writer(path):
+        made = temporary_path(path)
+        return made.with_name(made.name.removesuffix(str(os.getpid())) + "4194305")  # above any pid_max
+
+    leftovers = [of_a_dead_writer(directory / "state" / "step_000002.safetensors"),
+                 of_a_dead_writer(directory / "labels" / "step_000002.parquet"),
+                 of_a_dead_writer(directory / "settings.json")]
+    for path in leftovers:
+        path.write_bytes(b"half written")
+    users = [directory / "labels" / ".notes.parquet.tmp12", directory / ".tmpAb12cd"]
+    for path in users:
+        path.write_bytes(b"mine")
+    store = RefreshStore(directory, {"every": 1})
+    assert not [path for path in leftovers if path.exists()] and all(path.exists() for path in users)
+    assert store.steps(10) == [1]
+    store.write(_store_rows(2), [], torch.zeros(3), 0.0)
+    assert store.steps(10) == [1, 2]
+    store.close()
+    for foreign in (".tmpAb12cd", ".step_000002.safetensors.tmp", ".step_000002.safetensors.tmp12x",
+                    ".notes.safetensors.tmp12", ".step_000002.parquet.tmp12"):
+        (directory / "state" / foreign).write_bytes(b"mine")
+        with pytest.raises(ValueError, match=f"not the refresh store's own \\({re.escape(foreign)}; "):
+            RefreshStore(directory, {"every": 1})
+        assert (directory / "state" / foreign).exists()  # refused, not removed
+        (directory / "state" / foreign).unlink()
+    RefreshStore(directory, {"every": 1}).close()  # each refusal released the lock
 
 
 @pytest.mark.parametrize("content, problem", [

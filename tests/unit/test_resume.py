@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from verl_prm.resume import check_same_settings, jsonable, read_settings, settings_differences, write_settings
+from verl_prm.resume import (check_same_settings, jsonable, read_settings, settings_differences, temporary_path,
+                             temporary_target, write_atomically, write_settings)
 
 
 def test_settings_differences_name_each_changed_leaf():
@@ -67,3 +68,20 @@ def test_write_is_atomic_and_read_names_a_damaged_file(tmp_path):
     directory.mkdir()
     with pytest.raises(ValueError, match=re.escape(f"{directory} cannot be read as JSON (IsADirectoryError")):
         read_settings(directory, fix="start over")
+
+
+def test_an_atomic_write_has_one_temporary_name_recognised_by_name_and_removed_when_the_write_fails(tmp_path):
+    target = tmp_path / "step_000003.safetensors"
+    temporary = temporary_path(target)
+    assert temporary.parent == tmp_path and temporary.name == f".step_000003.safetensors.tmp{os.getpid()}"
+    assert temporary_target(temporary.name) == "step_000003.safetensors"
+    for foreign in (".tmpAb12cd", "step_000003.safetensors", ".step_000003.safetensors.tmp",
+                    ".step_000003.safetensors.tmp12x", "step_000003.safetensors.tmp12", "..tmp12"):
+        assert temporary_target(foreign) is None, foreign
+    write_atomically(target, b"state")
+    assert target.read_bytes() == b"state" and sorted(os.listdir(tmp_path)) == [target.name]
+    blocked = tmp_path / "blocked"
+    (blocked / "inside").mkdir(parents=True)  # a non-empty directory: the rename onto it fails
+    with pytest.raises(OSError):
+        write_atomically(blocked, b"state")
+    assert sorted(os.listdir(tmp_path)) == ["blocked", target.name]  # no temporary file left behind

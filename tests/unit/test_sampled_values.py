@@ -1,5 +1,5 @@
 """Monte-Carlo step values (verl_prm.critic.sampled over verl_prm.monte_carlo) on the scripted task of
-verl_prm.labeling.scripted.
+verl_prm.labeling.closed_form_task.
 
 The scripted policy writes each remaining step correctly with probability p and never repairs a wrong step, so
 after h correct steps Q = p^(H - h) and after a wrong step Q = 0 (closed form in its module docstring). The
@@ -17,7 +17,7 @@ import torch
 
 from verl_prm.critic.sampled import hold_fill, sampled_step_values, shrink_labels, shrink_success_rates
 from verl_prm.labeling.generators import derive_seed
-from verl_prm.labeling.scripted import (
+from verl_prm.labeling.closed_form_task import (
     ScriptedStepGenerator,
     ScriptedStepTask,
     exact_prefix_value,
@@ -300,7 +300,7 @@ def test_pooled_values_are_unbiased_on_the_scripted_policy():
     """E[(k + k') / (n + n')] = Q: given the group's prefixes, every pooled outcome is a Bernoulli(Q) sample. One
     owner response whose first three steps are correct, seven others of the policy, one continuation of the
     owner's prefix after step 2 (prefix_rule fixed): the mean of its pooled estimate over 600 groups is within 4
-    standard errors of Q = p^(H - 3) (closed form, verl_prm.labeling.scripted)."""
+    standard errors of Q = p^(H - 3) (closed form, verl_prm.labeling.closed_form_task)."""
     owner = ["x=0", "x=1", "x=2", "y=3", "x=4", "x=5"]
     step = fixed_prefix_steps(H - 1, 1)[0]
     assert step == 2

@@ -19,7 +19,7 @@ from verl_prm.labeling.format import read_labels
 from verl_prm.labeling.inputs import PromptItem
 from verl_prm.labeling.monte_carlo import LabelSettings, MonteCarloLabeler
 from verl_prm.labeling.scoring import OutcomeScorer
-from verl_prm.labeling.scripted import ScriptedStepGenerator, ScriptedStepTask, scripted_step_score
+from verl_prm.labeling.closed_form_task import ScriptedStepGenerator, ScriptedStepTask, scripted_step_score
 from verl_prm.labeling.store import ShardStore
 from verl_prm.steps import encode_with_step_ends, step_char_spans
 from verl_prm.training.data import (

@@ -4,7 +4,8 @@ Every ``every`` training steps the trainer hook samples the batch's step values 
 (``verl_prm.critic.sampled``) besides scoring the steps with the learned PAV. The samples are labels of the
 current policy's values (the prover is the policy, as in ``verl-prm label``):
 
-    prompt of response b:      y_{b,0} = V(x_b), its group's success rate,    t_{b,0} = the group's size;
+    prompt of response b:      y_{b,0} = V(x_b), its group's success rate,    t_{b,0} = the group's size
+                               (on the group's first response only: V(x_b) is one label, not one per response);
     step h < H_b - 1, sampled: y_{b,h+1} = s_{b,h} / n,                       t_{b,h+1} = n continuations;
     the last step H_b:         y_{b,H_b} = R_b, the response's own outcome,   t_{b,H_b} = 1;
     any other step (held by the budget or the prefix rule, or inferred 0 after a first pit): no label, t = 0.
@@ -40,7 +41,8 @@ import torch
 
 from verl_prm.critic.sampled import SampledValues
 from verl_prm.locking import DirectoryLock
-from verl_prm.resume import check_same_settings, jsonable, read_settings, write_settings
+from verl_prm.resume import (check_same_settings, jsonable, read_settings, temporary_target, write_atomically,
+                             write_settings)
 
 __all__ = ["PROMPT_INDEX_STRIDE", "RefreshRows", "RefreshStore", "labelled_rows", "refit_value_head",
            "refresh_label_rows", "refresh_metrics", "refresh_targets"]
@@ -49,10 +51,11 @@ __all__ = ["PROMPT_INDEX_STRIDE", "RefreshRows", "RefreshStore", "labelled_rows"
 # store's label directory (verl_prm.labeling.format identifies a rollout by (prompt_index, rollout_index))
 PROMPT_INDEX_STRIDE = 1_000_000
 
-# the names of the store's state files (step_{t:06d}.safetensors, more digits past 999999) and of the temporary
-# file a write renames into one
+# the names of the store's files: its state files and label shards (step_{t:06d}, more digits past 999999) and
+# its settings; a write goes through verl_prm.resume.write_atomically, whose temporary files they name
 _STATE_FILE = re.compile(r"step_(\d{6,})\.safetensors")
-_STATE_TEMPORARY = re.compile(r"step_\d{6,}\.tmp")
+_LABEL_FILE = re.compile(r"step_\d{6,}\.parquet")
+_SETTINGS_FILE = "settings.json"
 
 
 @dataclass
@@ -82,8 +85,10 @@ def _group_sizes(groups: Sequence, real: Sequence[bool]) -> tuple[list[int], lis
 def refresh_targets(values: SampledValues, groups: Sequence, real_rows: Sequence[bool] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(targets [B, S + 1], trials [B, S + 1]) of a batch's sampled values (module docstring): position 0 is the
-    prompt, position h + 1 the value after step h. ``groups``: each row's prompt group; rows with ``real_rows``
-    False (padding) get no label."""
+    prompt, position h + 1 the value after step h. ``groups``: each row's prompt group; the group's prompt value
+    is labelled at its first real row only (every row of the group reads the same prompt, so the PAV's value there
+    is one value, and the group's successes are one label). Rows with ``real_rows`` False (padding) get no
+    label."""
     batch, width = values.step_values.shape
     real = [True] * batch if real_rows is None else [bool(r) for r in real_rows]
     if len(groups) != batch or len(real) != batch:
@@ -91,11 +96,14 @@ def refresh_targets(values: SampledValues, groups: Sequence, real_rows: Sequence
     _, sizes = _group_sizes(groups, real)
     targets = torch.zeros(batch, width + 1, dtype=torch.float64)
     trials = torch.zeros(batch, width + 1, dtype=torch.float64)
+    prompt_labelled = set()
     for b in range(batch):
         if not real[b]:
             continue
         steps = int(values.num_steps[b])
-        targets[b, 0], trials[b, 0] = float(values.prompt_values[b]), sizes[b]
+        if groups[b] not in prompt_labelled:
+            prompt_labelled.add(groups[b])
+            targets[b, 0], trials[b, 0] = float(values.prompt_values[b]), sizes[b]
         for h in range(steps - 1):
             count = values.counts.get((b, h))
             if count is not None:
@@ -154,7 +162,9 @@ def refresh_label_rows(values: SampledValues, groups: Sequence, successes: Seque
     it, whose steps end at ``step_char_ends`` [B, S] characters); ``successes``: the responses' outcomes. ``q`` is n_success / n_mc for a sampled step, the
     outcome for the last step (n_mc = 0: exact), 0 at and after a first pit (n_mc = 0: inferred) and NaN for a step
     held by the budget or the prefix rule (not labelled); the prompt value is the group's success rate, its
-    counts the group's successes and size. ``prompt_index`` = step x ``PROMPT_INDEX_STRIDE`` + the group's number.
+    counts the group's successes and size, repeated on each row of the group as the label format has it (one
+    prompt value: ``verl-prm train`` counts it once). ``prompt_index`` = step x ``PROMPT_INDEX_STRIDE`` + the
+    group's number.
     """
     batch = values.step_values.shape[0]
     real = [True] * batch if real_rows is None else [bool(r) for r in real_rows]
@@ -214,9 +224,12 @@ class RefreshStore:
     after its last checkpoint) are ignored and overwritten when those steps run again.
 
     Only the store's own files count: any other file in ``state/`` (a copy ``step_000003_copy.safetensors``, a
-    ``step_latest.safetensors``) is refused, naming it, when the store is opened and whenever it lists its
-    steps, since counting it could hold a refresh twice in the refit's window. A temporary file that a killed
-    writer left (``step_000003.tmp``) is the store's own and is overwritten by the next write of that step."""
+    ``step_latest.safetensors``, a ``.tmpAb12cd``) is refused, naming it, when the store is opened and whenever it
+    lists its steps, since counting it could hold a refresh twice in the refit's window. Every file of the store
+    is written by :func:`verl_prm.resume.write_atomically`, so a writer killed at any moment (``kill -9``
+    included) leaves at most its temporary file, named by that one rule (``.step_000003.safetensors.tmp<pid>``);
+    opening the store (under its lock: no writer is alive) removes such leftovers of the store's files from the
+    directory, ``labels/`` and ``state/``."""
 
     _FIX = "set verl_prm.refresh.directory to a new directory"
 
@@ -235,6 +248,7 @@ class RefreshStore:
             else:
                 check_same_settings(stored, settings, source=self.directory, what="the refresh of a run",
                                     fix=self._FIX)
+            self._remove_leftovers()
             self._state_files()
         except BaseException:
             self.lock.release()
@@ -246,26 +260,36 @@ class RefreshStore:
     def _state_path(self, step: int) -> Path:
         return self.directory / "state" / f"step_{step:06d}.safetensors"
 
+    def _remove_leftovers(self) -> None:
+        """Remove what writers killed before their rename left: the temporary files of the store's own writes
+        (:func:`verl_prm.resume.temporary_path` of a state file, a label shard or the settings) in ``state/``,
+        ``labels/`` and the directory. Called under the lock, so no writer of them is alive."""
+        own = {self.directory: lambda name: name == _SETTINGS_FILE,
+               self.directory / "labels": _LABEL_FILE.fullmatch, self.directory / "state": _STATE_FILE.fullmatch}
+        for folder, is_own in own.items():
+            for path in folder.iterdir():
+                target = temporary_target(path.name)
+                if target is not None and is_own(target) and path.is_file():
+                    path.unlink()
+
     def write(self, rows: RefreshRows, label_rows: Sequence[dict], weight: torch.Tensor, bias: float) -> None:
         """Write one refresh (the label shard first, validated by the label format; then the state), each
-        atomically (a temporary file renamed)."""
+        atomically by :func:`verl_prm.resume.write_atomically` (the library writers' own temporary files, such as
+        safetensors' ``.tmpXXXXXX``, would not be recognisable as the store's)."""
+        import pyarrow as pa
         import pyarrow.parquet as pq
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         from verl_prm.labeling.format import rows_to_table
 
         table = rows_to_table(label_rows)
-        labels = self.directory / "labels" / f"step_{rows.step:06d}.parquet"
-        temporary = labels.with_suffix(".parquet.tmp")
-        pq.write_table(table, temporary)
-        os.replace(temporary, labels)
-        state = self._state_path(rows.step)
-        temporary = state.with_suffix(".tmp")
-        save_file({"features": rows.features.float().contiguous(), "targets": rows.targets.double().contiguous(),
-                   "trials": rows.trials.double().contiguous(), "weight": weight.double().reshape(-1).contiguous(),
-                   "bias": torch.tensor([float(bias)], dtype=torch.float64)}, str(temporary),
-                  metadata={"step": str(rows.step)})
-        os.replace(temporary, state)
+        shard = pa.BufferOutputStream()
+        pq.write_table(table, shard)
+        write_atomically(self.directory / "labels" / f"step_{rows.step:06d}.parquet", shard.getvalue().to_pybytes())
+        state = save({"features": rows.features.float().contiguous(), "targets": rows.targets.double().contiguous(),
+                      "trials": rows.trials.double().contiguous(), "weight": weight.double().reshape(-1).contiguous(),
+                      "bias": torch.tensor([float(bias)], dtype=torch.float64)}, metadata={"step": str(rows.step)})
+        write_atomically(self._state_path(rows.step), state)
 
     def _state_files(self) -> dict[int, Path]:
         """step -> state file of every refresh stored; any file in ``state/`` that is not the store's own is a
@@ -273,10 +297,11 @@ class RefreshStore:
         found, strays = {}, []
         for path in sorted((self.directory / "state").iterdir()):
             match = _STATE_FILE.fullmatch(path.name)
+            target = temporary_target(path.name)
             if match and path.is_file() and path.name == self._state_path(int(match.group(1))).name:
                 found[int(match.group(1))] = path
-            elif not (_STATE_TEMPORARY.fullmatch(path.name) and path.is_file()):
-                strays.append(path.name)
+            elif not (target is not None and _STATE_FILE.fullmatch(target) and path.is_file()):
+                strays.append(path.name)  # (the store's own temporary files are not states: skipped)
         if strays:
             raise ValueError(f"{self.directory / 'state'} holds files that are not the refresh store's own "
                              f"({', '.join(strays)}; its states are named step_XXXXXX.safetensors): move them out of "

@@ -3,8 +3,8 @@
 Modules: ``format`` (the label columns), ``generators`` (transformers / vLLM / Ray back ends),
 ``monte_carlo`` (every-prefix and first-pit labelling), ``store`` (crash-safe parquet shards), ``runner``
 (the resumable loop), ``inputs`` (verl parquet / jsonl prompts), ``scoring`` (verl scorers or a user function),
-``converters`` (Math-Shepherd, PRM800K), ``scripted`` (a task with exact values, for tests and ``verl-prm bench gpu``),
-``tiny_model`` (a random tiny LM for CPU smoke runs), ``cli``.
+``converters`` (Math-Shepherd, PRM800K), ``closed_form_task`` (a task with exact values: the labelled workload of
+``verl-prm bench gpu``), ``cli``.
 """
 
 from verl_prm.labeling.format import LABEL_COLUMNS, LABEL_SCHEMA, best_of_k_from_counts, read_labels

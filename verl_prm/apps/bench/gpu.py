@@ -470,7 +470,7 @@ def bench_critic(args, size: str, peak: float | None, seed: int = 0, *, device: 
 def _tiny_tokenizer(seed: int = 0):
     """A byte-level BPE tokenizer trained here on the scripted task's texts (no hub download)."""
     from verl_prm.bpe import train_byte_level_bpe
-    from verl_prm.labeling.scripted import ScriptedStepTask
+    from verl_prm.labeling.closed_form_task import ScriptedStepTask
 
     task = ScriptedStepTask(num_steps=4)
     texts = [task.prompt(i) for i in range(200)] + ["step 1: ok\n\nstep 2: ok\n\nanswer: 4"] * 20
@@ -532,11 +532,11 @@ def bench_scorer(args, size: str, *, device: str = "cuda", dtype=None, config=No
 
 
 def write_tiny_labels(root: Path, prompts: int = 32, n_cov: int = 4, n_mc: int = 8) -> Path:
-    """Scripted Monte-Carlo labels (``verl_prm.labeling.scripted``) as a label shard under ``root/labels``."""
+    """Scripted Monte-Carlo labels (``verl_prm.labeling.closed_form_task``) as a label shard under ``root/labels``."""
     from verl_prm.labeling.inputs import PromptItem
     from verl_prm.labeling.monte_carlo import LabelSettings, MonteCarloLabeler
     from verl_prm.labeling.scoring import OutcomeScorer
-    from verl_prm.labeling.scripted import ScriptedStepGenerator, ScriptedStepTask, scripted_step_score
+    from verl_prm.labeling.closed_form_task import ScriptedStepGenerator, ScriptedStepTask, scripted_step_score
     from verl_prm.labeling.store import ShardStore
 
     task = ScriptedStepTask(num_steps=4)

@@ -833,3 +833,31 @@ def test_needed_stages_read_the_labels_and_pavs_only_where_an_arm_or_the_evaluat
     # the evaluation reads the pav stage's PAV (search, AUROC) whatever the arms
     assert needed_stages(outcome_and_exact, ["evaluate"]) == {"data", "sft", "prover", "label", "pav", "rl", "evaluate"}
     assert needed_stages(outcome_and_exact, ["sft"]) == {"data", "sft"}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--n-mc", "0"], r"n_mc \(--n-mc\) must be an integer >= 1, got 0"),
+    (["--label-problems", "-4"], r"label_problems \(--label-problems\) must be an integer >= 1, got -4"),
+    (["--pav-steps", "-2"], r"pav_steps \(--pav-steps\) must be an integer >= 1, got -2"),
+    (["--rl-parallel", "0"], r"rl_parallel \(--rl-parallel\) must be an integer >= 1, got 0"),
+])
+def test_bad_counts_are_refused_before_the_data_stage(flags, message, tmp_path, monkeypatch):
+    """--n-mc 0, --label-problems -4 and --pav-steps -2 were taken and the data stage started: the Scale's
+    declared bounds refuse them (also a Scale made in Python), before any stage."""
+    from dataclasses import replace
+
+    from verl_prm.apps.arithmetic import pipeline
+
+    def no_stage(*args, **kwargs):
+        raise AssertionError("a stage ran")
+
+    monkeypatch.setattr(pipeline, "run", no_stage)
+    with pytest.raises(ValueError, match=message):
+        pipeline.main(["--scale", "micro", "--work-dir", str(tmp_path / "work"), *flags])
+    assert not (tmp_path / "work").exists()
+    with pytest.raises(ValueError, match=r"sft_problems must be an integer >= 1, got the float 200.0"):
+        replace(pipeline.SCALES["micro"], sft_problems=200.0)
+    with pytest.raises(ValueError, match=r"samples_per_beam must be an integer >= 1, got 0"):
+        replace(pipeline.SCALES["micro"], samples_per_beam=0)
+    with pytest.raises(ValueError, match=r"pav_lr must be > 0 \(a finite number\), got -0.001"):
+        replace(pipeline.SCALES["micro"], pav_lr=-1e-3)

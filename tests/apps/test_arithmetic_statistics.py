@@ -208,7 +208,7 @@ def test_every_scale_evaluates_with_4_samples_and_a_changed_statistic_is_detecte
         replace(SCALES["cpu"], rl=replace(SCALES["cpu"].rl, eval_samples=1))
     with pytest.raises(ValueError, match=r"eval_samples must be >= 4 samples per test prompt, got 2"):
         replace(SCALES["cpu"], eval_samples=2)
-    with pytest.raises(ValueError, match=r"level_fraction must be in \(0, 1\], got nan"):
+    with pytest.raises(ValueError, match=r"level_fraction must be in \(0, 1\] \(a finite number\), got nan"):
         replace(SCALES["cpu"], level_fraction=float("nan"))
     with pytest.raises(ValueError, match="bootstrap_resamples must be an integer >= 2, got 1"):
         replace(SCALES["cpu"], bootstrap_resamples=1)

@@ -190,7 +190,7 @@ def test_a_rerun_skips_complete_stages_and_refuses_other_settings(tiny_run):
         pipeline.run(replace(config, n_mc=3), work, ["label"], progress=False, log=lines.append)
     with pytest.raises(ValueError, match="unknown stages"):
         pipeline.run(config, work, ["rl"], progress=False)
-    with pytest.raises(ValueError, match="pav_l2 must be a finite number >= 0, got nan"):
+    with pytest.raises(ValueError, match=r"pav_l2 \(--pav-l2\) must be >= 0 \(a finite number\), got nan"):
         replace(config, pav_l2=float("nan"))
     args = pipeline.recipe_parser().parse_args(["--work-dir", str(work), "--pav-l2", "3"])
     assert pipeline.config_from_args(args).pav_l2 == 3.0
@@ -245,3 +245,94 @@ def test_an_interrupted_search_keeps_its_rows_and_recomputes_only_the_rest(tiny_
     partial.write_text(json.dumps({"settings": settings, "rows": [{"method": "vote", "n": 1}]}))
     with pytest.raises(ValueError, match=r"row 0 is .*not an object with exactly the keys"):
         pipeline.run(replace(config), copy, ["search"], progress=False, log=lambda line: None)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--search-problems", "-5"], r"RecipeConfig.search_problems \(--search-problems\) must be an integer >= 1, got -5"),
+    (["--pav-steps", "-1"], r"RecipeConfig.pav_steps \(--pav-steps\) must be an integer >= 1, got -1"),
+    (["--pav-steps", "0"], r"RecipeConfig.pav_steps \(--pav-steps\) must be an integer >= 1, got 0"),
+    (["--n-mc", "0"], r"RecipeConfig.n_mc \(--n-mc\) must be an integer >= 1, got 0"),
+    (["--label-problems", "0"], r"RecipeConfig.label_problems \(--label-problems\) must be an integer in \[1, 1024\]"),
+    (["--test-problems", "100000000"], r"the data stage would draw 100005024 distinct problems \(test_problems "
+     r"100000000 \+ shots 0 \+ sft_problems 4000 \+ label pool 1024\), more than it can generate: at most 200000 .*"
+     r"lower RecipeConfig.test_problems \(--test-problems\)"),
+])
+def test_bad_counts_are_refused_before_any_stage_runs(flags, message, tmp_path, monkeypatch):
+    """--search-problems -5 ran the search on test[:-5]; --pav-steps 0 or -1 was taken; --test-problems 1e8 drew
+    problems for minutes. The config refuses them (also when made in Python), before any stage."""
+    import time
+
+    from verl_prm.apps.word_problems import pipeline
+
+    def no_stage(*args, **kwargs):
+        raise AssertionError("a stage ran")
+
+    monkeypatch.setattr(pipeline, "run", no_stage)
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match=message):
+        pipeline.main(["--work-dir", str(tmp_path / "work"), *flags])
+    assert time.perf_counter() - started < 10 and not (tmp_path / "work").exists()
+
+
+def test_recipe_config_checks_its_counts_when_made_in_python():
+    from verl_prm.apps.word_problems.pipeline import MAX_DRAWN_PROBLEMS, RecipeConfig
+
+    with pytest.raises(ValueError, match=r"RecipeConfig.search_problems \(--search-problems\) must be an integer >= 1"):
+        RecipeConfig(search_problems=-5)
+    with pytest.raises(ValueError, match=r"RecipeConfig.samples_per_beam must be an integer >= 1, got 0"):
+        RecipeConfig(samples_per_beam=0)
+    with pytest.raises(ValueError, match=r"RecipeConfig.pav_steps \(--pav-steps\) must be an integer >= 1, got the "
+                                         r"float 3.0"):
+        RecipeConfig(pav_steps=3.0)
+    # a narrow task: the bound is half of what it can produce, not MAX_DRAWN_PROBLEMS
+    narrow = TaskConfig(min_steps=1, max_steps=1, max_start=5, max_amount=2, operations=("add",))
+    with pytest.raises(ValueError, match=r"at most 1200 \(the smaller of 200000, which it draws in seconds, and half "
+                                         r"of the 2400 distinct problems"):
+        RecipeConfig(task=narrow, sft=None, sft_problems=0, label_problems=4, measure_problems=4, search_problems=4,
+                     test_problems=500)
+    assert RecipeConfig(test_problems=MAX_DRAWN_PROBLEMS - 5024).test_problems == MAX_DRAWN_PROBLEMS - 5024
+
+
+def every_question(config: TaskConfig) -> set[str]:
+    """Every question text of ``config``, enumerated: each name, item, start and sequence of changes (a change:
+    its kind, amount and phrase from the task's tables; nothing to give away at a count of 0)."""
+    from verl_prm.apps.word_problems.task import ITEMS, NAMES, OPERATIONS, Problem
+
+    def sequences(value, left, item):
+        if left == 0:
+            yield ()
+            return
+        for kind in config.operations:
+            if kind == "sub" and value < 1:
+                continue
+            amounts = [2] if kind == "mul" else range(1, (min(config.max_amount, value) if kind == "sub"
+                                                          else config.max_amount) + 1)
+            for amount in amounts:
+                new = 2 * value if kind == "mul" else value + amount if kind == "add" else value - amount
+                for phrase in OPERATIONS[kind][0]:
+                    for rest in sequences(new, left - 1, item):
+                        yield ((kind, amount, phrase.format(k=amount, item=item)),) + rest
+
+    return {Problem(name, pronoun, item, start, steps).question for name, pronoun in NAMES for item in ITEMS
+            for start in range(2, config.max_start + 1) for length in range(config.min_steps, config.max_steps + 1)
+            for steps in sequences(start, length, item)}
+
+
+def test_count_problems_is_every_question_the_generator_can_draw():
+    """count_problems against the enumerated question texts (each distinct), which hold every question the
+    generator draws; more problems than that is an error at once instead of endless draws."""
+    import random
+
+    from verl_prm.apps.word_problems import task
+
+    for config in (TaskConfig(min_steps=1, max_steps=2, max_start=3, max_amount=2, operations=("add", "sub", "mul")),
+                   TaskConfig(min_steps=1, max_steps=1, max_start=5, max_amount=2, operations=("add",))):
+        questions = every_question(config)
+        rng = random.Random(0)
+        assert {task._problem(rng, config).question for _ in range(20_000)} <= questions
+        assert len(questions) == task.count_problems(config)
+    assert task.count_problems(TaskConfig(min_steps=1, max_steps=1, max_start=5, max_amount=2,
+                                          operations=("add",))) == 10 * 10 * 4 * 3 * 2
+    with pytest.raises(ValueError, match="could not draw 2401 distinct problems .* it has only 2400 distinct"):
+        generate_problems(2401, TaskConfig(min_steps=1, max_steps=1, max_start=5, max_amount=2, operations=("add",)),
+                          seed=0)

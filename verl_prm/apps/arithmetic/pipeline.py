@@ -71,6 +71,7 @@ from verl_prm.apps.arithmetic.model import ModelConfig, SFTConfig
 from verl_prm.apps.arithmetic.task import STEP_REGEX, TaskConfig
 from verl_prm.apps.arithmetic.verl_rl import ARMS, CRITIC_STAGES, LEARNED_ARMS, SCORE_FILE, RLConfig, device_overrides
 from verl_prm.resume import check_same_settings, jsonable, read_settings, write_settings
+from verl_prm.settings import check_bounds, setting
 
 __all__ = ["Scale", "SCALES", "STAGES", "environment", "run", "main", "scale_from_json", "seed_everything",
            "split_problems", "stage_process_command", "stages_in_own_process"]
@@ -84,6 +85,15 @@ LABEL_SHARD_SIZE = 64  # prompts per label shard (verl-prm label's default)
 MIN_EVAL_SAMPLES = 4  # samples per test prompt at every evaluation (verl's validation and the final policies)
 
 
+# the Scale fields that `verl-prm recipe arithmetic` takes as flags (--<name with dashes>)
+FLAG_FIELDS = ("label_problems", "n_mc", "pav_steps", "threads", "rl_parallel")
+
+
+def scale_key(name: str) -> str:
+    """How an error names Scale setting ``name``: the name, and its flag when it has one."""
+    return f"{name} (--{name.replace('_', '-')})" if name in FLAG_FIELDS else name
+
+
 @dataclass(frozen=True)
 class Scale:
     """Every setting of one run of the recipe."""
@@ -92,21 +102,23 @@ class Scale:
     # The RL, label and test problems have exactly this many operations (None: the task's range, as the SFT
     # data). SFT on a range of lengths, RL on long problems: the SFT policy learns the arithmetic on the short
     # ones and rarely solves the long ones, where outcome-only RL has few groups with a signal.
-    rl_num_ops: Optional[int] = None
-    sft_problems: int = 20000
-    rl_problems: int = 2000
-    label_problems: int = 384
-    test_problems: int = 256
+    rl_num_ops: Optional[int] = setting(None, "Operations of every RL, label and test problem (None: the task's "
+                                        "range).", low=1)
+    sft_problems: int = setting(20000, "SFT problems.", low=1)
+    rl_problems: int = setting(2000, "RL training problems.", low=1)
+    label_problems: int = setting(384, "Problems the label stage labels.", low=1)
+    test_problems: int = setting(256, "Held-out test problems.", low=1)
     model: ModelConfig = field(default_factory=ModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     # verl-prm label
-    n_cov: int = 4
-    n_mc: int = 2
+    n_cov: int = setting(4, "Rollouts per label problem.", low=1)
+    n_mc: int = setting(2, "Prover continuations per step prefix.", low=1)
     label_backend: str = "hf"
-    label_batch_size: int = 1024
+    label_batch_size: int = setting(1024, "Prompts per label generation batch.", low=1)
     # vllm back end: the share of the GPU's memory its engine may take (the label stage's process has the GPU to
     # itself and frees it at its end; the KV cache of the GPU scale's batches needs far less than half an H100)
-    label_gpu_memory_utilization: float = 0.85
+    label_gpu_memory_utilization: float = setting(0.85, "The vllm label engine's share of the GPU's memory.",
+                                                  low=0.0, high=1.0, low_open=True)
     # the learned PAV's backbone: None = the SFT policy, fine-tuned whole by verl-prm train (the PAV paper's
     # choice; on the CPU scale its value ranks prefixes at chance, docs/arithmetic.md); a CriticInitConfig = the
     # policy first taught to check each written result (critic_init with check_weight > 0), then only the value
@@ -121,10 +133,10 @@ class Scale:
     # head's values had 1.5x the size, docs/arithmetic.md), or "adam" as the pav stage
     refined_head_fit: str = "newton"
     # verl-prm train
-    pav_steps: int = 500
-    pav_batch_size: int = 32
-    pav_lr: float = 2e-4
-    pav_warmup: int = 10
+    pav_steps: int = setting(500, "PAV training steps.", low=1)
+    pav_batch_size: int = setting(32, "PAV training batch size.", low=1)
+    pav_lr: float = setting(2e-4, "PAV learning rate.", low=0.0, low_open=True)
+    pav_warmup: int = setting(10, "PAV warm-up steps.", low=0)
     # verl-prm train --calibration: the post-hoc map fitted on the held-out labels and stored in the checkpoint
     # (the pav_learned_calibrated arm applies it, pav_learned reads the raw values); "none" at the test scales,
     # whose few held-out labels cannot fit one
@@ -134,25 +146,26 @@ class Scale:
     rl_arms: tuple[str, ...] = ("grpo", "pav_exact", "pav_learned", "pav_learned_calibrated", "pav_mc")
     rl_seeds: tuple[int, ...] = (0, 1, 2)
     # main_ppo processes at once (a CPU run spends ~40% of a step waiting on verl's replay-buffer poll)
-    rl_parallel: int = 2
+    rl_parallel: int = setting(2, "main_ppo processes at once.", low=1)
     # evaluation: samples per test prompt of the final policies (rl.eval_samples: of verl's validation during RL)
     eval_samples: int = 4
-    search_problems: int = 64
+    search_problems: int = setting(64, "Test problems of the search comparison.", low=1)
     best_of_n: tuple[int, ...] = (1, 2, 4, 8)
     beam_widths: tuple[int, ...] = (1, 2, 4)
-    samples_per_beam: int = 2
+    samples_per_beam: int = setting(2, "Continuations sampled per beam.", low=1)
     search_alpha: float = 0.5
     # the statistics of the RL curves (evaluate.summarise_arms): sample efficiency at the level L, GRPO's
     # seed-mean held-out accuracy at level_fraction of the RL budget; standard errors from bootstrap_resamples
     # resamples of the seeds, drawn from bootstrap_seed
-    level_fraction: float = 2 / 3
-    bootstrap_resamples: int = 2000
-    bootstrap_seed: int = 0
+    level_fraction: float = setting(2 / 3, "The level L of sample efficiency, as a fraction of the RL budget.",
+                                    low=0.0, high=1.0, low_open=True)
+    bootstrap_resamples: int = setting(2000, "Bootstrap resamples of the seeds.", low=2)
+    bootstrap_seed: int = setting(0, "Seed of the bootstrap.", low=0)
     device: str = "cpu"
     # torch intra-op threads for every stage: how a float reduction is split may depend on it, so it is a
     # setting, not the machine's core count (1: no split, and the fastest on a shared machine, where a second
     # thread waits for a core)
-    threads: int = 1
+    threads: int = setting(1, "Torch intra-op threads of every stage.", low=1)
 
     @property
     def trainer_device(self) -> str:
@@ -161,17 +174,14 @@ class Scale:
         return "cpu" if self.device == "cpu" else "cuda"
 
     def __post_init__(self) -> None:
-        if self.rl_num_ops is not None and not 1 <= self.rl_num_ops:
-            raise ValueError(f"rl_num_ops must be >= 1 or None, got {self.rl_num_ops}")
-        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
-            raise ValueError(f"threads (--threads) must be an integer >= 1, got {self.threads!r}")
+        # every count an integer within its bounds, every bounded float finite within them: a bad flag
+        # (--n-mc 0, --label-problems -4, --pav-steps -2) is an error here, before the data stage starts
+        check_bounds(self, scale_key)
         unknown = [arm for arm in self.rl_arms if arm not in ARMS]
         if unknown or not self.rl_arms:
             raise ValueError(f"rl_arms must name arms of {tuple(ARMS)}, got {self.rl_arms}")
         if not self.rl_seeds or len(set(self.rl_seeds)) != len(self.rl_seeds):
             raise ValueError(f"rl_seeds must be distinct seeds, got {self.rl_seeds}")
-        if isinstance(self.rl_parallel, bool) or not isinstance(self.rl_parallel, int) or self.rl_parallel < 1:
-            raise ValueError(f"rl_parallel must be an integer >= 1, got {self.rl_parallel!r}")
         if self.critic_refine is not None and (self.critic_init is None or not self.critic_refine.check_weight > 0):
             raise ValueError("critic_refine trains critic_init's backbone on at its check: it needs critic_init and "
                              "check_weight > 0")
@@ -190,22 +200,13 @@ class Scale:
 
         if self.pav_calibration not in CALIBRATION_METHODS:
             raise ValueError(f"pav_calibration must be one of {', '.join(CALIBRATION_METHODS)}, got {self.pav_calibration!r}")
-        for name in ("pav_lr", "search_alpha"):
-            value = getattr(self, name)
-            if not np.isfinite(value):
-                raise ValueError(f"{name} must be finite, got {value!r}")
+        if not np.isfinite(self.search_alpha):
+            raise ValueError(f"search_alpha must be finite, got {self.search_alpha!r}")
         # one sample per prompt gives each evaluation point a standard error of ~0.025 at 256 prompts, as large as
         # the differences the curves are read for
         for name, value in (("eval_samples", self.eval_samples), ("rl.eval_samples", self.rl.eval_samples)):
             if value < MIN_EVAL_SAMPLES:
                 raise ValueError(f"{name} must be >= {MIN_EVAL_SAMPLES} samples per test prompt, got {value}")
-        if not 0 < self.level_fraction <= 1:  # also NaN
-            raise ValueError(f"level_fraction must be in (0, 1], got {self.level_fraction!r}")
-        if isinstance(self.bootstrap_resamples, bool) or not isinstance(self.bootstrap_resamples, int) \
-                or self.bootstrap_resamples < 2:
-            raise ValueError(f"bootstrap_resamples must be an integer >= 2, got {self.bootstrap_resamples!r}")
-        if not 0 < self.label_gpu_memory_utilization <= 1:  # also NaN
-            raise ValueError(f"label_gpu_memory_utilization must be in (0, 1], got {self.label_gpu_memory_utilization!r}")
 
     @property
     def max_new_tokens(self) -> int:

@@ -36,19 +36,20 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import sys
 import time
 import zlib
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
 from verl_prm.apps.arithmetic.model import SFTConfig
 from verl_prm.apps.arithmetic.pipeline import Stage, environment, environment_differences, seed_everything
 from verl_prm.apps.word_problems.score import DATA_SOURCE
-from verl_prm.apps.word_problems.task import STEP_DELIMITER, Problem, TaskConfig, generate_problems, prompt_messages
+from verl_prm.apps.word_problems.task import (STEP_DELIMITER, Problem, TaskConfig, count_problems,
+                                              generate_problems, prompt_messages)
 from verl_prm.cli_types import finite_float
+from verl_prm.settings import check_bounds, doc_of, setting, setting_type
 
 __all__ = ["RecipeConfig", "SCALES", "STAGES", "main", "resolve_base", "run", "split_problems"]
 
@@ -61,67 +62,90 @@ LABEL_POOL = 1024  # label problems the data stage writes; the label stage label
 SPLIT_SEEDS = {"test": 1, "shots": 2, "sft": 3, "label": 4}
 
 
+# The most problems the data stage draws (test + shots + sft + LABEL_POOL), all distinct and held in memory:
+# 100,000 draws took 2 s and 82 MB of problems on the 2-core CPU machine, so this bound keeps the stage within
+# seconds and ~200 MB; a count beyond it (or beyond half of what the task can produce) is an error up front.
+MAX_DRAWN_PROBLEMS = 200_000
+
+
 @dataclass(frozen=True)
 class RecipeConfig:
-    """Every setting of one run of the recipe."""
+    """Every setting of one run of the recipe. Each count is an integer within its bounds (``setting``), checked
+    when the config is made, so a bad flag is an error before any stage runs."""
 
-    base: str = SMOLLM2
-    task: TaskConfig = field(default_factory=TaskConfig)
-    # few-shot examples in every prompt (the instruction alone when 0)
-    shots: int = 0
-    sft_problems: int = 4000
-    # None: no fine-tune, the policy is the base
-    sft: Optional[SFTConfig] = field(default_factory=lambda: SFTConfig(
-        steps=24, batch_size=8, lr=1e-4, warmup_steps=3, min_lr_ratio=0.1, weight_decay=0.0))
-    measure_problems: int = 64
-    test_problems: int = 128
-    max_new_tokens: int = 96
-    generation_batch_size: int = 32
-    # verl-prm label: the first label_problems of the data stage's LABEL_POOL label problems
-    label_problems: int = 48
-    n_cov: int = 4
-    n_mc: int = 4
-    label_shard_size: int = 4
-    # the PAV and the ORM: value heads on the frozen policy, fitted by Newton's method (at most pav_steps iterations)
-    pav_steps: int = 50
-    pav_batch_size: int = 16
-    # the heads' ridge penalty (verl-prm train --head-l2; 0: the plain fit): 576 features against ~800 labelled
-    # steps interpolate without one (docs/real_model.md)
-    pav_l2: float = 0.0
-    # search on the first search_problems test problems
-    search_problems: int = 64
+    base: str = setting(SMOLLM2, "The base policy: a HF directory or hub id (smollm2: the converted "
+                        "SmolLM2-135M-Instruct).")
+    task: TaskConfig = setting(factory=TaskConfig, doc="The problems' ranges.")
+    shots: int = setting(0, "Few-shot examples in every prompt (the instruction alone when 0).", low=0)
+    sft_problems: int = setting(4000, "Reference solutions the SFT stage trains on.", low=0)
+    sft: Optional[SFTConfig] = setting(factory=lambda: SFTConfig(
+        steps=24, batch_size=8, lr=1e-4, warmup_steps=3, min_lr_ratio=0.1, weight_decay=0.0),
+        doc="The fine-tune of the base; None: no fine-tune, the policy is the base.")
+    measure_problems: int = setting(64, "Test problems of the measure stage (the first ones).", low=0)
+    test_problems: int = setting(128, "Test problems the data stage draws.", low=1)
+    max_new_tokens: int = setting(96, "The most tokens of a response.", low=1)
+    generation_batch_size: int = setting(32, "Prompts per generation batch.", low=1)
+    label_problems: int = setting(48, f"Problems labelled: the first of the data stage's {LABEL_POOL} label "
+                                  "problems.", low=1, high=LABEL_POOL)
+    n_cov: int = setting(4, "Rollouts per label problem.", low=1)
+    n_mc: int = setting(4, "Continuations per step prefix.", low=1)
+    label_shard_size: int = setting(4, "Label problems per label shard.", low=1)
+    pav_steps: int = setting(50, "Newton iterations (at most) of the PAV's and the ORM's value heads on the "
+                             "frozen policy.", low=1)
+    pav_batch_size: int = setting(16, "Batch size of the heads' feature passes.", low=1)
+    pav_l2: float = setting(0.0, "Ridge penalty of the PAV's and ORM's heads (verl-prm train --head-l2; 0: the "
+                            "plain fit): 576 features against ~800 labelled steps interpolate without one "
+                            "(docs/real_model.md).", low=0.0)
+    search_problems: int = setting(64, "Test problems of the search stage (the first ones).", low=1)
     best_of_n: tuple[int, ...] = (1, 2, 4, 8)
     beam_widths: tuple[int, ...] = (1, 2, 4)
-    samples_per_beam: int = 2
-    alpha: float = 0.5
-    best_of_k: int = 4
-    # best-of-N by the PAV: this aggregation of its step values (verl_prm.advantages.AGGREGATIONS)
-    pav_rank: str = "min"
-    threads: int = 1
+    samples_per_beam: int = setting(2, "Continuations sampled per beam.", low=1)
+    alpha: float = setting(0.5, "Weight of the advantage in the beam search's Q + alpha * A.", low=0.0)
+    best_of_k: int = setting(4, "K of the Best-of-K prover whose advantage the beam search reads.", low=1)
+    pav_rank: str = setting("min", "Best-of-N by the PAV: this aggregation of its step values "
+                            "(verl_prm.advantages.AGGREGATIONS).")
+    threads: int = setting(1, "Torch threads.", low=1)
 
     def __post_init__(self) -> None:
-        counts = {"shots": self.shots, "sft_problems": self.sft_problems, "measure_problems": self.measure_problems,
-                  "test_problems": self.test_problems, "label_problems": self.label_problems}
-        negative = {k: v for k, v in counts.items() if v < 0}
-        if negative:
-            raise ValueError(f"RecipeConfig: counts must be >= 0, got {negative}")
-        small = {k: getattr(self, k) for k in ("max_new_tokens", "generation_batch_size", "n_cov", "n_mc",
-                                                "label_shard_size", "threads") if getattr(self, k) < 1}
-        if small:
-            raise ValueError(f"RecipeConfig: these settings must be >= 1, got {small}")
-        if not math.isfinite(self.alpha) or self.alpha < 0:
-            raise ValueError(f"RecipeConfig: alpha must be finite and >= 0, got {self.alpha!r}")
+        check_bounds(self, recipe_key)
         if min(self.best_of_n + self.beam_widths, default=0) < 1 or not self.best_of_n or not self.beam_widths:
             raise ValueError(f"RecipeConfig: best_of_n and beam_widths need values >= 1, got {self.best_of_n}, "
                              f"{self.beam_widths}")
-        if not (math.isfinite(self.pav_l2) and self.pav_l2 >= 0):
-            raise ValueError(f"RecipeConfig: pav_l2 must be a finite number >= 0, got {self.pav_l2!r}")
-        if self.label_problems > LABEL_POOL:
-            raise ValueError(f"RecipeConfig: label_problems must be at most {LABEL_POOL}, got {self.label_problems}")
         if max(self.measure_problems, self.search_problems) > self.test_problems:
             raise ValueError(f"RecipeConfig: measure_problems ({self.measure_problems}) and search_problems "
                              f"({self.search_problems}) are the first test problems: at most test_problems "
                              f"({self.test_problems})")
+        check_drawable(self)
+
+
+# the RecipeConfig fields that `verl-prm recipe word-problems` takes as flags (--<name with dashes>)
+FLAG_FIELDS = ("shots", "label_problems", "n_cov", "n_mc", "measure_problems", "test_problems", "search_problems",
+               "pav_steps", "pav_l2", "max_new_tokens", "threads")
+
+
+def recipe_key(name: str) -> str:
+    """How an error names setting ``name``: ``RecipeConfig.<name>`` and its flag, when it has one."""
+    flag = f" (--{name.replace('_', '-')})" if name in FLAG_FIELDS else ""
+    return f"RecipeConfig.{name}{flag}"
+
+
+def check_drawable(config: RecipeConfig) -> None:
+    """The splits' distinct problems (``split_problems``) can be drawn: at most ``MAX_DRAWN_PROBLEMS`` and at most
+    half of the task's distinct questions (``task.count_problems``: rejection draws of more take ever longer);
+    else a ValueError naming the counts, the bound and the fix."""
+    counts = {"test_problems": config.test_problems, "shots": config.shots,
+              "sft_problems": config.sft_problems if config.sft else 0, "label pool": LABEL_POOL}
+    drawn = sum(counts.values())
+    available = count_problems(config.task)
+    limit = min(MAX_DRAWN_PROBLEMS, available // 2)
+    if drawn > limit:
+        largest = max(("test_problems", "shots", "sft_problems"), key=lambda name: counts[name])
+        raise ValueError(
+            f"RecipeConfig: the data stage would draw {drawn} distinct problems ("
+            + " + ".join(f"{name} {count}" for name, count in counts.items())
+            + f"), more than it can generate: at most {limit} (the smaller of {MAX_DRAWN_PROBLEMS}, which it "
+            f"draws in seconds, and half of the {available} distinct problems of {config.task}); lower "
+            f"{recipe_key(largest)}")
 
 
 SCALES = {
@@ -450,19 +474,11 @@ def recipe_parser() -> argparse.ArgumentParser:
     parser.add_argument("--base", default=None,
                         help=f"base policy: a HF directory or hub id ({SMOLLM2!r}: the converted SmolLM2-135M-Instruct)")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
-    parser.add_argument("--shots", type=int, default=None, help="few-shot examples in every prompt")
     parser.add_argument("--sft-steps", type=int, default=None, help="SFT steps (0: no fine-tune)")
-    parser.add_argument("--label-problems", type=int, default=None)
-    parser.add_argument("--n-cov", type=int, default=None, help="rollouts per label problem")
-    parser.add_argument("--n-mc", type=int, default=None, help="continuations per step prefix")
-    parser.add_argument("--measure-problems", type=int, default=None)
-    parser.add_argument("--test-problems", type=int, default=None)
-    parser.add_argument("--search-problems", type=int, default=None, help="test problems of the search stage")
-    parser.add_argument("--pav-steps", type=int, default=None, help="Newton iterations of the PAV's and ORM's heads")
-    parser.add_argument("--pav-l2", type=finite_float(0.0), default=None,
-                        help="ridge penalty of the PAV's and ORM's heads (verl-prm train --head-l2; default 0)")
-    parser.add_argument("--max-new-tokens", type=int, default=None)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default 1)")
+    for name in FLAG_FIELDS:  # checked by RecipeConfig (its bounds), before any stage runs
+        number = finite_float() if setting_type(RecipeConfig, name)[0] is float else int
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=number, default=None,
+                            help=f"{doc_of(RecipeConfig, name)} (default {getattr(SCALES['cpu'], name)})")
     parser.add_argument("--no-progress", action="store_true")
     return parser
 
@@ -473,10 +489,7 @@ def config_from_args(args: argparse.Namespace) -> RecipeConfig:
         sft = None if args.sft_steps == 0 else replace(config.sft or SFTConfig(), steps=args.sft_steps,
                                                        warmup_steps=min(args.sft_steps, (config.sft or SFTConfig()).warmup_steps))
         config = replace(config, sft=sft)
-    overrides = {"base": args.base, "shots": args.shots, "label_problems": args.label_problems, "n_cov": args.n_cov,
-                 "n_mc": args.n_mc, "measure_problems": args.measure_problems, "test_problems": args.test_problems,
-                 "search_problems": args.search_problems, "pav_steps": args.pav_steps, "pav_l2": args.pav_l2, "max_new_tokens": args.max_new_tokens,
-                 "threads": args.threads}
+    overrides = {"base": args.base, **{name: getattr(args, name) for name in FLAG_FIELDS}}
     return replace(config, **{k: v for k, v in overrides.items() if v is not None})
 
 

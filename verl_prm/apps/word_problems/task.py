@@ -16,12 +16,13 @@ the reward (:mod:`.score`) is 1 when it equals the problem's answer. Every count
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-__all__ = ["OPERATIONS", "Problem", "TaskConfig", "apply", "few_shot_messages", "generate_problems",
+__all__ = ["OPERATIONS", "Problem", "TaskConfig", "apply", "count_problems", "few_shot_messages", "generate_problems",
            "parse_answer", "prompt_messages", "INSTRUCTION", "STEP_DELIMITER"]
 
 STEP_DELIMITER = "\n"
@@ -126,9 +127,49 @@ def _problem(rng: random.Random, config: TaskConfig) -> Problem:
     return Problem(name, pronoun, item, start, tuple(steps))
 
 
+def count_problems(config: TaskConfig = TaskConfig()) -> int:
+    """How many distinct questions ``config`` can produce (the draws of ``_problem``; a question's text is one
+    of each name, item, start and sequence of changes, each change's kind, amount and phrase).
+
+    With ``n(v, L)`` the sequences of ``L`` changes from the count ``v``::
+
+        n(v, 0) = 1
+        n(v, L) = |add phrases| * sum_{k=1..max_amount} n(v + k, L - 1)
+                + |sub phrases| * sum_{k=1..min(max_amount, v)} n(v - k, L - 1)     (sub only when v >= 1)
+                + |mul phrases| * n(2 v, L - 1)
+
+    the count is ``|names| * |items| * sum_{start=2..max_start} sum_{L=min_steps..max_steps} n(start, L)``.
+    """
+
+    @functools.lru_cache(maxsize=None)
+    def sequences(value: int, left: int) -> int:
+        if left == 0:
+            return 1
+        total = 0
+        for kind in config.operations:
+            phrases = len(OPERATIONS[kind][0])
+            if kind == "add":
+                total += phrases * sum(sequences(value + k, left - 1) for k in range(1, config.max_amount + 1))
+            elif kind == "sub":
+                total += phrases * sum(sequences(value - k, left - 1)
+                                       for k in range(1, min(config.max_amount, value) + 1))
+            else:
+                total += phrases * sequences(2 * value, left - 1)
+        return total
+
+    per_person = sum(sequences(start, steps) for start in range(2, config.max_start + 1)
+                     for steps in range(config.min_steps, config.max_steps + 1))
+    return len(NAMES) * len(ITEMS) * per_person
+
+
 def generate_problems(n: int, config: TaskConfig = TaskConfig(), *, seed: int,
                       exclude: Sequence[str] = ()) -> list[Problem]:
-    """``n`` distinct problems (by question) from ``seed``, none whose question is in ``exclude``."""
+    """``n`` distinct problems (by question) from ``seed``, none whose question is in ``exclude``. More than the
+    config's ``count_problems`` is an error at once (the draws would never end)."""
+    available = count_problems(config)
+    if n > available:
+        raise ValueError(f"generate_problems: could not draw {n} distinct problems from {config}: it has only "
+                         f"{available} distinct questions; widen the ranges or ask for fewer")
     rng, seen, out = random.Random(seed), set(exclude), []
     tries = 0
     while len(out) < n:

@@ -1,7 +1,8 @@
-"""A tiny random-weight causal LM and a byte-level BPE tokenizer trained on local text, for CPU smoke runs of
-``verl-prm label`` and ``verl-prm train`` without downloads (its samples are noise; the outcome is ~always 0)::
+"""A tiny random-weight causal LM and a byte-level BPE tokenizer trained on local text, for the tests and CPU
+smoke runs of ``verl-prm label`` and ``verl-prm train`` without downloads (its samples are noise; the outcome is
+~always 0). A test fixture, not in the wheel; from a checkout::
 
-    python -m verl_prm.labeling.tiny_model --texts data/gsm8k_test.jsonl --output tiny_lm
+    python tests/tiny_model.py --texts data/gsm8k_test.jsonl --output tiny_lm
 """
 
 from __future__ import annotations

@@ -200,7 +200,7 @@ def test_no_function_is_longer_than_80_lines_of_code():
 
 def test_the_package_imports_no_study_and_no_test_helper():
     """studies/ and tests/ stay out of the wheel (pyproject: packages verl_prm* only): no module imports them."""
-    outside = {"studies", "tests", "scripted_code", "search_support", "sandbox_support", "verl_support"}
+    outside = {"studies", "tests", "scripted_code", "search_support", "sandbox_support", "verl_support", "tiny_model"}
     offenders = []
     for module, path in MODULES.items():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -211,3 +211,12 @@ def test_the_package_imports_no_study_and_no_test_helper():
                 names = [node.module]
             offenders += [f"{module}:{node.lineno} {name}" for name in names if name.split(".")[0] in outside]
     assert offenders == [], "package modules that import what the wheel does not hold:\n" + "\n".join(offenders)
+
+
+def test_test_fixtures_stay_out_of_the_package():
+    """A module only tests use lives under tests/ (the wheel holds verl_prm* only): the random tiny LM writer is
+    there; the closed-form task stays a library module because ``verl-prm bench gpu`` labels it for its training
+    section (with the real Monte-Carlo labeller, on a bare machine)."""
+    assert "verl_prm.labeling.tiny_model" not in MODULES and (TESTS_DIR / "tiny_model.py").is_file()
+    assert "verl_prm.labeling.scripted" not in MODULES
+    assert "verl_prm.labeling.closed_form_task" in GRAPH["verl_prm.apps.bench.gpu"]

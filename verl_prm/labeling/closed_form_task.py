@@ -1,5 +1,6 @@
-"""A scripted text task whose prover values are known in closed form, for testing labellers and critics, and the
-labelled workload of ``verl-prm bench gpu`` (its PAV training steps), which is why it ships with the package.
+"""A text task whose prover values are known in closed form, written by a scripted policy: the labelled workload
+of ``verl-prm bench gpu`` (its PAV training steps label it with the real Monte-Carlo labeller, on any machine,
+without a model download), which is why it ships with the package; the tests check labellers and critics on it.
 
 Prompt ``"Task {i}: write {H} lines.\\nAnswer:\\n"``; a response is ``H`` steps separated by ``delimiter``; a
 correct step is ``x=<digit>``, a wrong step ``y=<digit>``. The outcome is 1 iff the response has exactly

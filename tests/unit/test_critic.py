@@ -988,3 +988,52 @@ def test_features_are_the_backbone_states_the_head_reads_and_a_new_head_gives_it
     other = load_critic("qwen_prm", checkpoints["qwen_prm"])
     with pytest.raises(ValueError, match="set_value_head needs a critic of format 'value_head'"):
         other.set_value_head(weight, 0.0)
+
+
+def _word_level_critic(directory: Path) -> Path:
+    """A value-head critic whose config says qwen2 and whose saved tokenizer is word-level (trained here on
+    whitespace-split words): the probe of a tokenizer that transformers' model-type mapping would replace."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    words = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    texts = ["Sam has 3 apples .", "He buys 4 more apples : 3 + 4 = 7 .", "The answer is 7 ."]
+    words.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=["[UNK]", "[PAD]", "[EOS]"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]", pad_token="[PAD]",
+                                        eos_token="[EOS]")
+    tokenizer.save_pretrained(directory)
+    torch.manual_seed(0)
+    Qwen2ForTokenClassification(_config(len(tokenizer), num_labels=1)).eval().save_pretrained(directory)
+    assert json.loads((directory / "config.json").read_text())["model_type"] == "qwen2"
+    return directory
+
+
+def test_a_critic_tokenizes_as_its_saved_tokenizer_not_as_its_model_type_says(tmp_path, caplog):
+    """transformers 5 maps model_type qwen2 to Qwen2Tokenizer and rebuilds the saved word-level tokenizer as a
+    byte-level BPE ("Sam has 3 apples ." became 2 tokens, a word-only prompt none). The critic tokenizes as the
+    saved tokenizer.json does (the reference: the tokenizers library reading that file), and says so."""
+    from tokenizers import Tokenizer
+
+    directory = _word_level_critic(tmp_path / "word_level")
+    saved = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    with caplog.at_level("WARNING"):
+        critic = ProverCritic.from_pretrained(str(directory), device="cpu")
+    assert "whose normalizer, pre_tokenizer, model, decoder differ from the saved tokenizer.json" in caplog.text
+    for text in ("Sam has 3 apples .", "He buys 4 more apples : 3 + 4 = 7 .", "The answer is 7 .", "Sam has"):
+        assert critic.tokenizer(text, add_special_tokens=False)["input_ids"] == saved.encode(text).ids
+    assert (critic.tokenizer.eos_token, critic.tokenizer.pad_token) == ("[EOS]", "[PAD]")
+    scores = critic.score_texts(["Sam has"], ["He buys 4 more apples\n\nThe answer is 7 ."], delimiter="\n\n")
+    assert scores.num_steps.tolist() == [2] and torch.isfinite(scores.step_values[0, :2]).all()
+    # a checkpoint whose tokenizer loads as saved (here: the Qwen2Tokenizer transformers made, saved) keeps the
+    # class transformers picks, with no warning
+    from transformers import AutoTokenizer
+
+    caplog.clear()
+    consistent = tmp_path / "consistent"
+    reloaded = AutoTokenizer.from_pretrained(directory)
+    reloaded.save_pretrained(consistent)
+    for name in ("config.json", "model.safetensors"):
+        (consistent / name).write_bytes((directory / name).read_bytes())
+    with caplog.at_level("WARNING"):
+        again = ProverCritic.from_pretrained(str(consistent), device="cpu")
+    assert "differ from the saved tokenizer.json" not in caplog.text and type(again.tokenizer) is type(reloaded)

@@ -202,35 +202,32 @@ def test_smollm2_from_pypi_answers_with_its_own_eos():
     assert int(finished.argmax()) == 2 and finished[2] > finished[1] + 5
 
 
-def test_output_paths_that_are_files_are_named_on_the_terminal_before_any_download(tiny_gguf, tmp_path, capsys,
-                                                                                      monkeypatch):
-    """Issue 59: a file as --output-dir or --cache-dir printed "[Errno 17] File exists" or told to delete a
-    directory; an empty directory was refused. The terminal line names the file and the fix; an empty directory
-    is converted into; --cache-dir is checked before anything is downloaded."""
-    from verl_prm.apps import cli as app_cli
+def test_output_paths_that_are_files_are_named_before_any_download_and_an_empty_directory_is_converted_into(
+        tiny_gguf, tmp_path, capsys, monkeypatch):
+    """A file as --output-dir or --cache-dir gave "[Errno 17] File exists" or told to delete a directory; an
+    empty directory was refused. The error names the file and the fix (the dispatcher prints it on the terminal:
+    tests/apps/test_cli.py); --cache-dir is checked before anything is downloaded."""
     from verl_prm.models import gguf as module
 
-    monkeypatch.setenv("VERL_PRM_LOG_DIR", str(tmp_path / "logs"))
     a_file = tmp_path / "a_file"
     a_file.write_text("notes")
-    assert app_cli.main(["model", "from-gguf", str(tiny_gguf[0]), "--output-dir", str(a_file)]) == 1
-    err = capsys.readouterr().err
-    assert f"verl-prm model: error: {a_file} is a file, not a directory: the output directory (--output-dir) " \
-           "must be a directory" in err and "remove the file" in err
-    assert app_cli.main(["model", "from-gguf", str(tiny_gguf[0]), "--output-dir", str(a_file / "sub")]) == 1
-    assert f"{a_file} is a file, not a directory (it would hold {a_file / 'sub'})" in capsys.readouterr().err
+    with pytest.raises(GgufError, match=rf"^{a_file} is a file, not a directory: the output directory "
+                                        r"\(--output-dir\) must be a directory .*remove the file$"):
+        model_cli.main(["from-gguf", str(tiny_gguf[0]), "--output-dir", str(a_file)])
+    with pytest.raises(GgufError, match=rf"^{a_file} is a file, not a directory \(it would hold {a_file / 'sub'}\)"):
+        convert_gguf(tiny_gguf[0], a_file / "sub")
 
     def no_download(*args, **kwargs):
         raise AssertionError(f"downloaded before checking the cache directory: {args}")
 
     monkeypatch.setattr(module.subprocess, "run", no_download)
-    assert app_cli.main(["model", "smollm2", "--cache-dir", str(a_file)]) == 1
-    err = capsys.readouterr().err
-    assert f"error: {a_file} is a file, not a directory (it would hold {a_file / SMOLLM2.name}): the cache " \
-           "directory (--cache-dir, $VERL_PRM_CACHE) must be a directory" in err
+    with pytest.raises(GgufError, match=rf"^{a_file} is a file, not a directory \(it would hold "
+                                        rf"{a_file / SMOLLM2.name}\): the cache directory \(--cache-dir, "
+                                        r"\$VERL_PRM_CACHE\) must be a directory"):
+        model_cli.main(["smollm2", "--cache-dir", str(a_file)])
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert app_cli.main(["model", "from-gguf", str(tiny_gguf[0]), "--output-dir", str(empty)]) == 0
+    assert model_cli.main(["from-gguf", str(tiny_gguf[0]), "--output-dir", str(empty)]) == 0
     assert capsys.readouterr().out.strip() == str(empty)
     assert read_conversion(empty)["source"] == tiny_gguf[0].name and (empty / "model.safetensors").is_file()
 

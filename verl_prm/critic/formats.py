@@ -90,7 +90,69 @@ __all__ = [
     "read_head_from_safetensors",
     "default_attn_implementation",
     "resolve_dtype",
+    "load_critic_tokenizer",
+    "tokenizer_differences",
 ]
+
+
+# The parts of a tokenizer.json that decide how text becomes ids and ids become text.
+TOKENIZING_PARTS = ("normalizer", "pre_tokenizer", "model", "decoder")
+
+
+def tokenizer_differences(tokenizer, saved: dict) -> list[str]:
+    """The ``TOKENIZING_PARTS`` of the saved ``tokenizer.json`` (a dict) that ``tokenizer``'s backend does not
+    have as saved; both are compared as the tokenizers library writes them. A tokenizer without a tokenizers
+    backend (a slow one) differs in every part."""
+    from tokenizers import Tokenizer
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return list(TOKENIZING_PARTS)
+    loaded = json.loads(backend.to_str())
+    written = json.loads(Tokenizer.from_str(json.dumps(saved)).to_str())
+    return [part for part in TOKENIZING_PARTS if written.get(part) != loaded.get(part)]
+
+
+def load_critic_tokenizer(path: str | Path):
+    """The tokenizer of the critic checkpoint ``path``, tokenizing exactly as its saved ``tokenizer.json`` does.
+
+    transformers 5 picks the tokenizer class from config.json's ``model_type`` (qwen2 -> ``Qwen2Tokenizer``),
+    and that class builds its normalizer, pre-tokenizer and model from its own code, replacing the saved ones:
+    a word-level tokenizer saved next to a qwen2 config loads as Qwen2's byte-level BPE and splits text unlike
+    the tokenizer the critic was trained with. So the class transformers picks is kept only when its
+    ``TOKENIZING_PARTS`` equal the file's; otherwise the file is loaded as it is (``PreTrainedTokenizerFast``,
+    with the special tokens and chat template of ``tokenizer_config.json``) and a warning names the parts. A
+    file that even so does not load as saved is a ``CheckpointError``. Without a local ``tokenizer.json`` (slow
+    tokenizer files, a hub id) transformers' choice stands.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    file = Path(str(path)) / "tokenizer.json"
+    if not file.is_file():
+        return tokenizer
+    try:
+        saved = json.loads(file.read_text(encoding="utf-8"))
+        differences = tokenizer_differences(tokenizer, saved)
+    except Exception as error:  # a file transformers read but the tokenizers library cannot parse
+        raise CheckpointError(f"critic checkpoint {str(path)!r}: its tokenizer.json cannot be read by the "
+                              f"tokenizers library ({type(error).__name__}: {error}); save the critic's tokenizer "
+                              "again (tokenizer.save_pretrained)") from error
+    if not differences:
+        return tokenizer
+    exact = PreTrainedTokenizerFast.from_pretrained(str(path), trust_remote_code=False)
+    remaining = tokenizer_differences(exact, saved)
+    if remaining:
+        raise CheckpointError(
+            f"critic checkpoint {str(path)!r}: transformers loads its tokenizer as {type(tokenizer).__name__} with "
+            f"another {', '.join(differences)} than its tokenizer.json, and even loaded as it is the "
+            f"{', '.join(remaining)} differ, so the critic would not tokenize as it was trained; save the tokenizer "
+            "it was trained with (tokenizer.save_pretrained) next to the model")
+    logger.warning(
+        "critic checkpoint %r: transformers would load its tokenizer as %s (chosen by config.json's model_type), "
+        "whose %s differ from the saved tokenizer.json; the critic uses tokenizer.json as it is", str(path),
+        type(tokenizer).__name__, ", ".join(differences))
+    return exact
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:

@@ -25,7 +25,8 @@ import torch
 from verl_prm.advantages import best_of_k as best_of_k_transform
 from verl_prm.checkpoints import allow_pickle_default, resolve_checkpoint
 from verl_prm.checks import check_number
-from verl_prm.critic.formats import FORMATS, CriticFormat, TextInput, default_attn_implementation, resolve_dtype
+from verl_prm.critic.formats import (FORMATS, CriticFormat, TextInput, default_attn_implementation,
+                                     load_critic_tokenizer, resolve_dtype)
 from verl_prm.critic.packing import (
     BatchTensors,
     CriticInput,
@@ -196,7 +197,8 @@ class ProverCritic:
                 implementation, but sdpa/eager then build a block-diagonal mask over the whole row), ``"padded"``.
             max_padding_share: padded mode: a micro-batch closes before its padded share would exceed this.
             attn_implementation: default flash_attention_2 on CUDA for bf16/fp16 when flash-attn is installed, else sdpa.
-            tokenizer: default ``AutoTokenizer.from_pretrained(path)``.
+            tokenizer: default the checkpoint's own, tokenizing as its saved ``tokenizer.json``
+                (``verl_prm.critic.formats.load_critic_tokenizer``).
             progress: tqdm bar over micro-batches.
             allow_pickle: also load pickle-only weights (``pytorch_model.bin``; unpickling can run code). Default:
                 the ``VERL_PRM_ALLOW_PICKLE`` environment variable, else False (safetensors only). Weights the
@@ -217,10 +219,8 @@ class ProverCritic:
         torch_dtype = resolve_dtype(dtype, device)
         attn = attn_implementation or default_attn_implementation(device, torch_dtype)
         if tokenizer is None:
-            from transformers import AutoTokenizer
-
             _require_tokenizer_files(path)
-            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+            tokenizer = load_critic_tokenizer(path)
         adapter = FORMATS[format].load(path, tokenizer, dtype=torch_dtype, attn_implementation=attn, device=device,
                                        allow_pickle=allow_pickle, **format_options)
         adapter.to(device)  # the fp32 heads some formats build on the host; the backbone is already there

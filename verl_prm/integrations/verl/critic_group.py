@@ -50,12 +50,12 @@ def critic_worker_kwargs(hook: HookConfig) -> dict[str, Any]:
 def policy_tokenizer_path(hook: HookConfig, model_config, policy_tokenizer) -> str | None:
     """The policy tokenizer's path (``actor_rollout_ref.model``) when the critic's tokenizer differs from
     ``policy_tokenizer``, else None. An exact critic (format "exact") always gets it: it reads the text."""
-    from transformers import AutoTokenizer
+    from verl_prm.critic.formats import load_critic_tokenizer
 
     path = model_config.get("tokenizer_path", None) or model_config.path
     if hook.critic.format == EXACT_CRITIC_FORMAT:
         return copy_to_local(path)
-    critic_tokenizer = AutoTokenizer.from_pretrained(copy_to_local(hook.critic.path), trust_remote_code=False)
+    critic_tokenizer = load_critic_tokenizer(copy_to_local(hook.critic.path))  # as the critic workers load it
     if critic_tokenizer.get_vocab() == policy_tokenizer.get_vocab():
         return None
     return copy_to_local(path)

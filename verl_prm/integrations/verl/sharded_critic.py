@@ -209,10 +209,9 @@ class ShardedProverCriticWorker(ProverCriticWorker):
 
     def _load_critic(self, kwargs: dict[str, Any]):
         from torch.distributed.device_mesh import init_device_mesh
-        from transformers import AutoTokenizer
 
         from verl_prm.checkpoints import resolve_checkpoint
-        from verl_prm.critic.formats import default_attn_implementation, resolve_dtype
+        from verl_prm.critic.formats import default_attn_implementation, load_critic_tokenizer, resolve_dtype
         from verl_prm.critic.scorer import ProverCritic
 
         kwargs = dict(kwargs)
@@ -229,7 +228,7 @@ class ShardedProverCriticWorker(ProverCriticWorker):
         init_critic_process_group(device)
         mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
         path = resolve_checkpoint(self.model_path, "critic", allow_pickle=False)
-        tokenizer = kwargs.pop("tokenizer", None) or AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        tokenizer = kwargs.pop("tokenizer", None) or load_critic_tokenizer(path)
         dtype = resolve_dtype(kwargs.pop("dtype", None), device)
         attn = kwargs.pop("attn_implementation", None) or default_attn_implementation(device, dtype)
         adapter = load_sharded_value_head(path, tokenizer, device=device, dtype=dtype, attn_implementation=attn,

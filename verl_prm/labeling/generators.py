@@ -6,8 +6,7 @@ A generator turns prompt texts into ``n`` sampled completions each::
 
 ``texts[i]`` is the full text the model continues (rendered prompt + response prefix, special tokens of a
 chat template included: tokenised without adding special tokens). ``seeds[i]`` seeds the samples of
-``texts[i]``: vLLM and the scripted generator honour it per text, so results do not depend on batching; the
-transformers back end seeds each micro-batch from the seeds in it (reproducible for the same batches).
+``texts[i]``: every back end honours it per text, so results do not depend on batching.
 Completions are returned in input order; a completion ends at an EOS token (``finished=True``, the EOS is not
 part of ``text``) or at ``max_new_tokens`` (``finished=False``).
 """
@@ -19,6 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
+from verl_prm.generation import GenerationEngine, GenerationRequest, resolve_dtype
 from verl_prm.special_tokens import ensure_pad_token, policy_eos_token_ids
 
 __all__ = [
@@ -69,16 +69,22 @@ def trim_at_eos(token_ids: Sequence[int], eos_token_ids: set[int], pad_token_id:
 
 
 class HFGenerator:
-    """Sampling with a Hugging Face causal LM: batched, left padded, temperature/top-p, stops at EOS.
+    """Sampling with a Hugging Face causal LM through :class:`verl_prm.generation.GenerationEngine`: bfloat16
+    where the CPU has native bf16 instructions, a static cache, shared prefixes computed once (the ``n``
+    samples of a text, and every step prefix of a rollout the engine generated before), stops at EOS.
 
     Args:
-        model: a ``PreTrainedModel`` with a LM head (on its device, eval mode is set here).
+        model: a ``PreTrainedModel`` with a LM head, on its device and in the dtype to compute in.
         tokenizer: its tokenizer (one without a pad token gets one: ``ensure_pad_token``); responses end at
             ``policy_eos_token_ids`` (the tokenizer's EOS and the generation config's).
         max_new_tokens: cap on generated tokens per completion.
         temperature: 0 means greedy decoding (then all n completions are equal).
         top_p: nucleus sampling threshold (1.0 = off).
-        batch_size: number of sequences (texts x n) per ``model.generate`` call.
+        batch_size: number of sequences (texts x n) decoded together.
+        prefix_cache_tokens: tokens of earlier sequences kept for prefix reuse (0: off).
+
+    Sample ``j`` of ``texts[i]`` is seeded by ``derive_seed(seeds[i], j)``: the same completions whichever
+    batch it shares.
     """
 
     def __init__(
@@ -90,77 +96,63 @@ class HFGenerator:
         temperature: float = 1.0,
         top_p: float = 1.0,
         batch_size: int = 32,
+        prefix_cache_tokens: int = 32768,
     ) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"HFGenerator: max_new_tokens must be >= 1, got {max_new_tokens}")
-        self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_new_tokens = int(max_new_tokens)
         self.temperature = float(temperature)
         self.top_p = float(top_p)
-        self.batch_size = int(batch_size)
         generation = getattr(model, "generation_config", None)
         self.eos_token_ids = set(policy_eos_token_ids(tokenizer, generation, source="HFGenerator"))
         self.pad_token_id = ensure_pad_token(tokenizer, generation, source="HFGenerator")
+        self.engine = GenerationEngine(model, eos_token_ids=sorted(self.eos_token_ids), max_batch_size=int(batch_size),
+                                       prefix_cache_tokens=int(prefix_cache_tokens))
+        self.model = self.engine.model
 
     @classmethod
     def from_pretrained(cls, path: str, *, device: str | None = None, dtype: str = "auto", **kwargs) -> "HFGenerator":
-        """Load a causal LM and its tokenizer from a local Hugging Face directory."""
+        """Load a causal LM and its tokenizer from a local Hugging Face directory; ``dtype`` is a precision of
+        ``verl_prm.generation.resolve_dtype`` ("auto": bfloat16 where the CPU has native bf16 instructions)."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
-        if torch_dtype == "auto" and device == "cpu":
-            torch_dtype = torch.float32  # bf16 matmuls are slow on most CPUs
         from verl_prm.checkpoints import from_pretrained_kwargs, resolve_checkpoint
 
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        torch_dtype = resolve_dtype(dtype, device)
         path = resolve_checkpoint(path, "policy")  # no such directory / no weights / pickle-only: named errors
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **from_pretrained_kwargs()).to(device)
         return cls(model, tokenizer, **kwargs)
 
     def generate(self, texts: Sequence[str], n: int, seeds: Sequence[int]) -> list[list[Completion]]:
-        import torch
-
         if len(seeds) != len(texts):
             raise ValueError(f"HFGenerator.generate: {len(texts)} texts but {len(seeds)} seeds")
         if n < 1:
             raise ValueError(f"HFGenerator.generate: n must be >= 1, got {n}")
-        # Expand to one sequence per sample; long and short texts are batched in input order (callers group
-        # prefixes of the same rollout together, so lengths within a batch are similar).
-        flat = [(i, text) for i, text in enumerate(texts) for _ in range(n)]
-        results: list[list[Completion]] = [[] for _ in texts]
-        device = next(self.model.parameters()).device
-        saved_side = self.tokenizer.padding_side
-        self.tokenizer.padding_side = "left"
-        try:
-            for begin in range(0, len(flat), self.batch_size):
-                chunk = flat[begin : begin + self.batch_size]
-                encoded = self.tokenizer(
-                    [text for _, text in chunk], return_tensors="pt", padding=True, add_special_tokens=False
-                ).to(device)
-                batch_seed = derive_seed(*(seeds[i] for i, _ in chunk), begin)
-                torch.manual_seed(batch_seed)
-                sampling = dict(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=0)
-                if self.temperature <= 0:
-                    sampling = dict(do_sample=False)
-                with torch.inference_mode():
-                    output = self.model.generate(
-                        **encoded,
-                        max_new_tokens=self.max_new_tokens,
-                        pad_token_id=self.pad_token_id,
-                        eos_token_id=sorted(self.eos_token_ids),
-                        **sampling,
-                    )
-                generated = output[:, encoded["input_ids"].shape[1] :].tolist()
-                for (i, _), ids in zip(chunk, generated):
-                    kept, finished = trim_at_eos(ids, self.eos_token_ids, self.pad_token_id)
-                    text = self.tokenizer.decode(kept, skip_special_tokens=True)
-                    results[i].append(Completion(text=text, finished=finished, num_tokens=len(kept) + finished))
-        finally:
-            self.tokenizer.padding_side = saved_side
+        encoded = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+        for i, ids in enumerate(encoded):
+            if not ids:
+                raise ValueError(f"HFGenerator.generate: text {i} encodes to no token ({texts[i][:60]!r})")
+        greedy = self.temperature <= 0
+        requests = [
+            GenerationRequest(ids, max_tokens=self.max_new_tokens, temperature=max(self.temperature, 0.0),
+                              top_p=self.top_p, seed=derive_seed(seeds[i], j))
+            for i, ids in enumerate(encoded) for j in range(1 if greedy else n)
+        ]
+        outputs = iter(self.engine.generate(requests))
+        results: list[list[Completion]] = []
+        for _ in texts:
+            samples = [next(outputs)] if greedy else [next(outputs) for _ in range(n)]
+            completions = []
+            for output in samples:
+                kept, finished = trim_at_eos(output.token_ids, self.eos_token_ids, self.pad_token_id)
+                text = self.tokenizer.decode(kept, skip_special_tokens=True)
+                completions.append(Completion(text=text, finished=finished, num_tokens=len(kept) + finished))
+            results.append(completions * n if greedy else completions)
         return results
 
 

@@ -28,6 +28,7 @@ import re
 import warnings
 from typing import Any, Sequence
 
+from verl_prm.generation import GenerationEngine, GenerationRequest, resolve_dtype
 from verl_prm.search import Node, StepSample
 from verl_prm.special_tokens import ensure_pad_token, policy_eos_token_ids
 
@@ -69,22 +70,14 @@ def split_response(text: str, delimiter: str | None = "\n\n", regex: str | None 
 
 
 class _StepStop:
-    """Per-row stopping criterion: a row stops once its generated text holds a complete step."""
+    """Per-request stop rule: a request stops once its generated text holds a complete step."""
 
-    def __init__(self, tokenizer, pattern: re.Pattern, prompt_length: int) -> None:
+    def __init__(self, tokenizer, pattern: re.Pattern) -> None:
         self.tokenizer = tokenizer
         self.pattern = pattern
-        self.prompt_length = prompt_length
 
-    def __call__(self, input_ids, scores, **kwargs):
-        import torch
-
-        rows = input_ids[:, self.prompt_length :].tolist()
-        done = [
-            first_step_end(self.tokenizer.decode(row, skip_special_tokens=True), self.pattern) is not None
-            for row in rows
-        ]
-        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+    def __call__(self, generated_ids: list[int]) -> bool:
+        return first_step_end(self.tokenizer.decode(generated_ids, skip_special_tokens=True), self.pattern) is not None
 
 
 class HFStepSampler:
@@ -98,7 +91,8 @@ class HFStepSampler:
         max_response_tokens: cap on the tokens of a response (the step that reaches it ends the response,
             ``truncated``).
         temperature, top_p: sampling (temperature 0 = greedy).
-        batch_size: sequences per ``generate`` call.
+        batch_size: sequences decoded together by the engine (``verl_prm.generation.GenerationEngine``: a
+            static cache, each node's prefix copied from its parent's sequence where the engine ran it before).
     """
 
     def __init__(
@@ -117,7 +111,6 @@ class HFStepSampler:
     ) -> None:
         if max_step_tokens < 1 or max_response_tokens < 1:
             raise ValueError("max_step_tokens and max_response_tokens must be >= 1")
-        self.model = model.eval()
         self.tokenizer = tokenizer
         self.prompts = list(prompts)
         self.delimiter, self.regex = delimiter, regex
@@ -129,14 +122,20 @@ class HFStepSampler:
         generation = getattr(model, "generation_config", None)
         self.eos_token_ids = set(policy_eos_token_ids(tokenizer, generation, source="HFStepSampler"))
         self.pad_token_id = ensure_pad_token(tokenizer, generation, source="HFStepSampler")
+        self.engine = GenerationEngine(model, eos_token_ids=sorted(self.eos_token_ids), max_batch_size=self.batch_size)
+        self.model = self.engine.model
+        self._stop = _StepStop(tokenizer, self.pattern)
 
     @classmethod
-    def from_pretrained(cls, path: str, prompts: Sequence[str], *, device: str | None = None, **kwargs) -> "HFStepSampler":
+    def from_pretrained(cls, path: str, prompts: Sequence[str], *, device: str | None = None,
+                        precision: str = "auto", **kwargs) -> "HFStepSampler":
+        """Load the policy in ``precision`` (``verl_prm.generation.resolve_dtype``: bfloat16 where the device
+        has native bf16 instructions)."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        dtype = resolve_dtype(precision, device)
         from verl_prm.checkpoints import from_pretrained_kwargs, resolve_checkpoint
 
         path = resolve_checkpoint(path, "policy")  # no such directory / no weights / pickle-only: named errors
@@ -149,45 +148,20 @@ class HFStepSampler:
 
     def _generate(self, texts: Sequence[str], seeds: Sequence[int], max_new: Sequence[int], stop_at_step: bool):
         """Generated ids per text (trimmed at the first EOS) and whether an EOS ended them."""
-        import torch
-        from transformers import StoppingCriteriaList
-
-        device = next(self.model.parameters()).device
-        out: list[tuple[list[int], bool]] = [([], False)] * len(texts)
-        order = sorted(range(len(texts)), key=lambda i: max_new[i])
-        saved_side = self.tokenizer.padding_side
-        self.tokenizer.padding_side = "left"
-        try:
-            for begin in range(0, len(order), self.batch_size):
-                chunk = order[begin : begin + self.batch_size]
-                encoded = self.tokenizer(
-                    [texts[i] for i in chunk], return_tensors="pt", padding=True, add_special_tokens=False
-                ).to(device)
-                prompt_length = encoded["input_ids"].shape[1]
-                torch.manual_seed(seeds[chunk[0]])
-                sampling = dict(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=0)
-                if self.temperature <= 0:
-                    sampling = dict(do_sample=False)
-                stopping = StoppingCriteriaList([_StepStop(self.tokenizer, self.pattern, prompt_length)]) if stop_at_step else None
-                with torch.inference_mode():
-                    output = self.model.generate(
-                        **encoded,
-                        max_new_tokens=max(max_new[i] for i in chunk),
-                        pad_token_id=self.pad_token_id,
-                        eos_token_id=sorted(self.eos_token_ids),
-                        stopping_criteria=stopping,
-                        **sampling,
-                    )
-                for i, ids in zip(chunk, output[:, prompt_length:].tolist()):
-                    ids = ids[: max_new[i]]
-                    for position, token in enumerate(ids):
-                        if token in self.eos_token_ids:
-                            out[i] = (ids[:position], True)
-                            break
-                    else:
-                        out[i] = (ids, False)
-        finally:
-            self.tokenizer.padding_side = saved_side
+        encoded = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+        greedy = self.temperature <= 0
+        requests = [
+            GenerationRequest(ids, max_tokens=int(budget), temperature=max(self.temperature, 0.0), top_p=self.top_p,
+                              seed=None if greedy else int(seed), stop=self._stop if stop_at_step else None)
+            for ids, seed, budget in zip(encoded, seeds, max_new)
+        ]
+        out: list[tuple[list[int], bool]] = []
+        for output in self.engine.generate(requests):
+            ids = output.token_ids
+            if output.stop_reason == "eos":
+                out.append((ids[:-1], True))
+            else:
+                out.append((ids, False))
         return out
 
     def _cut(self, ids: list[int], eos: bool) -> tuple[str, int, bool]:

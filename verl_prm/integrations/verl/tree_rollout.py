@@ -19,7 +19,9 @@ What a tree is, how its branch points are chosen and what its node values are is
 - step boundaries are the hook's own split (``verl_prm.steps``) of the response tokens, so the tree branches
   exactly where the advantage phase later finds the steps;
 - each leaf's ``extra_fields`` record its parent leaf (-1 for a root), the response tokens it shares with it and
-  the tokens generated for it (``pav_tree_*``: the hook's cost metrics).
+  the tokens generated for it; the first leaf of a tree also records the prompt tokens the rollout engine did not
+  prefill again for the tree's requests, where the engine reports it (``prefill_tokens_saved``: the ``hf``
+  rollout's prefix reuse) (``pav_tree_*``: the hook's cost metrics).
 
 ``check_tree_run(config)`` is the startup check of a run with this format (each error names the key).
 """
@@ -53,7 +55,8 @@ logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
 __all__ = ["TREE_AGENT_LOOP_NAME", "TREE_EXTRA_FIELDS", "PavTreeAgentLoop", "check_tree_run", "tree_shape"]
 
 # the leaf's extra_fields the hook reads back (parent leaf or -1, shared tokens, generated tokens)
-TREE_EXTRA_FIELDS = ("pav_tree_parent", "pav_tree_fork_tokens", "pav_tree_generated_tokens")
+TREE_EXTRA_FIELDS = ("pav_tree_parent", "pav_tree_fork_tokens", "pav_tree_generated_tokens",
+                     "pav_tree_prefill_tokens_saved")
 
 
 def tree_shape(tree: TreeSection) -> TreeShape:
@@ -123,15 +126,16 @@ class PavTreeAgentLoop(AgentLoopBase):
             task = asyncio.ensure_future(self._sample(uid, list(kwargs["raw_prompt"]), sampling_params))
             shared = _TREES[uid] = _SharedTree(task, self.n)
         try:
-            prompt_ids, leaves, global_steps, seconds = await asyncio.shield(shared.task)
+            prompt_ids, leaves, global_steps, seconds, saved = await asyncio.shield(shared.task)
         finally:
             shared.waiting -= 1
             if shared.waiting == 0:
                 _TREES.pop(uid, None)
-        return await self._output(prompt_ids, leaves[session], global_steps, seconds)
+        return await self._output(prompt_ids, leaves[session], global_steps, seconds, saved if session == 0 else 0)
 
     async def _sample(self, uid: str, messages: list, sampling_params: dict[str, Any]):
-        """The prompt's token ids, its n leaves, and the (min, max) weight versions that generated them."""
+        """The prompt's token ids, its n leaves, the (min, max) weight versions that generated them, the seconds
+        it took and the prompt tokens the rollout engine reused instead of prefilling."""
         multi_modal = await self.process_multi_modal_info(messages)
         if any(multi_modal.get(key) for key in ("images", "videos", "audios")):
             raise NotImplementedError(f"prompt {uid}: tree-shaped groups (verl_prm.critic.format=tree) take text "
@@ -142,7 +146,7 @@ class PavTreeAgentLoop(AgentLoopBase):
         if self.shape.branch_rule == "confidence":
             params["logprobs"] = True  # the rule reads the rollout's log-probs of the token after a boundary
         deterministic = bool(getattr(self.rollout_config, "full_determinism", False))
-        calls, versions = [0], []
+        calls, versions, saved = [0], [], [0]
 
         async def generate(ids: list[int], max_tokens: int):
             calls[0] += 1
@@ -153,11 +157,13 @@ class PavTreeAgentLoop(AgentLoopBase):
                 raise NotImplementedError("tree-shaped groups do not carry routed experts (router replay): turn "
                                           "router replay off or use another verl_prm.critic.format")
             versions.append(output.extra_fields.get("global_steps"))
+            saved[0] += int(output.extra_fields.get("prefill_tokens_saved", 0))
             return list(output.token_ids), (list(output.log_probs) if output.log_probs else None)
 
         leaves = await sample_tree(generate, prompt_ids, self.n, self.shape, self._step_ends, self.response_length)
         known = [v for v in versions if v is not None]
-        return prompt_ids, leaves, (min(known), max(known)) if known else (None, None), self.loop.time() - start
+        return (prompt_ids, leaves, (min(known), max(known)) if known else (None, None), self.loop.time() - start,
+                saved[0])
 
     def _step_ends(self, response_ids: list[int]) -> list[int]:
         """Exclusive ends of the response's steps under the hook's step rule (``verl_prm.steps``)."""
@@ -165,7 +171,8 @@ class PavTreeAgentLoop(AgentLoopBase):
         split = self.hook.steps.split(ids, torch.ones_like(ids), self.tokenizer)
         return [int(end) + 1 for end in split.step_ends[0, : int(split.num_steps[0])].tolist()]
 
-    async def _output(self, prompt_ids: list[int], leaf: Leaf, global_steps, seconds: float) -> AgentLoopOutput:
+    async def _output(self, prompt_ids: list[int], leaf: Leaf, global_steps, seconds: float,
+                      prefill_saved: int) -> AgentLoopOutput:
         """The leaf as ``SingleTurnAgentLoop`` returns a response (the assistant tokens merged as there); its
         ``generate_sequences`` time is the whole tree's."""
         keep_log_probs = bool(self.rollout_config.calculate_log_probs) and leaf.log_probs is not None
@@ -178,7 +185,8 @@ class PavTreeAgentLoop(AgentLoopBase):
         extra = {"turn_scores": [], "tool_rewards": [], "min_global_steps": minimum, "max_global_steps": maximum,
                  "pav_tree_parent": -1 if leaf.parent is None else int(leaf.parent),
                  "pav_tree_fork_tokens": int(leaf.fork_tokens),
-                 "pav_tree_generated_tokens": len(leaf.response_ids) - int(leaf.fork_tokens)}
+                 "pav_tree_generated_tokens": len(leaf.response_ids) - int(leaf.fork_tokens),
+                 "pav_tree_prefill_tokens_saved": int(prefill_saved)}
         return AgentLoopOutput(
             prompt_ids=prompt_ids,
             response_ids=response_ids[: self.response_length],

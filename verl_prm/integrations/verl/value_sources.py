@@ -155,6 +155,8 @@ def tree_metrics(batch: StepBatch, roots: int, leaf_counts: torch.Tensor) -> dic
     valid = torch.arange(counts.shape[1])[None, :] < steps[:, None]
     return {
         "pav/tree_generated_tokens": float(sum(generated)),
+        # prompt tokens the rollout engine copied from its prefix cache instead of computing (hf rollout)
+        "pav/tree_prefill_tokens_saved": float(sum(int(row.get("pav_tree_prefill_tokens_saved", 0)) for _, row in real)),
         "pav/tree_root_tokens": float(sum(g for g, root in zip(generated, is_root) if root)),
         "pav/tree_branch_tokens": float(sum(g for g, root in zip(generated, is_root) if not root)),
         "pav/tree_trained_tokens": float(trained),

@@ -6,9 +6,12 @@ each training worker (``rollout.update_weights(named_tensors)``). vLLM and SGLan
 module provides both on CPU with transformers, through verl's own extension points:
 
 - ``HFRolloutServer``: a Ray actor holding the policy as a ``AutoModelForCausalLM`` (safetensors,
-  ``trust_remote_code=False``). Requests that arrive together are generated as one left-padded batch per
-  sampling setting (``model.generate`` with the request's temperature, top-p, top-k, length limit and the
-  model's EOS ids); log-probabilities, when asked for, are those of the sampled tokens under the raw logits;
+  ``trust_remote_code=False``) behind ``verl_prm.generation.GenerationEngine``: requests that arrive together
+  are decoded as one batch whatever their lengths and sampling settings (temperature, top-p, top-k, length
+  limit, the model's EOS ids), in the precision ``rollout.dtype`` names (``auto``: bfloat16 where the CPU has
+  native bf16 instructions), and a request that extends a sequence the server generated since the last weight
+  update (a tree branch, its root's response prefix) copies that prefix's keys and values instead of computing
+  them again. Log-probabilities, when asked for, are those of the sampled tokens under the raw logits (float32);
 - ``HFReplica`` (``RolloutReplica``, registered in ``RolloutReplicaRegistry`` as ``hf``): starts one server per
   replica next to the hybrid engine's workers;
 - ``HFServerAdapter`` (``BaseRollout``, registered in verl's rollout registry as ``("hf", "async")``): verl's
@@ -34,28 +37,19 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
 
+from verl_prm.generation import GenerationEngine, GenerationRequest, resolve_dtype
 from verl_prm.integrations.verl.import_hooks import run_deferred_registration
 from verl_prm.special_tokens import policy_eos_token_ids
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HFReplica", "HFRolloutServer", "HFServerAdapter", "ROLLOUT_NAME", "register_rollout", "sample_groups"]
+__all__ = ["HFReplica", "HFRolloutServer", "HFServerAdapter", "ROLLOUT_NAME", "register_rollout"]
 
 ROLLOUT_NAME = "hf"
 
 
 def _server_name(rollout_name: str, replica_rank: int) -> str:
     return f"{rollout_name}_server_{replica_rank}_0"
-
-
-def sample_groups(requests: list[dict[str, Any]]) -> dict[tuple, list[int]]:
-    """Indices of ``requests`` grouped by everything ``generate`` takes per batch: (temperature, top_p, top_k,
-    max_tokens, logprobs). Requests of one group are generated together."""
-    groups: dict[tuple, list[int]] = {}
-    for index, request in enumerate(requests):
-        key = (request["temperature"], request["top_p"], request["top_k"], request["max_tokens"], request["logprobs"])
-        groups.setdefault(key, []).append(index)
-    return groups
 
 
 class HFRolloutServer:
@@ -68,6 +62,7 @@ class HFRolloutServer:
         self.max_batch_size = max(1, int(max_batch_size))
         self.global_steps: Optional[int] = None
         self.model = None
+        self.engine: Optional[GenerationEngine] = None
         self._pending: list[tuple[dict[str, Any], asyncio.Future]] = []
         self._batcher: Optional[asyncio.Task] = None
         self._lock = asyncio.Lock()
@@ -80,7 +75,7 @@ class HFRolloutServer:
 
         # verl hands replicas the model section as a DictConfig (no HFModelConfig.local_path yet)
         path = copy_to_local(self.model_config.path)
-        dtype = getattr(torch, str(self.config.dtype)) if str(self.config.dtype) != "auto" else torch.float32
+        dtype = resolve_dtype(str(self.config.dtype), "cpu")  # the startup check refused what cannot run
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False,
                                                           use_safetensors=True)
         self.model.eval()
@@ -98,6 +93,8 @@ class HFRolloutServer:
         self.pad_token_id = int(pad) if pad is not None else self.eos_token_ids[0]
         if getattr(self.config, "seed", None) is not None:
             torch.manual_seed(int(self.config.seed) + self.replica_rank)
+        self.engine = GenerationEngine(self.model, eos_token_ids=self.eos_token_ids,
+                                       max_batch_size=self.max_batch_size)
         return {"replica_rank": self.replica_rank, "parameters": sum(p.numel() for p in self.model.parameters()),
                 "dtype": str(dtype), "eos_token_ids": self.eos_token_ids}
 
@@ -159,46 +156,22 @@ class HFRolloutServer:
                 if not future.done():
                     future.set_result(output)
 
-    @torch.no_grad()
     def _generate_batch(self, requests: list[dict[str, Any]]) -> list[TokenOutput]:
-        outputs: list[Optional[TokenOutput]] = [None] * len(requests)
-        for (temperature, top_p, top_k, max_tokens, logprobs), indices in sample_groups(requests).items():
-            prompts = [requests[i]["prompt_ids"] for i in indices]
-            width = max(len(p) for p in prompts)
-            input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-            attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-            for row, prompt in enumerate(prompts):
-                input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-                attention_mask[row, width - len(prompt):] = 1
-            sample = temperature > 0
-            kwargs: dict[str, Any] = {"do_sample": sample, "max_new_tokens": max_tokens}
-            if sample:
-                kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else None)
-            else:
-                kwargs.update(temperature=None, top_p=None, top_k=None)
-            result = self.model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, eos_token_id=self.eos_token_ids,
-                pad_token_id=self.pad_token_id, return_dict_in_generate=True, output_logits=logprobs, **kwargs,
-            )
-            new_tokens = result.sequences[:, width:]
-            token_log_probs = None
-            if logprobs:
-                logits = torch.stack(result.logits, dim=1).float()  # [b, T, V], raw (before sampling warpers)
-                token_log_probs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens[..., None]).squeeze(-1)
-            for row, index in enumerate(indices):
-                tokens = new_tokens[row].tolist()
-                length = len(tokens)
-                for position, token in enumerate(tokens):
-                    if token in self.eos_token_ids:
-                        length = position + 1
-                        break
-                outputs[index] = TokenOutput(
-                    token_ids=tokens[:length],
-                    log_probs=token_log_probs[row, :length].tolist() if token_log_probs is not None else None,
-                    stop_reason="completed",
-                    extra_fields={"global_steps": self.global_steps},
-                )
-        return outputs
+        outputs = self.engine.generate([
+            GenerationRequest(r["prompt_ids"], max_tokens=r["max_tokens"], temperature=r["temperature"],
+                              top_p=r["top_p"], top_k=r["top_k"], logprobs=r["logprobs"])
+            for r in requests
+        ])
+        return [
+            TokenOutput(token_ids=out.token_ids, log_probs=out.log_probs, stop_reason="completed",
+                        extra_fields={"global_steps": self.global_steps, "prefill_tokens": out.prefill_tokens,
+                                      "prefill_tokens_saved": len(r["prompt_ids"]) - out.prefill_tokens})
+            for r, out in zip(requests, outputs)
+        ]
+
+    def engine_stats(self) -> dict[str, float]:
+        """The engine's running totals (prompt, computed, reused and shared prefill tokens; generated tokens)."""
+        return self.engine.stats.as_dict()
 
     # ---------------------------------------------------------------- weights and control calls
     def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> int:
@@ -214,6 +187,7 @@ class HFRolloutServer:
         with torch.no_grad():
             for name, tensor in named_tensors.items():
                 state[name].copy_(tensor.to(state[name].dtype))
+        self.engine.weights_changed()  # cached prefixes were computed with the old weights
         return len(named_tensors)
 
     def set_global_steps(self, global_steps: int) -> None:
@@ -225,8 +199,8 @@ class HFRolloutServer:
     async def sleep(self) -> None:
         return None
 
-    async def clear_kv_cache(self) -> None:  # no cache outlives a generate call
-        return None
+    async def clear_kv_cache(self) -> None:
+        self.engine.weights_changed()
 
     async def release_kv_cache(self) -> None:
         return None

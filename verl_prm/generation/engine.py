@@ -1,0 +1,300 @@
+"""One generation engine for causal LMs on the CPU (and any torch device): token ids in, token ids out.
+
+What it adds over calling ``model.generate`` per batch:
+
+- **Precision.** The model computes in the dtype :func:`verl_prm.generation.precision.resolve_dtype` picks
+  (bfloat16 where the CPU has native bf16 matrix instructions); logits are upcast to float32 before sampling.
+- **A static key/value cache.** transformers' ``StaticCache`` is allocated once per batch at its final length
+  and written in place, where the default dynamic cache grows by concatenation at every token.
+- **Prompts of different lengths in one batch, each prefilled without padding.** Every distinct prompt is
+  prefilled on its own (only its tokens are computed), then placed right-aligned in the batch's cache; decode
+  steps run the whole batch with each row's own positions and a padding mask. Rows that finish leave the batch
+  (the cache is compacted) so the others do not pay for them.
+- **Shared prefixes computed once.** Identical prompts in a batch are prefilled once; a prompt that begins with a
+  sequence the engine ran before copies those keys and values from :class:`PrefixCache` (tree branches from their
+  root, ``n_mc`` continuations of one prefix, a rollout's step prefixes, search nodes from their parent).
+- **Per-request sampling settings** (temperature, top-k, top-p, seed, a stop rule) in one batch
+  (:mod:`verl_prm.generation.sampling`).
+
+``generate(requests)`` returns one :class:`GenerationOutput` per :class:`GenerationRequest`, in order. Counters
+of computed and reused prefill tokens accumulate in ``engine.stats``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+from transformers import StaticCache
+
+from verl_prm.generation.prefix_cache import PrefixCache
+from verl_prm.generation.sampling import sample_next_tokens, sampled_log_probs
+
+__all__ = ["EngineStats", "GenerationEngine", "GenerationOutput", "GenerationRequest"]
+
+
+@dataclass
+class GenerationRequest:
+    """One sequence to generate.
+
+    Args:
+        prompt_ids: the tokens to continue (special tokens included as the caller rendered them).
+        max_tokens: cap on generated tokens (>= 1).
+        temperature: 0 is greedy; top_k <= 0 and top_p = 1 are off.
+        seed: seeds this request's own random stream (the same tokens whichever batch it shares); ``None`` draws
+            from torch's global generator.
+        logprobs: also return each sampled token's log-probability under the raw logits.
+        stop: called with the generated ids after each token; ``True`` ends the request there (stop reason
+            ``"stop"``), e.g. at the end of a reasoning step.
+    """
+
+    prompt_ids: Sequence[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: Optional[int] = None
+    logprobs: bool = False
+    stop: Optional[Callable[[list[int]], bool]] = None
+
+
+@dataclass
+class GenerationOutput:
+    """Generated ids (the EOS included when the request ended at one), why it ended and the prompt's prefill."""
+
+    token_ids: list[int]
+    stop_reason: str  # "eos", "stop" or "length"
+    log_probs: Optional[list[float]] = None
+    prefill_tokens: int = 0   # prompt tokens computed for this request (0 when another request computed them)
+    reused_tokens: int = 0    # prompt tokens whose keys and values were copied from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        """Ended at EOS or at its stop rule (not at ``max_tokens``)."""
+        return self.stop_reason != "length"
+
+
+@dataclass
+class EngineStats:
+    """Running totals since the engine was built (or ``reset``)."""
+
+    prompt_tokens: int = 0        # prompt tokens asked for, over all requests
+    prefill_tokens: int = 0       # of them, computed by a forward pass
+    reused_tokens: int = 0        # copied from the prefix cache
+    shared_tokens: int = 0        # identical prompts within a batch, computed once for all
+    generated_tokens: int = 0
+    seconds: float = 0.0
+    batches: int = 0
+    history: list = field(default_factory=list, repr=False)
+
+    @property
+    def saved_prefill_tokens(self) -> int:
+        return self.reused_tokens + self.shared_tokens
+
+    def as_dict(self) -> dict[str, float]:
+        return {"prompt_tokens": self.prompt_tokens, "prefill_tokens": self.prefill_tokens,
+                "reused_tokens": self.reused_tokens, "shared_tokens": self.shared_tokens,
+                "saved_prefill_tokens": self.saved_prefill_tokens, "generated_tokens": self.generated_tokens,
+                "seconds": self.seconds, "batches": self.batches}
+
+
+def _check_request(index: int, request: GenerationRequest, vocabulary: int) -> None:
+    where = f"generation request {index}"
+    if len(request.prompt_ids) == 0:
+        raise ValueError(f"{where}: empty prompt_ids (the model needs at least one token to continue)")
+    if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) or request.max_tokens < 1:
+        raise ValueError(f"{where}: max_tokens must be an integer >= 1, got {request.max_tokens!r}")
+    if not math.isfinite(request.temperature) or request.temperature < 0:
+        raise ValueError(f"{where}: temperature must be finite and >= 0, got {request.temperature!r}")
+    if not math.isfinite(request.top_p) or not 0 < request.top_p <= 1:
+        raise ValueError(f"{where}: top_p must be in (0, 1], got {request.top_p!r}")
+    if isinstance(request.top_k, bool) or not isinstance(request.top_k, int):
+        raise ValueError(f"{where}: top_k must be an integer (<= 0: off), got {request.top_k!r}")
+    bad = [t for t in request.prompt_ids if not 0 <= int(t) < vocabulary]
+    if bad:
+        raise ValueError(f"{where}: token ids outside the model's vocabulary of {vocabulary}: {bad[:5]}")
+
+
+class GenerationEngine:
+    """Batched sampling from a causal LM with a static cache and prefix reuse (module docstring).
+
+    Args:
+        model: a transformers causal LM, already in the dtype to compute in (see ``from_pretrained``).
+        eos_token_ids: tokens that end a request (kept in its output).
+        max_batch_size: sequences decoded together; longer request lists run in consecutive batches.
+        prefix_cache_tokens: tokens of past sequences kept for prefix reuse (0: off).
+    """
+
+    def __init__(self, model, *, eos_token_ids: Sequence[int], max_batch_size: int = 32,
+                 prefix_cache_tokens: int = 32768) -> None:
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"GenerationEngine: max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+        if not eos_token_ids:
+            raise ValueError("GenerationEngine: no EOS token ids (generation could never finish early)")
+        self.model = model.eval()
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.max_batch_size = max_batch_size
+        self.prefix_cache = PrefixCache(prefix_cache_tokens)
+        self.stats = EngineStats()
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.vocabulary = int(model.get_output_embeddings().weight.shape[0])
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, precision: str = "auto", device: str | None = None, **kwargs):
+        """Load a causal LM (safetensors, ``trust_remote_code=False``) in the precision ``resolve_dtype`` picks."""
+        from transformers import AutoModelForCausalLM
+
+        from verl_prm.checkpoints import from_pretrained_kwargs, resolve_checkpoint
+        from verl_prm.generation.precision import resolve_dtype
+
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = resolve_dtype(precision, device)
+        path = resolve_checkpoint(path, "policy")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **from_pretrained_kwargs()).to(device)
+        return cls(model, **kwargs)
+
+    def weights_changed(self) -> None:
+        """Forget cached prefixes: they were computed with the old weights."""
+        self.prefix_cache.clear()
+
+    # ------------------------------------------------------------------ public
+    @torch.inference_mode()
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        for index, request in enumerate(requests):
+            _check_request(index, request, self.vocabulary)
+        outputs: list[GenerationOutput] = []
+        for begin in range(0, len(requests), self.max_batch_size):
+            start = time.perf_counter()
+            outputs.extend(self._generate_batch(list(requests[begin: begin + self.max_batch_size])))
+            self.stats.seconds += time.perf_counter() - start
+            self.stats.batches += 1
+        return outputs
+
+    # ------------------------------------------------------------------ prefill
+    def _new_cache(self, length: int) -> StaticCache:
+        return StaticCache(config=self.model.config, max_cache_len=length)
+
+    def _prefill(self, prompt: tuple[int, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, int]:
+        """Keys and values ``[kv_heads, len(prompt), head_dim]`` per layer, the last position's logits and how
+        many prompt tokens came from the prefix cache."""
+        entry, reused = self.prefix_cache.longest_prefix(prompt, limit=len(prompt) - 1)
+        cache = self._new_cache(len(prompt))
+        if reused:
+            for layer, keys, values in zip(cache.layers, entry.keys, entry.values):
+                layer.lazy_initialization(keys[None, :, :1], values[None, :, :1])
+                layer.keys[0, :, :reused] = keys[:, :reused]
+                layer.values[0, :, :reused] = values[:, :reused]
+                layer.cumulative_length.fill_(reused)
+        rest = torch.tensor([prompt[reused:]], dtype=torch.long, device=self.device)
+        positions = torch.arange(reused, len(prompt), device=self.device)[None]
+        logits = self.model(input_ids=rest, position_ids=positions, past_key_values=cache, use_cache=True,
+                            logits_to_keep=1).logits[0, -1].float()
+        keys = [layer.keys[0, :, : len(prompt)].clone() for layer in cache.layers]
+        values = [layer.values[0, :, : len(prompt)].clone() for layer in cache.layers]
+        self.prefix_cache.add(prompt, keys, values)
+        return keys, values, logits, reused
+
+    # ------------------------------------------------------------------ one batch
+    def _generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
+        prompts = [tuple(int(t) for t in r.prompt_ids) for r in requests]
+        outputs = [GenerationOutput(token_ids=[], stop_reason="length", log_probs=[] if r.logprobs else None)
+                   for r in requests]
+        prefilled: dict[tuple[int, ...], tuple] = {}
+        for prompt in sorted(set(prompts), key=len):  # shorter first: a longer prompt may extend it
+            prefilled[prompt] = self._prefill(prompt)
+        seen: set[tuple[int, ...]] = set()
+        for output, prompt in zip(outputs, prompts):
+            self.stats.prompt_tokens += len(prompt)
+            if prompt in seen:
+                self.stats.shared_tokens += len(prompt)
+                continue
+            seen.add(prompt)
+            output.reused_tokens = prefilled[prompt][3]
+            output.prefill_tokens = len(prompt) - output.reused_tokens
+            self.stats.reused_tokens += output.reused_tokens
+            self.stats.prefill_tokens += output.prefill_tokens
+
+        rows = len(requests)
+        width = max(len(p) for p in prompts)
+        length = width + max(r.max_tokens for r in requests)
+        cache = self._new_cache(length)
+        first_keys, first_values = prefilled[prompts[0]][0], prefilled[prompts[0]][1]
+        for layer, keys, values in zip(cache.layers, first_keys, first_values):
+            layer.lazy_initialization(keys[None, :, :1].expand(rows, -1, -1, -1),
+                                      values[None, :, :1].expand(rows, -1, -1, -1))
+        mask = torch.zeros((rows, length), dtype=torch.bool, device=self.device)
+        for row, prompt in enumerate(prompts):
+            keys, values = prefilled[prompt][0], prefilled[prompt][1]
+            begin = width - len(prompt)
+            for layer, k, v in zip(cache.layers, keys, values):
+                layer.keys[row, :, begin:width] = k
+                layer.values[row, :, begin:width] = v
+            mask[row, begin:width] = True
+        for layer in cache.layers:
+            layer.cumulative_length.fill_(width)
+        logits = torch.stack([prefilled[p][2] for p in prompts])
+        del prefilled
+
+        device = self.device
+        live = list(range(rows))                                   # request index of each batch row
+        positions = torch.tensor([len(p) for p in prompts], device=device)
+        temperature = torch.tensor([float(r.temperature) for r in requests], device=device)
+        top_k = torch.tensor([int(r.top_k) for r in requests], device=device)
+        top_p = torch.tensor([float(r.top_p) for r in requests], device=device)
+        generators = [torch.Generator(device=device).manual_seed(int(r.seed)) if r.seed is not None else None
+                      for r in requests]
+        column = width
+        while True:
+            tokens = sample_next_tokens(logits, temperature, top_k, top_p, [generators[i] for i in live])
+            wants_logprobs = [requests[i].logprobs for i in live]
+            token_log_probs = sampled_log_probs(logits, tokens).tolist() if any(wants_logprobs) else None
+            keep: list[int] = []
+            for row, (index, token) in enumerate(zip(live, tokens.tolist())):
+                output, request = outputs[index], requests[index]
+                output.token_ids.append(token)
+                if output.log_probs is not None:
+                    output.log_probs.append(token_log_probs[row])
+                if token in self.eos_token_ids:
+                    output.stop_reason = "eos"
+                elif request.stop is not None and request.stop(output.token_ids):
+                    output.stop_reason = "stop"
+                elif len(output.token_ids) >= request.max_tokens:
+                    output.stop_reason = "length"
+                else:
+                    keep.append(row)
+                    continue
+                self._remember(prompts[index], output.token_ids, cache, row, width - len(prompts[index]), column)
+            self.stats.generated_tokens += len(live)
+            if not keep:
+                break
+            if len(keep) < len(live):  # finished rows leave the batch
+                index = torch.tensor(keep, device=device)
+                for layer in cache.layers:
+                    layer.keys = layer.keys.index_select(0, index)
+                    layer.values = layer.values.index_select(0, index)
+                mask, positions, tokens = mask[index], positions[index], tokens[index]
+                temperature, top_k, top_p = temperature[index], top_k[index], top_p[index]
+                live = [live[row] for row in keep]
+            mask[:, column] = True
+            logits = self.model(input_ids=tokens[:, None], position_ids=positions[:, None], attention_mask=mask,
+                                past_key_values=cache, use_cache=True).logits[:, -1].float()
+            positions = positions + 1
+            column += 1
+        return outputs
+
+    def _remember(self, prompt: tuple[int, ...], generated: list[int], cache: StaticCache, row: int,
+                  begin: int, column: int) -> None:
+        """Keep a finished row's keys and values (prompt + all generated tokens but the last, whose keys were
+        never computed) for later requests that share its prefix."""
+        if self.prefix_cache.capacity_tokens == 0:
+            return
+        tokens = prompt + tuple(generated[:-1])
+        end = begin + len(tokens)
+        assert end == column, (end, column)
+        keys = [layer.keys[row, :, begin:end].clone() for layer in cache.layers]
+        values = [layer.values[row, :, begin:end].clone() for layer in cache.layers]
+        self.prefix_cache.add(tokens, keys, values)

@@ -1,0 +1,73 @@
+"""Next-token sampling, row by row settings, in float32: the pure functions the engine calls each decode step.
+
+Each row of a batch carries its own temperature, top-k and top-p, applied in the order and with the semantics
+of transformers' ``TemperatureLogitsWarper`` -> ``TopKLogitsWarper`` -> ``TopPLogitsWarper`` (and vLLM's sampler):
+
+- temperature t > 0: ``logits / t``; t = 0 is greedy (the arg-max of the raw logits);
+- top-k k > 0: keep the tokens whose logit is >= the k-th largest (ties at the threshold kept); k <= 0 is off;
+- top-p p < 1: sort ascending, drop the tokens whose cumulative probability is <= 1 - p, always keep the most
+  probable one; p = 1 is off.
+
+A token is then drawn from softmax(warped logits) with the exponential race ("Gumbel-max" in its exponential
+form): ``argmax_v p_v / E_v`` with ``E_v ~ Exp(1)`` i.i.d. is distributed as ``Categorical(p)``. The noise of each
+row comes from that row's own ``torch.Generator`` when it has one, so a seeded request draws the same tokens
+whichever batch it shares.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["sample_next_tokens", "sampled_log_probs", "warp_logits"]
+
+
+def warp_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Float32 logits ``[B, V]`` -> warped logits ``[B, V]`` (removed tokens at ``-inf``), per-row settings ``[B]``.
+
+    Rows with temperature 0 are returned divided by 1 (their token is the raw arg-max anyway).
+    """
+    logits = logits.float()
+    scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(logits.dtype)
+    warped = logits / scale[:, None]
+    vocabulary = warped.shape[-1]
+    k = top_k.clamp(max=vocabulary)
+    if bool((k > 0).any()):
+        largest = torch.topk(warped, int(k.max()), dim=-1).values                  # [B, kmax], descending
+        threshold = largest.gather(-1, (k.clamp(min=1) - 1)[:, None])              # the k-th largest
+        remove = (warped < threshold) & (k > 0)[:, None]
+        warped = warped.masked_fill(remove, float("-inf"))
+    if bool((top_p < 1).any()):
+        sorted_logits, sorted_indices = torch.sort(warped, dim=-1, descending=False)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative <= (1 - top_p.to(cumulative.dtype))[:, None]
+        remove_sorted[:, -1] = False                                               # keep the most probable
+        remove_sorted &= (top_p < 1)[:, None]
+        remove = remove_sorted.scatter(1, sorted_indices, remove_sorted)
+        warped = warped.masked_fill(remove, float("-inf"))
+    return warped
+
+
+def sample_next_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                       generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row ``[B]`` (long) from raw logits ``[B, V]`` under each row's settings (module docstring)."""
+    logits = logits.float()
+    greedy = temperature <= 0
+    warped = warp_logits(logits, temperature, top_k, top_p)
+    noise = torch.empty_like(warped)
+    unseeded = [row for row, generator in enumerate(generators) if generator is None]
+    if unseeded:
+        noise[unseeded] = torch.empty((len(unseeded), warped.shape[-1]), dtype=warped.dtype).exponential_()
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            noise[row].exponential_(generator=generator)
+    # argmax p/E = argmax (log p - log E); the softmax's normaliser is shared by a row and drops out
+    sampled = torch.argmax(warped - noise.log(), dim=-1)
+    return torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
+
+
+def sampled_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``log softmax(raw logits)[token]`` per row ``[B]``: the rollout log-probabilities verl compares with the
+    actor's (taken before the sampling warpers, as vLLM reports them by default)."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, None]).squeeze(-1)

@@ -39,7 +39,7 @@ import json
 import sys
 import time
 import zlib
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -475,8 +475,11 @@ def recipe_parser() -> argparse.ArgumentParser:
                         help=f"base policy: a HF directory or hub id ({SMOLLM2!r}: the converted SmolLM2-135M-Instruct)")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     parser.add_argument("--sft-steps", type=int, default=None, help="SFT steps (0: no fine-tune)")
-    for name in FLAG_FIELDS:  # checked by RecipeConfig (its bounds), before any stage runs
-        number = finite_float() if setting_type(RecipeConfig, name)[0] is float else int
+    bounds = {f.name: f.metadata.get("bounds", (None, None, False, False)) for f in fields(RecipeConfig)}
+    for name in FLAG_FIELDS:  # the counts are checked by RecipeConfig (their bounds), before any stage runs
+        low, high, low_open, high_open = bounds[name]
+        number = finite_float(low, high, low_open=low_open, high_open=high_open) \
+            if setting_type(RecipeConfig, name)[0] is float else int
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=number, default=None,
                             help=f"{doc_of(RecipeConfig, name)} (default {getattr(SCALES['cpu'], name)})")
     parser.add_argument("--no-progress", action="store_true")

@@ -75,9 +75,12 @@ class PrefixCache:
         return entry, length
 
     def add(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Store a sequence (its tensors are kept as given: pass copies). Entries it extends are dropped."""
+        """Store a sequence (its tensors are kept as given: pass copies). Entries it extends are dropped; a
+        sequence that an entry already holds whole is not stored again."""
         tokens = tuple(int(t) for t in tokens)
         if len(tokens) < BLOCK or len(tokens) > self.capacity_tokens:
+            return
+        if self.longest_prefix(tokens, limit=len(tokens))[1] == len(tokens):
             return
         blocks = _block_keys(tokens)
         for key in blocks:  # an entry that is a prefix of this one is no longer needed

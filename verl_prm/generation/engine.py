@@ -199,6 +199,27 @@ class GenerationEngine:
         return keys, values, logits, reused
 
     # ------------------------------------------------------------------ one batch
+    def _batch_cache(self, prompts: list[tuple[int, ...]], prefilled: dict, width: int, length: int):
+        """The batch's static cache with each prompt's keys and values right-aligned at column ``width``, and
+        the padding mask ``[rows, length]`` (True where a row has a token)."""
+        rows = len(prompts)
+        cache = self._new_cache(length)
+        first_keys, first_values = prefilled[prompts[0]][0], prefilled[prompts[0]][1]
+        for layer, keys, values in zip(cache.layers, first_keys, first_values):
+            layer.lazy_initialization(keys[None, :, :1].expand(rows, -1, -1, -1),
+                                      values[None, :, :1].expand(rows, -1, -1, -1))
+        mask = torch.zeros((rows, length), dtype=torch.bool, device=self.device)
+        for row, prompt in enumerate(prompts):
+            keys, values = prefilled[prompt][0], prefilled[prompt][1]
+            begin = width - len(prompt)
+            for layer, k, v in zip(cache.layers, keys, values):
+                layer.keys[row, :, begin:width] = k
+                layer.values[row, :, begin:width] = v
+            mask[row, begin:width] = True
+        for layer in cache.layers:
+            layer.cumulative_length.fill_(width)
+        return cache, mask
+
     def _generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
         prompts = [tuple(int(t) for t in r.prompt_ids) for r in requests]
         outputs = [GenerationOutput(token_ids=[], stop_reason="length", log_probs=[] if r.logprobs else None)
@@ -220,22 +241,7 @@ class GenerationEngine:
 
         rows = len(requests)
         width = max(len(p) for p in prompts)
-        length = width + max(r.max_tokens for r in requests)
-        cache = self._new_cache(length)
-        first_keys, first_values = prefilled[prompts[0]][0], prefilled[prompts[0]][1]
-        for layer, keys, values in zip(cache.layers, first_keys, first_values):
-            layer.lazy_initialization(keys[None, :, :1].expand(rows, -1, -1, -1),
-                                      values[None, :, :1].expand(rows, -1, -1, -1))
-        mask = torch.zeros((rows, length), dtype=torch.bool, device=self.device)
-        for row, prompt in enumerate(prompts):
-            keys, values = prefilled[prompt][0], prefilled[prompt][1]
-            begin = width - len(prompt)
-            for layer, k, v in zip(cache.layers, keys, values):
-                layer.keys[row, :, begin:width] = k
-                layer.values[row, :, begin:width] = v
-            mask[row, begin:width] = True
-        for layer in cache.layers:
-            layer.cumulative_length.fill_(width)
+        cache, mask = self._batch_cache(prompts, prefilled, width, width + max(r.max_tokens for r in requests))
         logits = torch.stack([prefilled[p][2] for p in prompts])
         del prefilled
 

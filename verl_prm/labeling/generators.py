@@ -18,7 +18,6 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
-from verl_prm.generation import GenerationEngine, GenerationRequest, resolve_dtype
 from verl_prm.special_tokens import ensure_pad_token, policy_eos_token_ids
 
 __all__ = [
@@ -98,6 +97,8 @@ class HFGenerator:
         batch_size: int = 32,
         prefix_cache_tokens: int = 32768,
     ) -> None:
+        from verl_prm.generation import GenerationEngine  # torch and transformers: not at `verl-prm label --help`
+
         if max_new_tokens < 1:
             raise ValueError(f"HFGenerator: max_new_tokens must be >= 1, got {max_new_tokens}")
         self.tokenizer = tokenizer
@@ -119,6 +120,7 @@ class HFGenerator:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from verl_prm.checkpoints import from_pretrained_kwargs, resolve_checkpoint
+        from verl_prm.generation import resolve_dtype  # torch: not at `verl-prm label --help`
 
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -129,6 +131,8 @@ class HFGenerator:
         return cls(model, tokenizer, **kwargs)
 
     def generate(self, texts: Sequence[str], n: int, seeds: Sequence[int]) -> list[list[Completion]]:
+        from verl_prm.generation import GenerationRequest  # torch: not at `verl-prm label --help`
+
         if len(seeds) != len(texts):
             raise ValueError(f"HFGenerator.generate: {len(texts)} texts but {len(seeds)} seeds")
         if n < 1:

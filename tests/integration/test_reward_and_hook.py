@@ -303,9 +303,9 @@ def check_advantage_phase(hook_trainer, transfer_queue, samples, bpe_small, scor
         [float(i % 3 == 0) for i in range(len(samples))]
     )
     algorithm = hook_trainer.config.algorithm
+    uids = np.array([key.rsplit("_", 2)[0] for key in keys], dtype=object)
     expected, _ = get_adv_estimator_fn(algorithm.adv_estimator)(
-        token_level_rewards=rm_scores, response_mask=response_mask,
-        index=np.array([key.rsplit("_", 2)[0] for key in keys], dtype=object), config=algorithm,
+        token_level_rewards=rm_scores, response_mask=response_mask, index=uids, config=algorithm,
         step_ids=split.step_ids, step_values=scores.step_values, prompt_values=scores.prompt_values,
         num_steps=split.num_steps, truncated=truncated,
     )
@@ -325,7 +325,7 @@ def check_advantage_phase(hook_trainer, transfer_queue, samples, bpe_small, scor
     assert metrics["pav/critic_seconds"] > 0
     # groups (uid) whose outcomes are all equal: GRPO's advantage is zero there
     outcomes: dict = {}
-    for uid, reward in zip(data.non_tensor_batch["uid"], rm_scores.sum(dim=1).tolist()):
+    for uid, reward in zip(uids, rm_scores.sum(dim=1).tolist()):
         outcomes.setdefault(uid, []).append(reward)
     same = [len(set(rewards)) == 1 for rewards in outcomes.values()]
     assert metrics["pav/outcome_zero_signal_groups"] == pytest.approx(sum(same) / len(same))

@@ -27,6 +27,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "steps"): ("verl_prm.apps.bench.steps:main", "time step segmentation"),
     ("bench", "critic"): ("verl_prm.apps.bench.critic:main", "packed vs per-prefix vs padded critic scoring"),
     ("bench", "loop"): ("verl_prm.apps.bench.loop:main", "step timings of GRPO, PAV-GRPO with a learned critic and with sampled values, in verl's main_ppo on CPU"),
+    ("bench", "generate"): ("verl_prm.apps.bench.generate:main", "the CPU generation engine against plain float32 generate: tokens/s, tree prefill, labelled steps/h"),
     ("bench", "gpu"): ("verl_prm.apps.bench.gpu:main", "the GPU check: CUDA tests, fused kernel, critic TFLOP/s"),
     ("label",): ("verl_prm.labeling.cli:main", "Monte-Carlo step labels from a prover"),
     ("train",): ("verl_prm.training.cli:main", "train a PAV on step labels"),

@@ -15,8 +15,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from verl_prm.generation import GenerationEngine, GenerationRequest, PrefixCache, resolve_dtype
-from verl_prm.generation import precision as precision_module
+from verl_prm.generation import GenerationEngine, GenerationRequest, PrefixCache
+from verl_prm.precision import resolve_dtype
+from verl_prm import precision as precision_module
 from verl_prm.generation.sampling import warp_logits
 
 VOCAB = 64

@@ -1,9 +1,8 @@
 """Generation on the CPU at the machine's speed: one engine behind the labeler, the ``hf`` rollout, test-time
-search and the sampled value source (``GenerationEngine``), the precision it computes in (``resolve_dtype``),
-its prefix cache and its per-row sampling."""
+search and the sampled value source (``GenerationEngine``), its prefix cache and its per-row sampling; the
+precision it computes in is ``verl_prm.precision.resolve_dtype``'s."""
 
 from verl_prm.generation.engine import EngineStats, GenerationEngine, GenerationOutput, GenerationRequest
-from verl_prm.generation.precision import PRECISIONS, native_bf16_instructions, resolve_dtype
 from verl_prm.generation.prefix_cache import PrefixCache
 
 __all__ = [
@@ -11,8 +10,5 @@ __all__ = [
     "GenerationEngine",
     "GenerationOutput",
     "GenerationRequest",
-    "PRECISIONS",
     "PrefixCache",
-    "native_bf16_instructions",
-    "resolve_dtype",
 ]

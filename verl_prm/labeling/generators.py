@@ -120,7 +120,7 @@ class HFGenerator:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from verl_prm.checkpoints import from_pretrained_kwargs, resolve_checkpoint
-        from verl_prm.generation import resolve_dtype  # torch: not at `verl-prm label --help`
+        from verl_prm.precision import resolve_dtype  # torch: not at `verl-prm label --help`
 
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -28,7 +28,8 @@ import re
 import warnings
 from typing import Any, Sequence
 
-from verl_prm.generation import GenerationEngine, GenerationRequest, resolve_dtype
+from verl_prm.generation import GenerationEngine, GenerationRequest
+from verl_prm.precision import resolve_dtype
 from verl_prm.search import Node, StepSample
 from verl_prm.special_tokens import ensure_pad_token, policy_eos_token_ids
 

@@ -29,8 +29,8 @@ from typing import Sequence
 import torch
 
 from verl_prm.apps.word_problems.task import STEP_DELIMITER, TaskConfig, generate_problems, prompt_messages
-from verl_prm.generation import GenerationEngine, GenerationRequest, native_bf16_instructions, resolve_dtype
-from verl_prm.generation.precision import cpu_bf16_flags
+from verl_prm.generation import GenerationEngine, GenerationRequest
+from verl_prm.precision import cpu_bf16_flags, native_bf16_instructions, resolve_dtype
 from verl_prm.labeling.generators import Completion, HFGenerator, derive_seed, trim_at_eos
 from verl_prm.special_tokens import ensure_pad_token, policy_eos_token_ids
 

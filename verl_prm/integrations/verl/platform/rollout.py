@@ -37,7 +37,8 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
 
-from verl_prm.generation import GenerationEngine, GenerationRequest, resolve_dtype
+from verl_prm.generation import GenerationEngine, GenerationRequest
+from verl_prm.precision import resolve_dtype
 from verl_prm.integrations.verl.import_hooks import run_deferred_registration
 from verl_prm.special_tokens import policy_eos_token_ids
 

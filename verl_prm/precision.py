@@ -1,4 +1,4 @@
-"""Which floating-point type the CPU generation engine and the CPU training loop compute in.
+"""Which floating-point type the generation engine, the CPU training loop and critic training compute in.
 
 bfloat16 halves memory traffic and, on CPUs with native bf16 matrix instructions (Intel AMX-BF16, AVX512-BF16 on
 Intel and AMD), runs matrix products 2-5x faster than float32 (oneDNN accumulates in float32). Without such
@@ -23,7 +23,8 @@ from typing import Literal
 
 import torch
 
-__all__ = ["PRECISIONS", "Precision", "cpu_bf16_flags", "native_bf16_instructions", "resolve_dtype"]
+__all__ = ["PRECISIONS", "Precision", "cpu_bf16_flags", "mixed_precision_for", "native_bf16_instructions",
+           "resolve_dtype"]
 
 Precision = Literal["auto", "bfloat16", "float32"]
 PRECISIONS: tuple[str, ...] = ("auto", "bfloat16", "float32")
@@ -83,3 +84,12 @@ def resolve_dtype(precision: str, device: str | torch.device = "cpu", *, allow_e
             "or 'float32'"
         )
     return getattr(torch, precision)
+
+
+def mixed_precision_for(setting: str, device: str | torch.device) -> str:
+    """accelerate's / FSDP's mixed-precision name for a training setting: ``"auto"`` is ``"bf16"`` where
+    :func:`resolve_dtype` picks bfloat16 on ``device`` (float32 master weights, bf16 autocast) and ``"no"``
+    elsewhere; any other setting (``no``, ``bf16``, ``fp16``) is returned as it is."""
+    if setting != "auto":
+        return setting
+    return "bf16" if resolve_dtype("auto", device) == torch.bfloat16 else "no"

@@ -63,7 +63,7 @@ ShardMode = Literal["none", "fsdp"]
 # `verl-prm train` and `verl-prm label`.
 CalibrationMethod = Literal["platt", "isotonic", "none"]
 HeadFit = Literal["adam", "newton"]
-MixedPrecision = Literal["no", "bf16", "fp16"]
+MixedPrecision = Literal["auto", "no", "bf16", "fp16"]
 GeneratorBackend = Literal["hf", "vllm"]
 
 AGGREGATIONS = get_args(Aggregation)

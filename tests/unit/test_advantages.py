@@ -19,6 +19,8 @@ from omegaconf import OmegaConf
 import verl  # noqa: F401  (loads the plugin through the entry point)
 from verl.trainer.ppo import core_algos
 from verl_prm import advantages as adv
+from verl_prm.advantages import fused as fused_lookup
+from verl_prm.choices import AGGREGATIONS
 from verl_prm.config import PavConfig, read_pav_config
 from verl_prm.estimators import ESTIMATORS, TREE_ESTIMATORS
 from verl_prm.integrations.verl.advantage import StepInputs, estimator_step_inputs
@@ -243,7 +245,7 @@ def test_step_scores_per_token_and_step_end_rewards_match_loops(batch):
             assert float(at_ends[i, j]) == (float(scores[i, h]) if is_end else 0.0)
 
 
-@pytest.mark.parametrize("how", adv.AGGREGATIONS)
+@pytest.mark.parametrize("how", AGGREGATIONS)
 def test_aggregations_match_loop(how):
     generator = torch.Generator().manual_seed(0)
     scores = torch.rand(7, 5, generator=generator) * 2 - 0.5
@@ -329,7 +331,7 @@ class _no_warning:
         return False
 
 
-@pytest.mark.parametrize("how", adv.AGGREGATIONS)
+@pytest.mark.parametrize("how", AGGREGATIONS)
 @pytest.mark.parametrize("process_term", ["progress", "value"])
 @settings(max_examples=25, deadline=None)
 @given(batch=ragged_batches(), with_outcome=st.booleans())
@@ -447,13 +449,13 @@ def test_fused_lookup_equals_eager_and_the_loop(device, shape, ids_dtype, mask_d
 
 def test_auto_fuses_only_large_batches(monkeypatch):
     calls = []
-    real = adv._fused_masked_lookup
+    real = fused_lookup._fused_masked_lookup
 
     def spy(table, step_ids, response_mask, checked, *, fall_back):
         calls.append((step_ids.numel(), fall_back))
         return real(table, step_ids, response_mask, checked, fall_back=fall_back)
 
-    monkeypatch.setattr(adv, "_fused_masked_lookup", spy)
+    monkeypatch.setattr(fused_lookup, "_fused_masked_lookup", spy)
     small = random_lookup_inputs(16, 64, 4)
     adv.process_advantage(**small, alpha=1.0)
     assert calls == []
@@ -471,8 +473,8 @@ def test_failed_compilation_warns_once_then_stays_eager(monkeypatch, caplog):
             raise torch._dynamo.exc.TorchDynamoException("InvalidCxxCompiler: No working C++ compiler found")
         return call
 
-    monkeypatch.setattr(adv, "_compiled_lookups", {})
-    monkeypatch.setattr(adv, "_compile_failed", None)
+    monkeypatch.setattr(fused_lookup, "_compiled_lookups", {})
+    monkeypatch.setattr(fused_lookup, "_compile_failed", None)
     monkeypatch.setattr(torch, "compile", broken_compile)
     large = random_lookup_inputs(1024, adv.FUSED_MIN_TOKENS // 1024, 8, seed=2)
     eager = adv.process_advantage(**large, alpha=1.0, compile="never")
@@ -480,14 +482,14 @@ def test_failed_compilation_warns_once_then_stays_eager(monkeypatch, caplog):
     bad = dict(large, response_mask=large["response_mask"][:, :-1])
     with pytest.raises(RuntimeError, match="size of tensor"):
         adv.process_advantage(**bad, alpha=1.0)
-    assert adv._compile_failed is None
+    assert fused_lookup._compile_failed is None
     with caplog.at_level("WARNING", logger="verl_prm.advantages"):
         assert torch.equal(adv.process_advantage(**large, alpha=1.0), eager)
         assert torch.equal(adv.process_advantage(**large, alpha=1.0), eager)
     warnings = [r.getMessage() for r in caplog.records if "torch.compile" in r.getMessage()]
     assert len(warnings) == 1 and "InvalidCxxCompiler" in warnings[0] and "compile=never" in warnings[0]
     # asked for explicitly, the fused kernel's failure is an error
-    monkeypatch.setattr(adv, "_compiled_lookups", {})
+    monkeypatch.setattr(fused_lookup, "_compiled_lookups", {})
     with pytest.raises(RuntimeError, match="InvalidCxxCompiler"):
         adv.process_advantage(**large, alpha=1.0, compile="always")
 

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from verl_prm import advantages as adv
+from verl_prm.choices import MIN_FORM_BASELINES, PRIME_REWARD_MASKS
 from verl_prm.config import PavConfig, read_pav_config
 from verl_prm.estimators import ESTIMATORS
 
@@ -190,7 +191,7 @@ def test_hard_min_splits_ties_equally():
 
 
 @pytest.mark.parametrize("temperature", [0.1, 0.0])
-@pytest.mark.parametrize("baseline", adv.MIN_FORM_BASELINES)
+@pytest.mark.parametrize("baseline", MIN_FORM_BASELINES)
 @pytest.mark.parametrize("zero_separators, zero_eos", [(True, False), (False, False), (True, True), (False, True)])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_min_form_advantage_equals_pures_formula(temperature, baseline, zero_separators, zero_eos, seed):
@@ -355,7 +356,7 @@ def prime_reference(b, alpha, whiten, n, reward_mask="step_end"):
                         dtype=torch.float64)
 
 
-@pytest.mark.parametrize("reward_mask", adv.PRIME_REWARD_MASKS)
+@pytest.mark.parametrize("reward_mask", PRIME_REWARD_MASKS)
 @pytest.mark.parametrize("whiten", [True, False])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_leave_one_out_process_advantage_equals_primes_formula(reward_mask, whiten, seed):
@@ -376,7 +377,7 @@ def test_prime_masks_differ_with_multi_token_steps_and_agree_when_every_token_is
         return [adv.leave_one_out_process_advantage(out, batch["step_scores"], batch["step_ids"], batch["num_steps"],
                                                     batch["mask"], 1.0, groups=batch["groups"],
                                                     num_groups=batch["num_groups"], reward_mask=m)
-                for m in adv.PRIME_REWARD_MASKS]
+                for m in PRIME_REWARD_MASKS]
 
     step_end, response = both(b)
     assert not torch.allclose(step_end, response)
@@ -548,8 +549,8 @@ def test_bad_switch_names_the_key(key):
         PavConfig(**{key: "yes"})
 
 
-@pytest.mark.parametrize("key, value, choices", [("min_form_baseline", True, adv.MIN_FORM_BASELINES),
-                                                 ("prime_reward_mask", "eos", adv.PRIME_REWARD_MASKS)])
+@pytest.mark.parametrize("key, value, choices", [("min_form_baseline", True, MIN_FORM_BASELINES),
+                                                 ("prime_reward_mask", "eos", PRIME_REWARD_MASKS)])
 def test_bad_choice_names_the_key_and_the_choices(key, value, choices):
     with pytest.raises(ValueError, match=re.escape(f"algorithm.pav.{key} must be one of {choices}, got {value!r}")):
         PavConfig(**{key: value})

@@ -7,7 +7,7 @@ from typing import Literal, Sequence
 
 import torch
 
-from verl_prm.advantages import AGGREGATIONS
+from verl_prm.choices import AGGREGATIONS
 from verl_prm.search.cache import CachedCritic
 from verl_prm.search.nodes import Compute, Node, SearchResult, StepSampler, node_seed
 from verl_prm.search.scoring import Rank, response_scores
@@ -20,7 +20,7 @@ class BestOfNConfig:
     Attributes:
         n: responses sampled per problem.
         rank: ``"orm"`` (the value after the last step: the critic as an outcome verifier) or an aggregation
-            of ``advantages.AGGREGATIONS`` over the step scores.
+            of ``verl_prm.choices.AGGREGATIONS`` over the step scores.
         scores: what is aggregated: the step ``"values"`` or their ``"progress"`` (v_h - v_{h-1}).
         best_of_k: Best-of-K transform of the critic's values before ranking (1: none).
         seed: run seed.

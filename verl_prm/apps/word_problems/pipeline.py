@@ -103,7 +103,7 @@ class RecipeConfig:
     alpha: float = setting(0.5, "Weight of the advantage in the beam search's Q + alpha * A.", low=0.0)
     best_of_k: int = setting(4, "K of the Best-of-K prover whose advantage the beam search reads.", low=1)
     pav_rank: str = setting("min", "Best-of-N by the PAV: this aggregation of its step values "
-                            "(verl_prm.advantages.AGGREGATIONS).")
+                            "(verl_prm.choices.AGGREGATIONS).")
     threads: int = setting(1, "Torch threads.", low=1)
 
     def __post_init__(self) -> None:

@@ -45,7 +45,7 @@ def write_data(work_dir: Path, out: Path, skip: int, val_problems: int) -> tuple
 
 
 def command(work_dir: Path, out: Path, arm: str, seed: int, steps: int, lr: float, test_freq: int,
-            val_problems: int, skip: int) -> tuple[list[str], Path]:
+            val_problems: int, skip: int, precision: str = "auto", log_probs: bool = False) -> tuple[list[str], Path]:
     train, val = write_data(work_dir, out, skip, val_problems)
     run_dir = out / f"{arm}_seed{seed}"
     hook = [] if arm == "grpo" else ["verl_prm.steps.delimiter='\\n'", "verl_prm.steps.max_tokens=null"]
@@ -59,11 +59,13 @@ def command(work_dir: Path, out: Path, arm: str, seed: int, steps: int, lr: floa
         f"actor_rollout_ref.actor.optim.lr={lr}",
         "actor_rollout_ref.rollout.val_kwargs.do_sample=True", "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
         "trainer.project_name=verl_prm_word_problems",
+        # the rollout's log-probs beside the actor's: verl logs their gap (training/rollout_probs_diff_*)
+        *(["actor_rollout_ref.rollout.calculate_log_probs=True"] if log_probs else []),
         f"trainer.default_local_dir={run_dir / 'checkpoints'}", "trainer.max_actor_ckpt_to_keep=1",
     ]
     args = main_ppo_args(out, "grpo", steps=steps, size=SIZE, run_name=f"{arm}_seed{seed}", test_freq=test_freq,
                          save_freq=test_freq, val_before_train=test_freq > 0, resume=True, plugin=arm != "grpo",
-                         extra=overrides)
+                         extra=overrides, precision=precision)
     return [sys.executable, "-m", "verl.trainer.main_ppo", *args], run_dir
 
 
@@ -76,7 +78,12 @@ def summary(metrics: list[dict]) -> dict:
         row = rows.setdefault(record["step"], {})
         for name, key in (("step_s", "timing_s/step"), ("gen_s", "timing_s/gen"), ("reward", "critic/score/mean"),
                           ("response_length", "response_length/mean"),
-                          ("val", "val-core/word_problems/acc/mean@1")):
+                          ("val", "val-core/word_problems/acc/mean@1"),
+                          ("old_log_prob_s", "timing_s/old_log_prob"), ("update_actor_s", "timing_s/update_actor"),
+                          ("update_weights_s", "timing_s/update_weights"), ("adv_s", "timing_s/adv"),
+                          ("reward_s", "timing_s/reward"),
+                          ("probs_diff_mean", "training/rollout_probs_diff_mean"),
+                          ("probs_diff_max", "training/rollout_probs_diff_max")):
             if key in data:
                 row[name] = data[key]
     return rows
@@ -93,9 +100,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--test-freq", type=int, default=10, help="-1: no held-out evaluation")
     parser.add_argument("--val-problems", type=int, default=64)
     parser.add_argument("--skip", type=int, default=48, help="label-pool problems the RL data leaves out")
+    parser.add_argument("--precision", choices=("auto", "bfloat16", "float32"), default="auto",
+                        help="the rollout's and the actor's compute precision (verl_prm.precision)")
+    parser.add_argument("--log-probs", action="store_true",
+                        help="the rollout returns log-probs: verl logs their gap to the actor's")
     args = parser.parse_args(argv)
     cmd, run_dir = command(args.work_dir, args.out, args.arm, args.seed, args.steps, args.lr, args.test_freq,
-                           args.val_problems, args.skip)
+                           args.val_problems, args.skip, args.precision, args.log_probs)
     run = start_main_ppo(cmd, run_dir / "metrics.jsonl", run_dir / "main_ppo.log", append_log=True)
     try:
         returncode = run.wait()

@@ -148,14 +148,15 @@ def cpu_overrides(n_procs: int = 1, extra_logical_gpus: int = 0, precision: str 
 def main_ppo_args(work_dir: str | Path, estimator: str, *, steps: int, size: LoopSize = LoopSize(),
                   run_name: str | None = None, save_freq: int = -1, test_freq: int = -1,
                   val_before_train: bool = False, resume: bool = False, critic_pool: str = "colocated",
-                  checkpoint_name: str | None = None, plugin: bool = True, extra: Sequence[str] = ()) -> list[str]:
+                  checkpoint_name: str | None = None, plugin: bool = True, extra: Sequence[str] = (),
+                  precision: str = "auto") -> list[str]:
     """The ``python -m verl.trainer.main_ppo`` overrides of one CPU-loop run of ``estimator`` (grpo, pav_grpo).
 
     ``critic_pool``: ``verl_prm.placement.pool`` (``colocated``: the critic's worker shares verl's pool;
     ``own``: a pool of one more logical GPU). ``checkpoint_name``: the directory under ``WORK_DIR/checkpoints``
     the run saves to and resumes from (default: ``run_name``). ``plugin=False``: verl's own trainer and
     estimator, without the plugin's config group and hook (the CPU platform stays). ``extra``: overrides that
-    replace those of the same key (:func:`merge_overrides`)."""
+    replace those of the same key (:func:`merge_overrides`). ``precision``: :func:`cpu_overrides`'."""
     work_dir = Path(work_dir)
     run_name = run_name or estimator
     batch = size.prompts_per_step
@@ -194,7 +195,7 @@ def main_ppo_args(work_dir: str | Path, estimator: str, *, steps: int, size: Loo
         f"actor_rollout_ref.rollout.max_num_seqs={batch * size.responses_per_prompt}",
         "actor_rollout_ref.rollout.val_kwargs.do_sample=False",
         "actor_rollout_ref.rollout.val_kwargs.n=1",
-        *cpu_overrides(extra_logical_gpus=1 if critic_pool == "own" else 0),
+        *cpu_overrides(extra_logical_gpus=1 if critic_pool == "own" else 0, precision=precision),
         "trainer.critic_warmup=0",
         "trainer.logger=[console,file]",
         "trainer.project_name=verl_prm_cpu_loop",

@@ -239,7 +239,9 @@ print(json.dumps(report))
 """
 
 # The usage of the commands whose imports moved behind their argument parsing, as each printed it before the
-# move (`verl-prm WORDS --help`, whitespace collapsed): the move changed no option, choice or requirement.
+# move (`verl-prm WORDS --help`, whitespace collapsed): the move changed no option, choice or requirement. (Since:
+# `search` offers the checkpoint formats as choices and requires --input, --policy and --q-critic, which it always
+# needed; its flags come from verl_prm.search.config.SearchConfig.)
 HELP_USAGE = {
     ('demo',): (
         '[-h] [--quick] [--out OUT] [--learned-critic] [--seeds SEEDS] [--iterations ITERATIONS] [--gamma '
@@ -288,10 +290,11 @@ HELP_USAGE = {
         'SAMPLES_PER_BEAM] [--alpha ALPHA] [--best-of-k BEST_OF_K] [--max-steps MAX_STEPS] [--rank '
         '{orm,min,max,mean,sum,product,last}] [--rank-scores {values,progress}] [--rank-critic {q,prover}] '
         '[--threshold THRESHOLD] [--accept-on {value,progress}] [--max-backtracks MAX_BACKTRACKS] [--seed '
-        'SEED] [--limit LIMIT] [--input INPUT] [--prompt-field PROMPT_FIELD] [--answer-field ANSWER_FIELD] '
+        'SEED] [--limit LIMIT] --input INPUT [--prompt-field PROMPT_FIELD] [--answer-field ANSWER_FIELD] '
         '[--answer-regex ANSWER_REGEX] [--data-source-field DATA_SOURCE_FIELD] [--data-source DATA_SOURCE] '
-        '[--reward-fn REWARD_FN] [--policy POLICY] [--q-critic Q_CRITIC] [--q-critic-format Q_CRITIC_FORMAT] '
-        '[--prover PROVER] [--prover-format PROVER_FORMAT] [--backend {hf,vllm}] [--device DEVICE] '
+        '[--reward-fn REWARD_FN] --policy POLICY --q-critic Q_CRITIC [--q-critic-format '
+        '{value_head,qwen_prm,pure_prm,math_shepherd,rlhflow,value_head_lm}] [--prover PROVER] [--prover-format '
+        '{value_head,qwen_prm,pure_prm,math_shepherd,rlhflow,value_head_lm}] [--backend {hf,vllm}] [--device DEVICE] '
         '[--delimiter DELIMITER] [--step-regex STEP_REGEX] [--max-step-tokens MAX_STEP_TOKENS] '
         '[--max-response-tokens MAX_RESPONSE_TOKENS] [--temperature TEMPERATURE] [--top-p TOP_P] '
         '[--batch-size BATCH_SIZE]'

@@ -385,3 +385,132 @@ def test_search_plot_labels_several_ticks_on_a_log_axis_under_a_decade_and_a_hal
         assert [text for _, text in labelled] == ["20", "50", "100", "200", "500"]
     finally:
         plt.close(figure)
+
+
+# ------------------------------------------------------------------------------------------------ settings (SearchConfig)
+SEARCH_MODELS = ["--input", "problems.jsonl", "--policy", "no/such/policy", "--q-critic", "no/such/critic"]
+
+
+def test_every_search_flag_is_a_field_of_search_config():
+    """`verl-prm search` builds one flag per SearchConfig field and nothing else; the defaults a bare command line
+    parses to are the config's own, and those the command had before its flags were derived."""
+    import dataclasses
+
+    from verl_prm.apps.demo.search import search_parser
+    from verl_prm.cli_types import flag_of
+    from verl_prm.search.cli import build_parser, search_config
+    from verl_prm.search.config import SearchConfig, SweepConfig
+
+    fields = {f.name: f for f in dataclasses.fields(SearchConfig)}
+    actions = [a for a in build_parser()._actions if a.dest != "help"]
+    assert sorted(a.dest for a in actions) == sorted(fields)
+    assert all(a.option_strings == [flag_of(fields[a.dest])] for a in actions)
+    assert all(a.help and a.help.startswith(fields[a.dest].metadata["doc"][:20]) for a in actions)
+    # the demo's sweep flags are SweepConfig's
+    sweep = {f.name for f in dataclasses.fields(SweepConfig)}
+    assert sweep <= {a.dest for a in search_parser()._actions}
+
+    config = search_config(build_parser().parse_args([*SEARCH_MODELS, "--output-dir", "out"]))
+    assert config == SearchConfig(output_dir="out", input="problems.jsonl", policy="no/such/policy",
+                                  q_critic="no/such/critic")
+    # the hand-written flags' defaults before the config (verl_prm/search/cli.py at f00dd2a)
+    assert (config.methods, config.n, config.bon_n, config.samples_per_beam, config.alpha, config.best_of_k,
+            config.max_steps, config.rank, config.rank_scores, config.rank_critic, config.threshold,
+            config.accept_on, config.max_backtracks, config.seed, config.limit) == (
+        ("best_of_n", "beam_q", "beam_pav"), (1, 2, 4), None, 3, 0.5, 1, 32, "orm", "values", "q", None,
+        "progress", 2, 0, None)
+    assert (config.prompt_field, config.answer_field, config.data_source_field, config.q_critic_format,
+            config.prover_format, config.backend, config.delimiter, config.max_step_tokens,
+            config.max_response_tokens, config.temperature, config.top_p, config.batch_size) == (
+        "prompt", "reward_model.ground_truth", "data_source", "value_head", "value_head", "hf", "\n\n", 256, 1024,
+        1.0, 1.0, 32)
+    parsed = search_config(build_parser().parse_args([*SEARCH_MODELS, "--output-dir", "out", "--n", "1,8",
+                                                      "--methods", "greedy,beam_q", "--delimiter", "\\nStep"]))
+    assert (parsed.n, parsed.methods, parsed.delimiter) == ((1, 8), ("greedy", "beam_q"), "\nStep")
+
+
+def test_search_q_critic_format_offers_the_checkpoint_formats(capsys):
+    """`--q-critic-format` and `--prover-format` list the formats ProverCritic loads (verl_prm.critic.formats'
+    registry) and refuse any other, e.g. "exact", which reads no checkpoint."""
+    from verl_prm.critic.formats import FORMATS
+    from verl_prm.search.cli import build_parser
+
+    parser = build_parser()
+    choices = {a.dest: a.choices for a in parser._actions}
+    assert sorted(choices["q_critic_format"]) == sorted(FORMATS) == sorted(choices["prover_format"])
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args([*SEARCH_MODELS, "--output-dir", "out", "--q-critic-format", "exact"])
+    assert exit_info.value.code == 2
+    assert "argument --q-critic-format: invalid choice: 'exact'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--samples-per-beam", "0"], "samples_per_beam (--samples-per-beam) must be an integer >= 1, got 0"),
+    (["--max-response-tokens", "0"], "max_response_tokens (--max-response-tokens) must be an integer >= 1, got 0"),
+    (["--limit", "0"], "limit (--limit) must be an integer >= 1, got 0"),
+    (["--seed", "-1"], "seed (--seed) must be an integer >= 0, got -1"),
+    (["--n", "2,4,2"], "n (--n) lists 2 more than once"),
+    (["--methods", "beam_q,beam_q"], "methods (--methods) lists beam_q more than once"),
+    (["--backend", "vllm", "--step-regex", "Step"], "step_regex (--step-regex) applies to the hf back end"),
+    (["--step-regex", "x*"], "step_regex (--step-regex) 'x*' matches the empty string"),
+    (["--step-regex", "("], "step_regex (--step-regex) is not a regex"),
+    (["--delimiter", ""], "delimiter (--delimiter) must not be empty"),
+])
+def test_search_refuses_bad_settings_naming_field_and_flag_before_any_model_loads(tmp_path, monkeypatch, argv,
+                                                                                    message):
+    from verl_prm.search import cli
+
+    def load(config):
+        raise AssertionError("models loaded before the settings were checked")
+
+    monkeypatch.setattr(cli, "_text_setup", load)
+    out = tmp_path / "out"
+    with pytest.raises(ValueError) as error:
+        cli.main([*SEARCH_MODELS, "--output-dir", str(out), *argv])
+    assert message in str(error.value)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(top_p=0.0), "top_p (--top-p) must be in (0, 1] (a finite number), got 0.0"),
+    (dict(alpha=-0.5), "alpha (--alpha) must be >= 0 (a finite number), got -0.5"),
+    (dict(temperature=math.inf), "temperature (--temperature) must be >= 0 (a finite number), got inf"),
+    (dict(threshold=math.nan), "threshold (--threshold) must be a finite number, got nan"),
+    (dict(samples_per_beam=2.0), "samples_per_beam (--samples-per-beam) must be an integer >= 1, got the float 2.0: "
+                                 "write it as an integer (2)"),
+    (dict(best_of_k=True), "best_of_k (--best-of-k) must be an integer >= 1, got True"),
+    (dict(n=(1, 0)), "n (--n)[1] must be an integer >= 1, got 0"),
+    (dict(n=()), "n (--n) must be one or more integers >= 1, got ()"),
+    (dict(bon_n="8"), "bon_n (--bon-n) must be one or more integers >= 1, got '8'"),
+    (dict(methods=("beam",)), "methods (--methods): unknown method(s) ['beam']"),
+    (dict(methods="greedy"), "methods (--methods) must name one or more of"),
+    (dict(q_critic_format="exact"), "q_critic_format (--q-critic-format) must be one of ('value_head', "),
+    (dict(rank="median"), "rank (--rank) must be one of ('orm', 'min', "),
+    (dict(accept_on="values"), "accept_on (--accept-on) must be one of ('value', 'progress'), got 'values'"),
+])
+def test_search_config_from_python_refuses_bad_values_naming_field_and_flag(settings, message):
+    from verl_prm.search.config import SearchConfig
+
+    with pytest.raises(ValueError) as error:
+        SearchConfig(output_dir="out", input="problems.jsonl", policy="p", q_critic="q", **settings)
+    assert message in str(error.value)
+
+
+def test_search_config_resolves_the_sweep_defaults():
+    """Best-of-N's sample counts default to N * M, greedy's threshold to 0 for progress and 0.5 for value."""
+    from verl_prm.search.config import SweepConfig
+
+    sweep = SweepConfig(output_dir="out", n=[1, 4], samples_per_beam=3, methods=["greedy"])
+    assert (sweep.n, sweep.methods) == ((1, 4), ("greedy",))
+    assert (sweep.best_of_n_sizes, sweep.greedy_threshold) == ((3, 12), 0.0)
+    assert SweepConfig(output_dir="out", bon_n=(5,), accept_on="value").best_of_n_sizes == (5,)
+    assert SweepConfig(output_dir="out", accept_on="value").greedy_threshold == 0.5
+    assert SweepConfig(output_dir="out", threshold=0.25).greedy_threshold == 0.25
+
+
+def test_demo_search_sweep_settings_are_checked_by_the_sweep_config(tmp_path):
+    """`verl-prm demo search` parses the sweep's flags next to its own; run_sweep checks them as SweepConfig."""
+    from verl_prm.apps.demo.search import main
+
+    with pytest.raises(ValueError, match=r"n \(--n\) lists 2 more than once"):
+        main(["--output-dir", str(tmp_path / "toy"), "--problems", "2", "--n", "2,2"])

@@ -18,6 +18,9 @@ Methods (``--methods``, comma-separated):
 
 Outputs in ``--output-dir``: ``results.jsonl`` (one line per method, N and problem), ``summary.csv`` and
 ``summary.md`` (accuracy and mean compute per method and N), ``accuracy_vs_compute.png``.
+
+Every flag is a field of :class:`verl_prm.search.config.SearchConfig` (its default, doc, bounds and choices are the
+flag's), and the settings are checked there, before any model loads.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import csv
+import dataclasses
 import json
 import math
 import sys
@@ -33,16 +37,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from verl_prm.checkpoints import resolve_checkpoint
-from verl_prm.choices import AGGREGATIONS
-from verl_prm.cli_types import finite_float
+from verl_prm.cli_types import add_dataclass_arguments, flag_of
+from verl_prm.search.config import COMMA_SEPARATED, SEARCH_METHODS, SearchConfig, SweepConfig
 
 if TYPE_CHECKING:
     from verl_prm.search import SearchResult
 
-__all__ = ["SearchSetup", "add_sweep_arguments", "main", "run_sweep", "plot_accuracy_vs_compute", "summarize",
-           "write_results"]
+__all__ = ["SearchSetup", "add_sweep_arguments", "build_parser", "main", "run_sweep", "plot_accuracy_vs_compute",
+           "search_config", "summarize", "sweep_config", "write_results"]
 
-METHODS = ("best_of_n", "beam_q", "beam_pav", "greedy")
 METHOD_LABELS = {
     "best_of_n": "best-of-N (ORM)",
     "beam_q": "beam search on Q",
@@ -51,9 +54,9 @@ METHOD_LABELS = {
 }
 
 
-def _ints(text: str) -> list[int]:
+def _ints(text: str) -> tuple[int, ...]:
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or any(v < 1 for v in values):
@@ -61,67 +64,63 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-def _methods(text: str) -> list[str]:
-    methods = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
+def _methods(text: str) -> tuple[str, ...]:
+    methods = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in methods if m not in SEARCH_METHODS]
     if unknown or not methods:
-        raise argparse.ArgumentTypeError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+        raise argparse.ArgumentTypeError(f"unknown method(s) {unknown}; choose from {', '.join(SEARCH_METHODS)}")
     return methods
 
 
+# The argparse type of each comma-separated field (SweepConfig's tuples; the config checks the values again).
+_COMMA_TYPES = {"methods": _methods, "n": _ints, "bon_n": _ints}
+
+
+def _add_flags(parser: Any, cls: type, names: Sequence[str], defaults: dict[str, Any] | None = None) -> None:
+    """The flags of fields ``names`` of settings dataclass ``cls``, in that order: a comma-separated list for
+    the tuple fields (``--n 1,2,4``), ``add_dataclass_arguments``'s flag for the others. ``defaults`` overrides
+    a field's default on this parser."""
+    every = [f.name for f in dataclasses.fields(cls)]
+    for field in dataclasses.fields(cls):
+        if field.name not in names:
+            continue
+        if field.name not in COMMA_SEPARATED:
+            add_dataclass_arguments(parser, cls, skip=tuple(n for n in every if n != field.name))
+            continue
+        default = (defaults or {}).get(field.name, field.default)
+        help_text = field.metadata["doc"] + (f" (default: {','.join(map(str, default))})" if default else "")
+        parser.add_argument(flag_of(field), dest=field.name, type=_COMMA_TYPES[field.name], default=default,
+                            help=help_text.replace("%", "%%"))
+
+
 def add_sweep_arguments(p: argparse.ArgumentParser, default_n: Sequence[int]) -> None:
-    """The sweep's arguments (methods, N, search settings, output), the same for every task."""
-    p.add_argument("--output-dir", required=True)
-    p.add_argument("--methods", type=_methods, default=list(METHODS[:3]),
-                   help=f"comma-separated, from {', '.join(METHODS)} (default: best_of_n,beam_q,beam_pav)")
-    p.add_argument("--n", type=_ints, default=list(default_n),
-                   help=f"beam widths N to sweep (default {','.join(map(str, default_n))})")
-    p.add_argument("--bon-n", type=_ints, default=None, help="best-of-N sample counts (default: N * samples-per-beam)")
-    p.add_argument("--samples-per-beam", type=int, default=3, help="M: next steps sampled per beam")
-    p.add_argument("--alpha", type=finite_float(0.0), default=0.5, help="weight of the prover's progress in Q + alpha*A")
-    p.add_argument("--best-of-k", type=int, default=1, help="K of the Best-of-K prover (A from BoK values)")
-    p.add_argument("--max-steps", type=int, default=32, help="steps after which a response is truncated")
-    p.add_argument("--rank", choices=("orm", *AGGREGATIONS), default="orm",
-                   help="best-of-N ranking: orm (final value) or an aggregation of the step scores")
-    p.add_argument("--rank-scores", choices=("values", "progress"), default="values",
-                   help="best-of-N: aggregate the step values or their progress")
-    p.add_argument("--rank-critic", choices=("q", "prover"), default="q",
-                   help="best-of-N: the critic whose scores rank the samples (default: the Q critic)")
-    p.add_argument("--threshold", type=finite_float(), default=None,
-                   help="greedy: accept a step iff its score >= threshold (default 0 for progress, 0.5 for value)")
-    p.add_argument("--accept-on", choices=("value", "progress"), default="progress", help="greedy acceptance score")
-    p.add_argument("--max-backtracks", type=int, default=2, help="greedy: backtracks per problem")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--limit", type=int, default=None, help="use the first LIMIT problems")
+    """The sweep's arguments (methods, N, search settings, output), the same for every task: one flag per field of
+    :class:`SweepConfig` (``default_n``: this command's default N)."""
+    _add_flags(p, SweepConfig, [f.name for f in dataclasses.fields(SweepConfig)], {"n": tuple(default_n)})
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of `verl-prm search`: one flag per field of :class:`SearchConfig`."""
     p = argparse.ArgumentParser(prog="verl-prm search", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_sweep_arguments(p, default_n=(1, 2, 4))
-    text = p.add_argument_group("data set and models")
-    text.add_argument("--input", help="problems: verl parquet rows or jsonl")
-    text.add_argument("--prompt-field", default="prompt")
-    text.add_argument("--answer-field", default="reward_model.ground_truth")
-    text.add_argument("--answer-regex", default=None, help="extract the ground truth by this regex's first group")
-    text.add_argument("--data-source-field", default="data_source")
-    text.add_argument("--data-source", default=None, help="override the data source of every row")
-    text.add_argument("--reward-fn", default=None, help="path.py:function or pkg://module:function (default: verl's default_compute_score)")
-    text.add_argument("--policy", help="base policy: local HF model directory (or a vLLM model path)")
-    text.add_argument("--q-critic", help="value critic of the base policy (HF directory)")
-    text.add_argument("--q-critic-format", default="value_head")
-    text.add_argument("--prover", default=None, help="prover critic (PAV); default: the Q critic with --best-of-k")
-    text.add_argument("--prover-format", default="value_head")
-    text.add_argument("--backend", choices=("hf", "vllm"), default="hf")
-    text.add_argument("--device", default=None)
-    text.add_argument("--delimiter", default="\\n\\n", help="step delimiter (escapes like \\n are decoded)")
-    text.add_argument("--step-regex", default=None, help="steps end at matches of this regex (hf back end)")
-    text.add_argument("--max-step-tokens", type=int, default=256)
-    text.add_argument("--max-response-tokens", type=int, default=1024)
-    text.add_argument("--temperature", type=finite_float(0.0), default=1.0, help="0: greedy")
-    text.add_argument("--top-p", type=finite_float(0.0, 1.0, low_open=True), default=1.0)
-    text.add_argument("--batch-size", type=int, default=32, help="hf back end: sequences per generate call")
+    add_sweep_arguments(p, default_n=SearchConfig.__dataclass_fields__["n"].default)
+    sweep = {f.name for f in dataclasses.fields(SweepConfig)}
+    _add_flags(p.add_argument_group("data set and models"), SearchConfig,
+               [f.name for f in dataclasses.fields(SearchConfig) if f.name not in sweep])
     return p
+
+
+def search_config(args: argparse.Namespace) -> SearchConfig:
+    """The settings of a parsed `verl-prm search` command line (the delimiter's escapes such as \\n decoded)."""
+    return SearchConfig(**{**vars(args), "delimiter": codecs.decode(args.delimiter, "unicode_escape")})
+
+
+def sweep_config(settings: Any) -> SweepConfig:
+    """``settings`` as a :class:`SweepConfig` (checked): itself, or the sweep fields of a parsed command line
+    (``verl-prm demo search`` parses its own flags next to the sweep's)."""
+    if isinstance(settings, SweepConfig):
+        return settings
+    return SweepConfig(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(SweepConfig)})
 
 
 class SearchSetup:
@@ -134,36 +133,33 @@ class SearchSetup:
         self.reward, self.text = reward, text
 
 
-def _text_setup(args) -> SearchSetup:
+def _text_setup(config: SearchConfig) -> SearchSetup:
     from verl_prm.critic import ProverCritic
     from verl_prm.labeling.inputs import read_prompts, render_prompt
     from verl_prm.labeling.scoring import OutcomeScorer, load_reward_function
     from verl_prm.search.generation import HFStepSampler, TextCritic, VLLMStepSampler
 
-    missing = [name for name in ("input", "policy", "q_critic") if getattr(args, name) is None]
-    if missing:
-        raise SystemExit(f"verl-prm search needs {', '.join('--' + m.replace('_', '-') for m in missing)}")
-    for flag, path in (("--policy", args.policy), ("--q-critic", args.q_critic), ("--prover", args.prover)):
+    for flag, path in (("--policy", config.policy), ("--q-critic", config.q_critic), ("--prover", config.prover)):
         if path is not None:  # no such directory, no weights, pickle-only, offline hub id: before any model loads
             resolve_checkpoint(path, flag)
-    items = read_prompts(args.input, prompt_field=args.prompt_field, answer_field=args.answer_field,
-                         data_source_field=args.data_source_field, data_source=args.data_source,
-                         answer_regex=args.answer_regex, limit=args.limit)
-    delimiter = codecs.decode(args.delimiter, "unicode_escape")
-    common = dict(max_step_tokens=args.max_step_tokens, max_response_tokens=args.max_response_tokens,
-                  temperature=args.temperature, top_p=args.top_p)
-    if args.backend == "hf":
-        sampler = HFStepSampler.from_pretrained(args.policy, [], device=args.device, delimiter=delimiter,
-                                                regex=args.step_regex, batch_size=args.batch_size, **common)
+    items = read_prompts(config.input, prompt_field=config.prompt_field, answer_field=config.answer_field,
+                         data_source_field=config.data_source_field, data_source=config.data_source,
+                         answer_regex=config.answer_regex, limit=config.limit)
+    delimiter = config.delimiter
+    common = dict(max_step_tokens=config.max_step_tokens, max_response_tokens=config.max_response_tokens,
+                  temperature=config.temperature, top_p=config.top_p)
+    if config.backend == "hf":
+        sampler = HFStepSampler.from_pretrained(config.policy, [], device=config.device, delimiter=delimiter,
+                                                regex=config.step_regex, batch_size=config.batch_size, **common)
         prompts = [render_prompt(item.prompt, sampler.tokenizer) for item in items]
         sampler.prompts = prompts
     else:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(args.policy, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(config.policy, trust_remote_code=False)
         prompts = [render_prompt(item.prompt, tokenizer) for item in items]
-        sampler = VLLMStepSampler(args.policy, prompts, delimiter=delimiter, **common)
-    scorer = OutcomeScorer(load_reward_function(args.reward_fn))
+        sampler = VLLMStepSampler(config.policy, prompts, delimiter=delimiter, **common)
+    scorer = OutcomeScorer(load_reward_function(config.reward_fn))
 
     def reward(node) -> float:
         item = items[node.problem]
@@ -174,32 +170,35 @@ def _text_setup(args) -> SearchSetup:
     def critic(path: str, format: str):
         def build():
             if path not in loaded:
-                loaded[path] = ProverCritic.from_pretrained(path, format=format, device=args.device)
+                loaded[path] = ProverCritic.from_pretrained(path, format=format, device=config.device)
             return TextCritic(loaded[path], prompts)
         return build
 
     return SearchSetup(
         list(range(len(items))),
         sampler,
-        critic(args.q_critic, args.q_critic_format),
-        critic(args.prover, args.prover_format) if args.prover else None,
+        critic(config.q_critic, config.q_critic_format),
+        critic(config.prover, config.prover_format) if config.prover else None,
         reward,
         lambda node: "".join(node.steps),
     )
 
 
-def run_sweep(args, setup: SearchSetup, log: Callable[[str], None] = print) -> list[dict]:
-    """Run every method at every N; return one record per (method, N, problem). Critic caches are fresh per
+def run_sweep(settings: SweepConfig | argparse.Namespace, setup: SearchSetup,
+              log: Callable[[str], None] = print) -> list[dict]:
+    """Run every method at every N of ``settings`` (a :class:`SweepConfig`, or a parsed command line with its
+    fields: :func:`sweep_config`); return one record per (method, N, problem). Critic caches are fresh per
     (method, N) run, so each run pays for its own critic calls."""
     from verl_prm.search import (BeamConfig, BestOfNConfig, CachedCritic, GreedyConfig, beam_search, best_of_n,
                                  greedy_step_search)
 
-    beam_widths = args.n
-    bon_ns = args.bon_n or [n * args.samples_per_beam for n in beam_widths]
-    threshold = args.threshold if args.threshold is not None else (0.0 if args.accept_on == "progress" else 0.5)
+    sweep = sweep_config(settings)
+    beam_widths = sweep.n
+    bon_ns = sweep.best_of_n_sizes
+    threshold = sweep.greedy_threshold
     records: list[dict] = []
     plan: list[tuple[str, int]] = []
-    for method in args.methods:
+    for method in sweep.methods:
         plan += [(method, n) for n in (bon_ns if method == "best_of_n" else beam_widths)]
     try:
         from tqdm.auto import tqdm
@@ -212,18 +211,18 @@ def run_sweep(args, setup: SearchSetup, log: Callable[[str], None] = print) -> l
         q_critic = CachedCritic(setup.q_critic(), "q_critic")
         prover = CachedCritic(setup.prover(), "prover") if setup.prover is not None else None
         if method == "best_of_n":
-            ranker = prover if args.rank_critic == "prover" and prover is not None else q_critic
+            ranker = prover if sweep.rank_critic == "prover" and prover is not None else q_critic
             results = best_of_n(setup.problems, setup.sampler, ranker,
-                                BestOfNConfig(n=n, rank=args.rank, scores=args.rank_scores, seed=args.seed))
+                                BestOfNConfig(n=n, rank=sweep.rank, scores=sweep.rank_scores, seed=sweep.seed))
         elif method in ("beam_q", "beam_pav"):
-            config = BeamConfig(beam_width=n, samples_per_beam=args.samples_per_beam,
-                                alpha=0.0 if method == "beam_q" else args.alpha, best_of_k=args.best_of_k,
-                                max_steps=args.max_steps, seed=args.seed)
+            config = BeamConfig(beam_width=n, samples_per_beam=sweep.samples_per_beam,
+                                alpha=0.0 if method == "beam_q" else sweep.alpha, best_of_k=sweep.best_of_k,
+                                max_steps=sweep.max_steps, seed=sweep.seed)
             results = beam_search(setup.problems, setup.sampler, q_critic, prover, config)
         else:
-            config = GreedyConfig(threshold=threshold, accept_on=args.accept_on, max_retries=n - 1,
-                                  max_backtracks=args.max_backtracks, max_steps=args.max_steps,
-                                  best_of_k=args.best_of_k, seed=args.seed)
+            config = GreedyConfig(threshold=threshold, accept_on=sweep.accept_on, max_retries=n - 1,
+                                  max_backtracks=sweep.max_backtracks, max_steps=sweep.max_steps,
+                                  best_of_k=sweep.best_of_k, seed=sweep.seed)
             results = greedy_step_search(setup.problems, setup.sampler, prover if prover is not None else q_critic, config)
         seconds = time.perf_counter() - started
         # steps merged because they end in one critic token (TextCritic; 0 for critics that read no tokens)
@@ -294,7 +293,7 @@ def accuracy_vs_compute_figure(rows: Sequence[dict], title: str = ""):
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(6.4, 4.4))
-    for method in METHODS:
+    for method in SEARCH_METHODS:
         points = sorted((r["generated_tokens"], r["accuracy"], r["n"]) for r in rows if r["method"] == method)
         if not points:
             continue
@@ -341,15 +340,17 @@ def write_results(output: Path, records: Sequence[dict], title: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    if "beam_pav" in args.methods and args.prover is None and args.best_of_k == 1:
+    # every setting is checked here, before any model loads
+    config = search_config(build_parser().parse_args(sys.argv[1:] if argv is None else argv))
+    if "beam_pav" in config.methods and config.prover is None and config.best_of_k == 1:
         print("verl-prm search: beam_pav without --prover uses the Q critic as the prover; with --best-of-k 1 its "
               "progress only re-weights Q (set --best-of-k 4, the paper's choice, or pass --prover)", file=sys.stderr)
-    output = Path(args.output_dir)
+    output = Path(config.output_dir)
     output.mkdir(parents=True, exist_ok=True)
-    setup = _text_setup(args)
-    records = run_sweep(args, setup)
-    title = f"{Path(args.input).name}, {len(setup.problems)} problems, alpha={args.alpha:g}, M={args.samples_per_beam}"
+    setup = _text_setup(config)
+    records = run_sweep(config, setup)
+    title = (f"{Path(config.input).name}, {len(setup.problems)} problems, alpha={config.alpha:g}, "
+             f"M={config.samples_per_beam}")
     write_results(output, records, title)
     return 0
 

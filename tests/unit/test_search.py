@@ -154,12 +154,14 @@ LOGITS = {"x": 1.0, " y": 0.5, "he": 0.3, "\n": 0.6, "<eos>": -1.5}
 
 
 def _reference_step(model, tokenizer, text: str, seed: int, budget: int, pattern) -> tuple[str | None, int, bool]:
-    """One row generated without stopping (same seed, so the same tokens), then cut by a reference loop."""
-    encoded = tokenizer([text], return_tensors="pt", add_special_tokens=False)
-    torch.manual_seed(seed)
-    with torch.inference_mode():
-        ids = model.generate(**encoded, max_new_tokens=budget, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=[tokenizer.eos_token_id])[0, encoded["input_ids"].shape[1]:].tolist()
+    """One row generated without stopping (the same seeded request, so the same tokens), then cut by a reference
+    loop."""
+    from verl_prm.generation import GenerationEngine, GenerationRequest
+
+    engine = GenerationEngine(model, eos_token_ids=[tokenizer.eos_token_id], prefix_cache_tokens=0)
+    (output,) = engine.generate([GenerationRequest(tokenizer(text, add_special_tokens=False)["input_ids"],
+                                                   max_tokens=budget, temperature=1.0, top_p=1.0, seed=seed)])
+    ids = output.token_ids
     for count in range(1, len(ids) + 1):
         if ids[count - 1] == tokenizer.eos_token_id:
             rest = tokenizer.decode(ids[: count - 1])

@@ -26,13 +26,8 @@ import argparse
 import time
 from typing import Sequence
 
-import torch
-
+# torch, transformers and everything that imports them load in the functions: `--help` stays fast
 from verl_prm.apps.word_problems.task import STEP_DELIMITER, TaskConfig, generate_problems, prompt_messages
-from verl_prm.generation import GenerationEngine, GenerationRequest
-from verl_prm.precision import cpu_bf16_flags, native_bf16_instructions, resolve_dtype
-from verl_prm.labeling.generators import Completion, HFGenerator, derive_seed, trim_at_eos
-from verl_prm.special_tokens import ensure_pad_token, policy_eos_token_ids
 
 __all__ = ["PlainGenerateGenerator", "main"]
 
@@ -44,14 +39,19 @@ class PlainGenerateGenerator:
     sequences, in the model's dtype (float32 on CPU), the dynamic cache, each batch seeded once (the baseline)."""
 
     def __init__(self, model, tokenizer, *, max_new_tokens: int, temperature: float = 1.0, batch_size: int = 32):
+        from verl_prm.special_tokens import ensure_pad_token, policy_eos_token_ids
+
         self.model, self.tokenizer = model.eval(), tokenizer
         self.max_new_tokens, self.temperature, self.batch_size = max_new_tokens, temperature, batch_size
         generation = getattr(model, "generation_config", None)
         self.eos_token_ids = set(policy_eos_token_ids(tokenizer, generation, source="bench"))
         self.pad_token_id = ensure_pad_token(tokenizer, generation, source="bench")
 
-    @torch.inference_mode()
-    def generate(self, texts: Sequence[str], n: int, seeds: Sequence[int]) -> list[list[Completion]]:
+    def generate(self, texts: Sequence[str], n: int, seeds: Sequence[int]) -> list:
+        import torch
+
+        from verl_prm.labeling.generators import Completion, derive_seed, trim_at_eos
+
         flat = [(i, text) for i, text in enumerate(texts) for _ in range(n)]
         results: list[list[Completion]] = [[] for _ in texts]
         self.tokenizer.padding_side = "left"
@@ -59,9 +59,10 @@ class PlainGenerateGenerator:
             chunk = flat[begin: begin + self.batch_size]
             encoded = self.tokenizer([t for _, t in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
             torch.manual_seed(derive_seed(*(seeds[i] for i, _ in chunk), begin))
-            output = self.model.generate(**encoded, max_new_tokens=self.max_new_tokens, do_sample=True,
-                                         temperature=self.temperature, top_p=1.0, top_k=0,
-                                         pad_token_id=self.pad_token_id, eos_token_id=sorted(self.eos_token_ids))
+            with torch.inference_mode():
+                output = self.model.generate(**encoded, max_new_tokens=self.max_new_tokens, do_sample=True,
+                                             temperature=self.temperature, top_p=1.0, top_k=0,
+                                             pad_token_id=self.pad_token_id, eos_token_id=sorted(self.eos_token_ids))
             for (i, _), ids in zip(chunk, output[:, encoded["input_ids"].shape[1]:].tolist()):
                 kept, finished = trim_at_eos(ids, self.eos_token_ids, self.pad_token_id)
                 results[i].append(Completion(self.tokenizer.decode(kept, skip_special_tokens=True), finished,
@@ -70,11 +71,13 @@ class PlainGenerateGenerator:
 
 
 def _prompts(tokenizer, count: int, length: int, seed: int = 0) -> list[list[int]]:
+    from verl_prm.labeling.inputs import render_prompt
+
     problems = generate_problems(count + 2, TaskConfig(), seed=seed)
     shots = problems[:2]
     prompts = []
     for problem in problems[2:]:
-        text = tokenizer.apply_chat_template(prompt_messages(problem, shots), tokenize=False, add_generation_prompt=True)
+        text = render_prompt(prompt_messages(problem, shots), tokenizer)  # as `verl-prm label` renders it
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         prompts.append(ids[-length:])  # the end of the chat: the question and the generation prompt
     return prompts
@@ -84,8 +87,9 @@ def _best(times: list[float]) -> float:
     return min(times)
 
 
-@torch.inference_mode()
 def _plain_generate(model, prompts: list[list[int]], new_tokens: int, pad: int, seed: int) -> float:
+    import torch
+
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -94,19 +98,26 @@ def _plain_generate(model, prompts: list[list[int]], new_tokens: int, pad: int, 
         mask[row, width - len(prompt):] = 1
     torch.manual_seed(seed)
     start = time.perf_counter()
-    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                   do_sample=True, top_k=0, eos_token_id=None, pad_token_id=pad)
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=True, top_k=0, eos_token_id=None, pad_token_id=pad)
     return time.perf_counter() - start
 
 
-def _engine_generate(engine: GenerationEngine, prompts: list[list[int]], new_tokens: int, seed: int) -> float:
+def _engine_generate(engine, prompts: list[list[int]], new_tokens: int, seed: int) -> float:
+    from verl_prm.generation import GenerationRequest
+
     start = time.perf_counter()
     engine.generate([GenerationRequest(p, max_tokens=new_tokens, seed=seed + i) for i, p in enumerate(prompts)])
     return time.perf_counter() - start
 
 
 def throughput(path: str, args) -> dict[str, float]:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_prm.generation import GenerationEngine
+    from verl_prm.precision import resolve_dtype
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     fp32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -135,7 +146,11 @@ def throughput(path: str, args) -> dict[str, float]:
 
 
 def tree_group(path: str, args) -> None:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_prm.generation import GenerationEngine, GenerationRequest
+    from verl_prm.precision import resolve_dtype
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(args.precision, "cpu")).eval()
@@ -174,7 +189,10 @@ def tree_group(path: str, args) -> None:
 
 
 def labelled_steps(path: str, args) -> None:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_prm.labeling.generators import HFGenerator
 
     from verl_prm.apps.word_problems.pipeline import MAX_STEPS, SCORE_FUNCTION
     from verl_prm.apps.word_problems.score import DATA_SOURCE
@@ -234,6 +252,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from verl_prm.precision import cpu_bf16_flags, native_bf16_instructions, resolve_dtype
+
     args = _parser().parse_args(argv)
     if args.label_problems < 0:
         _parser().error(f"argument --label-problems: must be >= 0, got {args.label_problems}")

@@ -194,7 +194,7 @@ def _train(labels: Path, policy: Path, output: Path, scale, steps: int, progress
     """A value head on ``policy``, the whole model fine-tuned on ``labels`` at ``FINETUNE_LR`` (once: a finished
     training in ``output`` is kept); its checkpoint."""
     from verl_prm.apps.arithmetic.pipeline import train_pav
-    from verl_prm.training.trainer import latest_checkpoint
+    from verl_prm.training.resume import latest_checkpoint
 
     if not (output / "eval_metrics.json").exists():
         train_pav(labels, policy, output, steps=steps, batch_size=scale.pav_batch_size, lr=FINETUNE_LR,
@@ -211,7 +211,7 @@ def check_head_checkpoint(init: Path, output: Path) -> Path:
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from verl_prm.training.trainer import value_head_from_init, value_head_of
+    from verl_prm.training.model import value_head_from_init, value_head_of
 
     heads_path = init / "critic_init_heads.safetensors"
     if not heads_path.exists():

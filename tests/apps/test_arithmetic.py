@@ -221,7 +221,7 @@ def test_main_ppo_commands_of_every_arm_compose_and_differ_only_in_the_critic(tm
     from verl_prm.apps.arithmetic.pipeline import SCALES
     from verl_prm.apps.arithmetic.task import STEP_REGEX
     from verl_prm.apps.arithmetic.verl_rl import ARMS, MC_N, RunPaths, main_ppo_command
-    from verl_prm.training.trainer import latest_checkpoint  # noqa: F401  (the learned critic's layout)
+    from verl_prm.training.resume import latest_checkpoint  # noqa: F401  (the learned critic's layout)
 
     scale = SCALES[scale_name]
     critics = {}
@@ -686,7 +686,7 @@ def test_value_head_init_reports_only_unexpected_keys(micro_run, tmp_path, capfd
     key missing from the checkpoint is still reported."""
     from safetensors.torch import load_file, save_file
 
-    from verl_prm.training.trainer import value_head_from_init
+    from verl_prm.training.model import value_head_from_init
 
     work, _ = micro_run
     capfd.readouterr()

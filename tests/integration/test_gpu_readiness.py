@@ -75,14 +75,14 @@ def test_launcher_interpolations_resolve_to_the_choice(monkeypatch, caplog, inst
 
 
 def test_critic_attention_is_sdpa_for_fp32_even_with_flash_attn(monkeypatch):
-    from verl_prm.critic import formats
+    from verl_prm.critic import loading
 
-    monkeypatch.setattr(formats.importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else None)
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else None)
     cuda = torch.device("cuda")
-    assert formats.default_attn_implementation(cuda, torch.bfloat16) == "flash_attention_2"
-    assert formats.default_attn_implementation(cuda, torch.float16) == "flash_attention_2"
-    assert formats.default_attn_implementation(cuda, torch.float32) == "sdpa"  # flash-attn takes half precision only
-    assert formats.default_attn_implementation(torch.device("cpu"), torch.bfloat16) == "sdpa"
+    assert loading.default_attn_implementation(cuda, torch.bfloat16) == "flash_attention_2"
+    assert loading.default_attn_implementation(cuda, torch.float16) == "flash_attention_2"
+    assert loading.default_attn_implementation(cuda, torch.float32) == "sdpa"  # flash-attn takes half precision only
+    assert loading.default_attn_implementation(torch.device("cpu"), torch.bfloat16) == "sdpa"
 
 
 def test_accelerator_detection_looks_where_verl_looks(monkeypatch, tmp_path):

@@ -515,13 +515,13 @@ def test_checkpoint_without_its_head_weights_is_an_error(kind, checkpoints, tmp_
 def test_head_check_reads_the_safetensors_not_the_load_report(kind, checkpoints, tmp_path, monkeypatch):
     """Even if transformers reported nothing missing, the head's keys are checked against the file's headers."""
     from verl_prm.checkpoints import CheckpointError, safetensors_keys
-    from verl_prm.critic import formats
+    from verl_prm.critic import formats, loading
 
     def silent_load(auto_class, path, dtype, attn_implementation, allow_pickle, device, quiet=False):
-        return auto_class.from_pretrained(path, **formats._common_kwargs(dtype, attn_implementation, allow_pickle,
+        return auto_class.from_pretrained(path, **loading._common_kwargs(dtype, attn_implementation, allow_pickle,
                                                                          device))
 
-    monkeypatch.setattr(formats, "_load_complete", silent_load)
+    monkeypatch.setattr(formats, "load_complete", silent_load)
     path = _variant(checkpoints, tmp_path, kind)
     assert {"score.weight", "score.bias"} <= safetensors_keys(path)
     ProverCritic.from_pretrained(str(path), format=kind, device="cpu")

@@ -459,7 +459,7 @@ def test_math_shepherd_scores_as_the_model_card(tmp_path):
 def test_decoded_segments_keep_sentencepiece_spaces_and_drop_the_bos():
     """Step ends inside a line: a step that starts with a "▁" piece keeps its space (decoded alone, SentencePiece
     drops it), and the BOS of the policy's ids is not read as prompt text (the format adds its own)."""
-    from verl_prm.critic.scorer import decode_segments
+    from verl_prm.critic.sequences import decode_segments
 
     tok = mistral_tokenizer()
     prompt_ids = tok.encode(PROBLEM)
@@ -476,7 +476,7 @@ def test_decoded_segments_keep_sentencepiece_spaces_and_drop_the_bos():
 
 
 def test_a_step_end_inside_a_character_is_an_error():
-    from verl_prm.critic.scorer import decode_segments
+    from verl_prm.critic.sequences import decode_segments
 
     tok = qwen_like_tokenizer()  # byte-level: "é" is two byte tokens here
     ids = tok.encode("Q") + tok.encode("café au lait")

@@ -34,7 +34,8 @@ from verl_prm.training.data import (
 from verl_prm.training.losses import gather_step_logits, soft_label_bce, warmup_cosine_factor
 from verl_prm.training.metrics import auroc, expected_calibration_error, mse, value_metrics
 from verl_prm.training.config import TrainConfig
-from verl_prm.training.trainer import latest_checkpoint, train
+from verl_prm.training.resume import latest_checkpoint
+from verl_prm.training.trainer import train
 
 P_PROVER, P_POLICY, NUM_STEPS = 0.7, 0.75, 4
 
@@ -217,7 +218,7 @@ class _TokenValues(torch.nn.Module):
 def test_held_out_metrics_count_a_repeated_prompt_value_once(bpe_small):
     """The held-out evaluation of the trainer (``evaluate_examples`` then ``value_metrics``) over 4 rollouts of one
     prompt counts V(prompt) once: its MSE is the mean over the prompt value and the steps' labels."""
-    from verl_prm.training.trainer import evaluate_examples
+    from verl_prm.training.evaluation import evaluate_examples
 
     frame = _four_rollouts_of_one_prompt()
     examples, _ = encode_labels(frame, bpe_small)
@@ -539,7 +540,7 @@ def test_second_train_writer_is_refused_and_a_killed_trainer_resumes(critic_setu
 
 
 def test_torn_last_metrics_line_is_skipped_and_a_torn_middle_line_is_an_error(critic_setup, capsys):
-    from verl_prm.training.trainer import read_log
+    from verl_prm.training.resume import read_log
 
     root, _, _ = critic_setup
     settings = dict(max_steps=4, save_every=2, keep_checkpoints=5, log_every=1, warmup_steps=1)
@@ -625,7 +626,7 @@ def test_a_nan_init_weight_stops_at_step_1_and_writes_no_checkpoint(critic_setup
     from safetensors.torch import save_file
     import shutil
 
-    from verl_prm.training.trainer import NonFiniteLossError
+    from verl_prm.training.optimisation import NonFiniteLossError
 
     root, _, _ = critic_setup
     base = train(_config(root, "nan_base", max_steps=1, warmup_steps=1))
@@ -644,7 +645,7 @@ def test_a_nan_init_weight_stops_at_step_1_and_writes_no_checkpoint(critic_setup
 
 
 def test_a_nan_loss_keeps_the_last_good_checkpoint(critic_setup, tmp_path, monkeypatch):
-    import verl_prm.training.trainer as trainer
+    import verl_prm.training.optimisation as optimisation
 
     root, _, _ = critic_setup
     calls = []
@@ -654,11 +655,11 @@ def test_a_nan_loss_keeps_the_last_good_checkpoint(critic_setup, tmp_path, monke
         loss = trainer_loss(*args)
         return loss * math.nan if len(calls) == 3 else loss
 
-    trainer_loss = trainer.soft_label_bce
-    monkeypatch.setattr(trainer, "soft_label_bce", nan_at_step_3)
+    trainer_loss = optimisation.soft_label_bce
+    monkeypatch.setattr(optimisation, "soft_label_bce", nan_at_step_3)
     output = tmp_path / "run"
     good = output / "checkpoint-0000002"
-    with pytest.raises(trainer.NonFiniteLossError, match=re.escape(f"step 3: loss nan is not finite; training stopped "
+    with pytest.raises(optimisation.NonFiniteLossError, match=re.escape(f"step 3: loss nan is not finite; training stopped "
                                                                    f"before this step changed the weights and the last "
                                                                    f"good checkpoint, {good}, is kept")):
         train(_config(root, "unused", output_dir=str(output), max_steps=4, save_every=1, warmup_steps=1))
@@ -759,7 +760,7 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused_at_start(critic_setup
 
 
 def test_a_truncated_newest_checkpoint_falls_back_to_the_older_intact_one(critic_setup, tmp_path, capsys):
-    from verl_prm.training.trainer import checkpoint_problem
+    from verl_prm.training.resume import checkpoint_problem
 
     root, _, _ = critic_setup
     output = tmp_path / "run"

@@ -33,6 +33,7 @@ import torch
 
 from verl_prm.checks import is_class_path
 from verl_prm.critic.scorer import CriticScores
+from verl_prm.steps import decode_with_char_ends, step_char_spans
 
 __all__ = [
     "ExactCritic",
@@ -120,7 +121,8 @@ def step_texts_at_char_ends(text: str, char_ends: Sequence[int], sample: int) ->
 
 
 def _decode_prompt_texts(tokenizer, prompts: torch.Tensor, prompt_mask: torch.Tensor) -> list[str]:
-    """The policy prompts as text: unmasked ids decoded with special tokens kept (as ``scorer._decode_prompts``)."""
+    """The policy prompts as text: unmasked ids decoded with special tokens kept (as
+    ``verl_prm.critic.sequences.decode_prompts``)."""
     keep = prompt_mask.cpu() != 0
     rows = prompts.cpu().tolist()
     return [
@@ -223,8 +225,6 @@ class ExactCritic:
             texts = list(split.texts)
             char_ends = split.step_char_ends.cpu()
         else:
-            from verl_prm.steps import decode_with_char_ends
-
             decoded = decode_with_char_ends(policy_tokenizer, responses, attention_mask[:, prompt_len:])
             texts = decoded.texts
             ends = split.step_ends.cpu().clamp(min=0)
@@ -250,8 +250,6 @@ class ExactCritic:
     ) -> CriticScores:
         """Score complete responses given as text; steps by ``verl_prm.steps.step_char_spans`` (``delimiter``
         or ``regex``, as ``ProverCritic.score_texts``)."""
-        from verl_prm.steps import step_char_spans
-
         if len(prompts) != len(responses):
             raise ValueError(f"score_texts: {len(prompts)} prompts but {len(responses)} responses")
         step_texts = [

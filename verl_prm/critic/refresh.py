@@ -40,9 +40,12 @@ from pathlib import Path
 import torch
 
 from verl_prm.critic.sampled import SampledValues
+from verl_prm.labeling.format import rows_to_table
 from verl_prm.locking import DirectoryLock
 from verl_prm.resume import (check_same_settings, jsonable, read_settings, temporary_target, write_atomically,
                              write_settings)
+from verl_prm.training.head_fit import fit_logistic_head
+from verl_prm.training.metrics import value_metrics
 
 __all__ = ["PROMPT_INDEX_STRIDE", "RefreshRows", "RefreshStore", "labelled_rows", "refit_value_head",
            "refresh_label_rows", "refresh_metrics", "refresh_targets"]
@@ -122,8 +125,6 @@ def refresh_metrics(critic_values: torch.Tensor, targets: torch.Tensor, trials: 
     - ``pav/refresh/auroc``: AUROC of v for y >= 0.5 (``verl_prm.training.metrics``), left out when the labels
       have one class only.
     """
-    from verl_prm.training.metrics import value_metrics
-
     labelled = trials > 0
     if critic_values.shape != targets.shape:
         raise ValueError(f"refresh_metrics: values {tuple(critic_values.shape)} but targets {tuple(targets.shape)}")
@@ -141,8 +142,6 @@ def refresh_metrics(critic_values: torch.Tensor, targets: torch.Tensor, trials: 
 def refit_value_head(window: Sequence[RefreshRows], max_iterations: int = 100):
     """``fit_logistic_head`` on the rows of ``window`` (the last refreshes), each label weighted by its trials:
     returns the ``HeadFit`` (``logit = features @ weight + bias``)."""
-    from verl_prm.training.head_fit import fit_logistic_head
-
     if not window or not any(len(rows.targets) for rows in window):
         raise ValueError("refit_value_head: no labelled position in the refresh window")
     features = torch.cat([rows.features for rows in window]).double()
@@ -279,8 +278,6 @@ class RefreshStore:
         import pyarrow as pa
         import pyarrow.parquet as pq
         from safetensors.torch import save
-
-        from verl_prm.labeling.format import rows_to_table
 
         table = rows_to_table(label_rows)
         shard = pa.BufferOutputStream()

@@ -25,8 +25,9 @@ import torch
 from verl_prm.advantages import best_of_k as best_of_k_transform
 from verl_prm.checkpoints import allow_pickle_default, resolve_checkpoint
 from verl_prm.checks import check_number
-from verl_prm.critic.formats import (FORMATS, CriticFormat, TextInput, default_attn_implementation,
-                                     load_critic_tokenizer, resolve_dtype)
+from verl_prm.critic.formats import FORMATS, CriticFormat
+from verl_prm.critic.loading import (default_attn_implementation, load_critic_tokenizer, require_tokenizer_files,
+                                     resolve_dtype)
 from verl_prm.critic.packing import (
     BatchTensors,
     CriticInput,
@@ -38,11 +39,14 @@ from verl_prm.critic.packing import (
     padded_tensors,
     plan_micro_batches,
 )
+from verl_prm.critic.sequences import aligned_sequences, decode_prompts, decode_segments, policy_sequences
+from verl_prm.critic.text_input import TextInput, text_flags
+from verl_prm.steps import align_to_critic, encode_with_step_ends, same_tokenizer, step_char_spans
 from verl_prm.training.calibration import Calibration, checkpoint_calibration
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CriticScores", "ProverCritic", "decode_segments", "runs_varlen"]
+__all__ = ["CriticScores", "ProverCritic", "runs_varlen"]
 
 
 
@@ -198,7 +202,7 @@ class ProverCritic:
             max_padding_share: padded mode: a micro-batch closes before its padded share would exceed this.
             attn_implementation: default flash_attention_2 on CUDA for bf16/fp16 when flash-attn is installed, else sdpa.
             tokenizer: default the checkpoint's own, tokenizing as its saved ``tokenizer.json``
-                (``verl_prm.critic.formats.load_critic_tokenizer``).
+                (``verl_prm.critic.loading.load_critic_tokenizer``).
             progress: tqdm bar over micro-batches.
             allow_pickle: also load pickle-only weights (``pytorch_model.bin``; unpickling can run code). Default:
                 the ``VERL_PRM_ALLOW_PICKLE`` environment variable, else False (safetensors only). Weights the
@@ -219,7 +223,7 @@ class ProverCritic:
         torch_dtype = resolve_dtype(dtype, device)
         attn = attn_implementation or default_attn_implementation(device, torch_dtype)
         if tokenizer is None:
-            _require_tokenizer_files(path)
+            require_tokenizer_files(path)
             tokenizer = load_critic_tokenizer(path)
         adapter = FORMATS[format].load(path, tokenizer, dtype=torch_dtype, attn_implementation=attn, device=device,
                                        allow_pickle=allow_pickle, **format_options)
@@ -257,8 +261,6 @@ class ProverCritic:
         Returns:
             CriticScores with prompt_values [B], step_values [B, max H], num_steps [B].
         """
-        from verl_prm.steps import encode_with_step_ends, step_char_spans
-
         if len(prompts) != len(responses):
             raise ValueError(f"score_texts: {len(prompts)} prompts but {len(responses)} responses")
         if self.adapter.text_input:
@@ -306,7 +308,7 @@ class ProverCritic:
         inputs = self._fit([b[:3] for b in built], sample_offset)
         features = [None] * len(inputs) if with_features else None
         values = self.forward_values(inputs, sample_offset=sample_offset, features=features)
-        return self._assemble(values, num_step_slots, features, _text_flags(built, sample_offset, self.adapter.name))
+        return self._assemble(values, num_step_slots, features, text_flags(built, sample_offset, self.adapter.name))
 
     def score_policy_batch(
         self,
@@ -338,13 +340,11 @@ class ProverCritic:
         Returns:
             CriticScores with ``step_values`` [B, S] where S = ``step_split.step_ends.shape[1]``.
         """
-        from verl_prm.steps import align_to_critic, same_tokenizer
-
         num_slots = int(step_split.step_ends.shape[1])
         prompt_len = prompts.shape[1]
         prompt_mask, response_mask = attention_mask[:, :prompt_len], attention_mask[:, prompt_len:]
         if policy_tokenizer is None or same_tokenizer(policy_tokenizer, self.tokenizer):
-            input_ids, prompt_ends, step_ends = _policy_sequences(prompts, responses, attention_mask, step_split)
+            input_ids, prompt_ends, step_ends = policy_sequences(prompts, responses, attention_mask, step_split)
         else:
             if len(step_split.texts) != responses.shape[0] or step_split.step_char_ends.shape[:1] != responses.shape[:1]:
                 raise ValueError(
@@ -352,7 +352,7 @@ class ProverCritic:
                     "carry texts and step_char_ends (use verl_prm.steps.split_steps)"
                 )
             if prompt_texts is None:
-                prompt_texts = _decode_prompts(policy_tokenizer, prompts, prompt_mask)
+                prompt_texts = decode_prompts(policy_tokenizer, prompts, prompt_mask)
             if self.adapter.text_input:  # the format rebuilds its authors' input from the texts themselves
                 step_texts = []
                 for b, text in enumerate(step_split.texts):
@@ -363,7 +363,7 @@ class ProverCritic:
             aligned = align_to_critic(
                 responses, response_mask, policy_tokenizer, self.tokenizer, step_split, prompts=list(prompt_texts)
             )
-            input_ids, prompt_ends, step_ends = _aligned_sequences(aligned)
+            input_ids, prompt_ends, step_ends = aligned_sequences(aligned)
         return self.score_sequences(
             input_ids, prompt_ends, step_ends, num_step_slots=num_slots, sample_offset=sample_offset,
             with_features=with_features,
@@ -417,7 +417,7 @@ class ProverCritic:
         inputs = self._fit([b[:3] for b in built], sample_offset)
         features = [None] * len(inputs) if with_features else None
         values = self.forward_values(inputs, sample_offset=sample_offset, features=features)
-        return self._assemble(values, num_step_slots, features, _text_flags(built, sample_offset, self.adapter.name))
+        return self._assemble(values, num_step_slots, features, text_flags(built, sample_offset, self.adapter.name))
 
     def _fit(self, built: Sequence[tuple[list[int], list[int], int]], sample_offset: int) -> list[CriticInput]:
         inputs = [fit_context(sample_offset + i, ids, reads, prompt_last, self.max_length, self.truncation)
@@ -590,116 +590,3 @@ class ProverCritic:
                 read[row, : len(f)] = f
         flags = text_flags or (torch.zeros(len(values), dtype=torch.bool),) * 2
         return CriticScores(prompt_values.float(), step_values, num_steps, read, *flags)
-
-
-def _text_flags(built: Sequence[tuple], sample_offset: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """([B] separator_text, [B] special_text) of the built inputs (False for token formats), logged when set."""
-    separator = torch.tensor([isinstance(b, TextInput) and b.separator_text for b in built], dtype=torch.bool)
-    special = torch.tensor([isinstance(b, TextInput) and b.special_text for b in built], dtype=torch.bool)
-    for flags, what in ((separator, "the format's separator text, removed"),
-                        (special, "special-token text, read as plain text")):
-        if bool(flags.any()):
-            logger.warning("critic format %r: %d response(s) held %s (first: sample %d)", name,
-                           int(flags.sum()), what, sample_offset + int(flags.nonzero()[0]))
-    return separator, special
-
-
-def _adds_bos(tokenizer) -> bool:
-    bos = tokenizer.bos_token_id
-    return bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
-
-
-def decode_segments(tokenizer, ids: Sequence[int], prompt_end: int, step_ends: Sequence[int]
-                    ) -> tuple[str, list[str]]:
-    """(prompt text, step texts) of critic ids, as a text format reads them.
-
-    The prompt is ``decode(ids[:prompt_end + 1])`` without a leading BOS that the tokenizer's own encode adds
-    (the format encodes its input itself; decoding the BOS as text would double it). The response is decoded
-    without special tokens (an EOS the policy generated is no step text; the verl step split decodes the same
-    way). Step h's text is
-    ``decode(r[:e_h + 1])[len(decode(r[:e_{h-1} + 1])):]`` over the response ids ``r``: decoding a step alone
-    would drop the leading space of a SentencePiece "▁" piece (the decoder strips it at the first token), while
-    the response decoded as a whole keeps it. A step end that cuts a character (a byte-level token holding part
-    of a multi-byte character) makes the decoded prefixes disagree: a ValueError, not a garbled text.
-    """
-    def decode(part: list[int], skip_special_tokens: bool = True) -> str:
-        return tokenizer.decode(part, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
-
-    ids = list(ids)
-    first = 1 if ids and _adds_bos(tokenizer) and ids[0] == tokenizer.bos_token_id else 0
-    prompt = decode(ids[first : prompt_end + 1], skip_special_tokens=False)
-    response = ids[prompt_end + 1 :]
-    steps, done = [], ""
-    for h, end in enumerate(step_ends):
-        text = decode(response[: end - prompt_end])
-        if not text.startswith(done):
-            raise ValueError(
-                f"step {h - 1} ends inside a character (the decoded response up to it, {done[-20:]!r}, is no prefix "
-                f"of the text decoded up to step {h}); put step ends on character boundaries"
-            )
-        steps.append(text[len(done) :])
-        done = text
-    return prompt, steps
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-
-
-def _require_tokenizer_files(path: str) -> None:
-    """A local checkpoint directory must hold its tokenizer (else transformers fails later or differently)."""
-    from pathlib import Path
-
-    from verl_prm.checkpoints import CheckpointError
-
-    directory = Path(path)
-    if directory.is_dir() and not any((directory / name).is_file() for name in TOKENIZER_FILES[:3]):
-        raise CheckpointError(
-            f"critic checkpoint {path!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES[:3])}); save "
-            "the critic's tokenizer there (tokenizer.save_pretrained) or pass tokenizer="
-        )
-
-
-def _policy_sequences(
-    prompts: torch.Tensor, responses: torch.Tensor, attention_mask: torch.Tensor, step_split
-) -> tuple[list[list[int]], list[int], list[list[int]]]:
-    """Critic inputs from policy ids when the critic reads the policy's tokens: unmasked prompt tokens (left
-    padding removed) + unmasked response tokens; a step end at response position e becomes
-    ``prompt length + rank of e among the unmasked response tokens`` (= e for right-padded responses)."""
-    prompt_len = prompts.shape[1]
-    prompt_mask = attention_mask[:, :prompt_len].cpu() != 0
-    response_mask = attention_mask[:, prompt_len:].cpu() != 0
-    prompt_rows, response_rows = prompts.cpu().tolist(), responses.cpu().tolist()
-    rank = (response_mask.long().cumsum(dim=1) - 1).gather(1, step_split.step_ends.cpu().clamp(min=0))
-    num_steps = step_split.num_steps.cpu().tolist()
-    input_ids, prompt_ends, step_ends = [], [], []
-    for b in range(len(prompt_rows)):
-        prompt_ids = [t for t, keep in zip(prompt_rows[b], prompt_mask[b].tolist()) if keep]
-        response_ids = [t for t, keep in zip(response_rows[b], response_mask[b].tolist()) if keep]
-        n = len(prompt_ids)
-        input_ids.append(prompt_ids + response_ids)
-        prompt_ends.append(n - 1)
-        step_ends.append([n + r for r in rank[b, : num_steps[b]].tolist()])
-    return input_ids, prompt_ends, step_ends
-
-
-def _decode_prompts(tokenizer, prompts: torch.Tensor, prompt_mask: torch.Tensor) -> list[str]:
-    logger.warning(
-        "critic tokenizer differs from the policy's and no prompt texts were given: the critic reads the policy "
-        "prompts decoded with special tokens kept as text; pass prompt_texts to control what it reads"
-    )
-    keep = prompt_mask.cpu() != 0
-    rows = prompts.cpu().tolist()
-    return [
-        tokenizer.decode([t for t, k in zip(row, krow) if k], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        for row, krow in zip(rows, keep.tolist())
-    ]
-
-
-def _aligned_sequences(aligned) -> tuple[list[list[int]], list[int], list[list[int]]]:
-    """Normalise ``align_to_critic``'s per-sample output (EncodedSteps-like objects) to three lists."""
-    input_ids, prompt_ends, step_ends = [], [], []
-    for item in aligned:
-        input_ids.append([int(t) for t in item.input_ids])
-        prompt_ends.append(int(item.prompt_end))
-        step_ends.append([int(e) for e in item.step_ends])
-    return input_ids, prompt_ends, step_ends

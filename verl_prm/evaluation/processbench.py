@@ -43,6 +43,7 @@ import torch
 from verl_prm.advantages import best_of_k, step_progress, valid_steps
 from verl_prm.steps import encode_with_step_ends
 from verl_prm.critic import ProverCritic
+from verl_prm.labeling.inputs import plain_python
 
 __all__ = [
     "FirstErrorSample",
@@ -187,8 +188,6 @@ def step_scores_of(
 def _records(path: Path) -> list[dict]:
     if path.suffix == ".parquet":
         import pandas as pd
-
-        from verl_prm.labeling.inputs import plain_python
 
         return [plain_python(r) for r in pd.read_parquet(path).to_dict(orient="records")]
     with open(path) as f:

@@ -8,7 +8,7 @@ import importlib
 
 _NAMES = {"auroc": "metrics", "expected_calibration_error": "metrics", "mse": "metrics", "value_metrics": "metrics",
           "reliability_bins": "metrics", "plot_reliability": "metrics",
-          "TrainConfig": "config", "evaluate_examples": "trainer", "latest_checkpoint": "trainer", "train": "trainer"}
+          "TrainConfig": "config", "evaluate_examples": "evaluation", "latest_checkpoint": "resume", "train": "trainer"}
 __all__ = list(_NAMES)
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from verl_prm.checkpoints import weights_digest
 from verl_prm.choices import CALIBRATION_METHODS
 from verl_prm.training.head_fit import fit_logistic_head
 
@@ -416,8 +417,6 @@ def _read_json(path: Path):
 
 
 def _read_file(path: Path, checkpoint: str | Path | None) -> Calibration:
-    from verl_prm.checkpoints import weights_digest
-
     data = _read_json(path)
     if not isinstance(data, dict) or data.get("format") != _FORMAT or data.get("version") != _VERSION:
         raise CalibrationError(f"{path} is not a verl-prm calibration (format {_FORMAT!r} version {_VERSION}); "

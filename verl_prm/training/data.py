@@ -13,15 +13,20 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 
+from typing import Callable
+
 import numpy as np
 import pandas as pd
+import pyarrow.parquet as pq
 import torch
 
-from verl_prm.labeling.format import best_of_k_from_counts
+from verl_prm.labeling.format import best_of_k_from_counts, label_files, read_labels
 from verl_prm.steps import encode_with_step_ends
+from verl_prm.training.config import TrainConfig
 
 __all__ = [
     "EncodedRollout",
+    "read_examples",
     "encode_labels",
     "prompt_value_carriers",
     "split_by_prompt",
@@ -239,3 +244,49 @@ def collate(examples: list[EncodedRollout], pad_token_id: int) -> dict[str, torc
         step_mask[b, : len(e.positions)] = True
     return dict(input_ids=input_ids, attention_mask=attention_mask, positions=positions, targets=targets,
                 step_mask=step_mask)
+
+
+def with_origin(frame: pd.DataFrame, paths) -> pd.DataFrame:
+    """``frame`` (rows of ``read_labels(paths)``, in order) with the ``shard`` and ``shard_row`` of each row."""
+    shards, rows = [], []
+    for file in label_files(paths):
+        count = pq.read_metadata(file).num_rows
+        shards += [str(file)] * count
+        rows += list(range(count))
+    return frame.assign(shard=shards, shard_row=rows)
+
+
+def check_held_out(train_frame, eval_frame, note: Callable[[str], None]) -> None:
+    """Refuse held-out rollouts that are training rollouts. A rollout's identity is
+    ``(prompt_index, rollout_index, prompt, response)`` (verl_prm.labeling.format.check_duplicate_rollouts),
+    so a copied or renamed shard is caught, not only a shard named twice. Shared prompts only get a note."""
+    key = ["prompt_index", "rollout_index", "prompt", "response"]
+    shared = eval_frame.merge(train_frame[key + ["shard", "shard_row"]], on=key, suffixes=("", "_train"))
+    if len(shared):
+        first = shared.iloc[0]
+        raise ValueError(f"--eval-labels and --labels share {len(shared)} rollouts (e.g. {first['shard']} row "
+                         f"{first['shard_row']} is {first['shard_train']} row {first['shard_row_train']}, "
+                         f"prompt_index={first['prompt_index']}, rollout_index={first['rollout_index']}): held-out "
+                         "metrics would be measured on training data; pass held-out shards of other rollouts")
+    prompts = set(eval_frame["prompt"]) & set(train_frame["prompt"])
+    if prompts:
+        note(f"verl-prm train: {len(prompts)} of the {eval_frame['prompt'].nunique()} held-out prompts also have "
+             "training rollouts (their step prefixes overlap); the held-out metrics are optimistic for them")
+
+
+def read_examples(config: TrainConfig, tokenizer, note: Callable[[str], None]) -> tuple[list, list]:
+    """The encoded training and held-out rollouts (held out: --eval-labels, else a split by prompt)."""
+    frame = with_origin(read_labels(config.labels), config.labels)
+    if config.eval_labels:
+        train_frame, eval_frame = frame, with_origin(read_labels(config.eval_labels), config.eval_labels)
+        check_held_out(train_frame, eval_frame, note)
+    else:
+        train_frame, eval_frame = split_by_prompt(frame, config.held_out_fraction, config.seed)
+    encode = dict(max_length=config.max_length, best_of_k=config.best_of_k, use_prompt_value=config.use_prompt_value)
+    train_examples, train_stats = encode_labels(train_frame, tokenizer, **encode)
+    eval_examples = encode_labels(eval_frame, tokenizer, **encode)[0] if len(eval_frame) else []
+    if not train_examples:
+        raise ValueError(f"no labelled steps to train on in {config.labels}")
+    for message in train_stats.notes:
+        note(f"verl-prm train: {message}")
+    return train_examples, eval_examples

@@ -537,7 +537,7 @@ def stage_pav(stage: Stage, scale: Scale, labels: Path, policy: Path, data_dir: 
     """The learned PAV: with ``critic_init`` (default ``scale.critic_init``), the backbone at ``policy`` first
     taught the check (``stage/backbone``), then a value head fitted on it (``head_fit``: ``--head-fit``); else the
     whole ``policy`` fine-tuned."""
-    from verl_prm.training.trainer import latest_checkpoint
+    from verl_prm.training.resume import latest_checkpoint
 
     critic_init = critic_init or scale.critic_init
     init, outputs = policy, {}

@@ -299,7 +299,7 @@ def stage_value_head(stage: Stage, config: RecipeConfig, root: Path, labels: Pat
     """A value head on the policy's frozen backbone fitted to ``labels`` (``verl-prm train --freeze-backbone
     --head-fit newton``; 20% of the problems held out); its held-out metrics (step AUROC, MSE, ECE)."""
     from verl_prm.apps.arithmetic.pipeline import train_pav
-    from verl_prm.training.trainer import latest_checkpoint
+    from verl_prm.training.resume import latest_checkpoint
 
     training = train_pav(labels, Path(policy_path(config, root)), stage.path, steps=config.pav_steps,
                          batch_size=config.pav_batch_size, lr=1e-3, warmup_steps=0, max_length=512, log_every=10,

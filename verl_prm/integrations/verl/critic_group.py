@@ -50,7 +50,7 @@ def critic_worker_kwargs(hook: HookConfig) -> dict[str, Any]:
 def policy_tokenizer_path(hook: HookConfig, model_config, policy_tokenizer) -> str | None:
     """The policy tokenizer's path (``actor_rollout_ref.model``) when the critic's tokenizer differs from
     ``policy_tokenizer``, else None. An exact critic (format "exact") always gets it: it reads the text."""
-    from verl_prm.critic.formats import load_critic_tokenizer
+    from verl_prm.critic.loading import load_critic_tokenizer
 
     path = model_config.get("tokenizer_path", None) or model_config.path
     if hook.critic.format == EXACT_CRITIC_FORMAT:

@@ -162,12 +162,8 @@ def load_sharded_value_head(path: str, tokenizer, *, device: torch.device, dtype
     from verl.utils.fsdp_utils import apply_fsdp2, meta_device_init
 
     from verl_prm.checkpoints import CheckpointError
-    from verl_prm.critic.formats import (
-        ValueHeadFormat,
-        check_vocabulary,
-        read_head_from_safetensors,
-        unused_weights_error,
-    )
+    from verl_prm.critic.formats import ValueHeadFormat
+    from verl_prm.critic.loading import check_vocabulary, read_head_from_safetensors, unused_weights_error
 
     root = Path(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=False)
@@ -211,7 +207,7 @@ class ShardedProverCriticWorker(ProverCriticWorker):
         from torch.distributed.device_mesh import init_device_mesh
 
         from verl_prm.checkpoints import resolve_checkpoint
-        from verl_prm.critic.formats import default_attn_implementation, load_critic_tokenizer, resolve_dtype
+        from verl_prm.critic.loading import default_attn_implementation, load_critic_tokenizer, resolve_dtype
         from verl_prm.critic.scorer import ProverCritic
 
         kwargs = dict(kwargs)

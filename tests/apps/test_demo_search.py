@@ -134,3 +134,22 @@ def test_greedy_with_exact_prover_progress_on_toy(toy):
 
 
 # ------------------------------------------------------------------------------------------------ scripted task
+
+
+def test_demo_search_sweep_flags_are_sweep_config_fields():
+    """The demo's sweep flags are SweepConfig's (the library's search command shares them)."""
+    import dataclasses
+
+    from verl_prm.apps.demo.search import search_parser
+    from verl_prm.search.config import SweepConfig
+
+    sweep = {f.name for f in dataclasses.fields(SweepConfig)}
+    assert sweep <= {a.dest for a in search_parser()._actions}
+
+
+def test_demo_search_sweep_settings_are_checked_by_the_sweep_config(tmp_path):
+    """`verl-prm demo search` parses the sweep's flags next to its own; run_sweep checks them as SweepConfig."""
+    from verl_prm.apps.demo.search import main
+
+    with pytest.raises(ValueError, match=r"n \(--n\) lists 2 more than once"):
+        main(["--output-dir", str(tmp_path / "toy"), "--problems", "2", "--n", "2,2"])

@@ -398,7 +398,6 @@ def test_every_search_flag_is_a_field_of_search_config():
     parses to are the config's own, and those the command had before its flags were derived."""
     import dataclasses
 
-    from verl_prm.apps.demo.search import search_parser
     from verl_prm.cli_types import flag_of
     from verl_prm.search.cli import build_parser, search_config
     from verl_prm.search.config import SearchConfig, SweepConfig
@@ -408,9 +407,6 @@ def test_every_search_flag_is_a_field_of_search_config():
     assert sorted(a.dest for a in actions) == sorted(fields)
     assert all(a.option_strings == [flag_of(fields[a.dest])] for a in actions)
     assert all(a.help and a.help.startswith(fields[a.dest].metadata["doc"][:20]) for a in actions)
-    # the demo's sweep flags are SweepConfig's
-    sweep = {f.name for f in dataclasses.fields(SweepConfig)}
-    assert sweep <= {a.dest for a in search_parser()._actions}
 
     config = search_config(build_parser().parse_args([*SEARCH_MODELS, "--output-dir", "out"]))
     assert config == SearchConfig(output_dir="out", input="problems.jsonl", policy="no/such/policy",
@@ -508,11 +504,3 @@ def test_search_config_resolves_the_sweep_defaults():
     assert SweepConfig(output_dir="out", bon_n=(5,), accept_on="value").best_of_n_sizes == (5,)
     assert SweepConfig(output_dir="out", accept_on="value").greedy_threshold == 0.5
     assert SweepConfig(output_dir="out", threshold=0.25).greedy_threshold == 0.25
-
-
-def test_demo_search_sweep_settings_are_checked_by_the_sweep_config(tmp_path):
-    """`verl-prm demo search` parses the sweep's flags next to its own; run_sweep checks them as SweepConfig."""
-    from verl_prm.apps.demo.search import main
-
-    with pytest.raises(ValueError, match=r"n \(--n\) lists 2 more than once"):
-        main(["--output-dir", str(tmp_path / "toy"), "--problems", "2", "--n", "2,2"])

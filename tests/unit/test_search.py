@@ -400,7 +400,7 @@ def test_every_search_flag_is_a_field_of_search_config():
 
     from verl_prm.cli_types import flag_of
     from verl_prm.search.cli import build_parser, search_config
-    from verl_prm.search.config import SearchConfig, SweepConfig
+    from verl_prm.search.config import SearchConfig
 
     fields = {f.name: f for f in dataclasses.fields(SearchConfig)}
     actions = [a for a in build_parser()._actions if a.dest != "help"]

@@ -29,7 +29,7 @@ from verl_prm.cli_types import finite_float
 
 ARMS = {
     "grpo": ["algorithm.adv_estimator=grpo"],
-    "pav_tree": ["algorithm.adv_estimator=pav_grpo", "verl_prm.critic.path=null", "verl_prm.critic.format=tree"],
+    "pav_tree": ["algorithm.adv_estimator=pav_grpo", "verl_prm.critic.path=null", "verl_prm.critic.source=tree"],
 }
 SIZE = LoopSize(prompts_per_step=4, responses_per_prompt=4, max_prompt_length=160, max_response_length=96)
 

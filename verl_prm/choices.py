@@ -1,6 +1,6 @@
 """Every choice a setting of verl-prm takes, defined once as a ``Literal`` type, with its runtime tuple.
 
-A config field is annotated with the type (``format: CriticFormat = "value_head"``); the validation, the
+A config field is annotated with the type (``format: CheckpointFormat = "value_head"``); the validation, the
 command lines' ``choices=`` and the generated ``pav.yaml`` read the tuple (``typing.get_args`` of the type), so a
 new choice is added here and nowhere else. What each choice means is documented at the field that takes it.
 
@@ -13,14 +13,15 @@ from typing import Literal, get_args
 
 __all__ = [
     "AGGREGATIONS", "CALIBRATION_METHODS", "CHECKPOINT_FORMATS", "CODE_SPLIT_RULES", "CODE_STEP_RULES", "COMPILE_MODES", "CRITIC_DTYPES",
-    "CRITIC_FORMATS", "EXACT_CRITIC_FORMAT", "GENERATOR_BACKENDS", "HEAD_FITS", "LABEL_STRATEGIES", "MIN_FORM_BASELINES",
+    "GENERATOR_BACKENDS", "HEAD_FITS", "LABEL_STRATEGIES", "MIN_FORM_BASELINES",
     "MIXED_PRECISIONS", "OFFLOAD_MODES", "PLACEMENT_POOLS", "PREFIX_RULES", "PRIME_REWARD_MASKS", "PROCESS_TERMS",
-    "ROLLOUT_CRITIC_FORMAT", "SHARDABLE_FORMATS", "TREE_CRITIC_FORMAT", "BRANCH_RULES", "SHARD_MODES", "SUCCESS_LABELS", "TRUNCATIONS",
+    "SHARDABLE_FORMATS", "BRANCH_RULES", "SHARD_MODES", "SUCCESS_LABELS", "TRUNCATIONS",
     "Aggregation", "BranchRule", "CalibrationMethod", "CheckpointFormat", "CodeSplitRule", "CodeStepRule", "CompileMode", "CriticDtype",
-    "CriticFormat", "GeneratorBackend", "HeadFit", "LabelStrategy", "MinFormBaseline", "MixedPrecision",
+    "GeneratorBackend", "HeadFit", "LabelStrategy", "MinFormBaseline", "MixedPrecision",
     "OffloadMode", "PlacementPool", "PrefixRule", "PrimeRewardMask", "ProcessTerm", "ShardMode", "ShardableFormat",
     "SuccessLabels", "Truncation",
     "TREE_RL_SCALES", "TREE_SEGMENT_WEIGHTS", "TreeRlScale", "TreeSegmentWeight",
+    "VALUE_SOURCES", "ValueSourceName",
 ]
 
 # Estimator knobs (algorithm.pav; verl_prm.config.PavConfig).
@@ -34,13 +35,12 @@ PrimeRewardMask = Literal["step_end", "response"]
 TreeRlScale = Literal["paper", "code"]
 TreeSegmentWeight = Literal["per_leaf", "once"]
 
-# The prover critic (verl_prm.critic; verl_prm.config.hook.CriticSection). The checkpoint formats are the keys of
-# verl_prm.critic.formats.FORMATS; "exact" and "rollout" read no checkpoint.
+# Where a verl run's step values come from (verl_prm.critic.source; each source is an entry of
+# verl_prm.integrations.verl.sources.SOURCES): a checkpoint critic (a learned PAV or a public PRM), an exact
+# prover, Monte-Carlo samples from the rollout replicas, or the node values of tree-shaped groups.
+ValueSourceName = Literal["checkpoint", "exact", "sampled", "tree"]
+# The prover critic's checkpoint formats (verl_prm.critic.format; the keys of verl_prm.critic.formats.FORMATS).
 CheckpointFormat = Literal["value_head", "qwen_prm", "pure_prm", "math_shepherd", "rlhflow", "value_head_lm"]
-EXACT_CRITIC_FORMAT = "exact"
-ROLLOUT_CRITIC_FORMAT = "rollout"
-TREE_CRITIC_FORMAT = "tree"
-CriticFormat = Literal[CheckpointFormat, "exact", "rollout", "tree"]
 ShardableFormat = Literal["value_head"]
 CriticDtype = Literal["auto", "bfloat16", "float16", "float32"]
 Truncation = Literal["error", "left_prompt"]
@@ -74,7 +74,7 @@ PRIME_REWARD_MASKS = get_args(PrimeRewardMask)
 TREE_RL_SCALES = get_args(TreeRlScale)
 TREE_SEGMENT_WEIGHTS = get_args(TreeSegmentWeight)
 CHECKPOINT_FORMATS = get_args(CheckpointFormat)
-CRITIC_FORMATS = get_args(CriticFormat)
+VALUE_SOURCES = get_args(ValueSourceName)
 SHARDABLE_FORMATS = get_args(ShardableFormat)
 CRITIC_DTYPES = get_args(CriticDtype)
 TRUNCATIONS = get_args(Truncation)

@@ -310,7 +310,7 @@ def _tree_tensors(name: str, inputs: EstimatorInputs, pav: PavConfig) -> tuple[t
             f"advantage estimator {name!r} needs the step tensor{'s' if len(missing) > 1 else ''} "
             f"{', '.join(missing)} (the "
             "leaves below each step's node and each response's own node: verl_prm.trees.TreeValues), which "
-            "tree-shaped groups supply (verl_prm.critic.format=tree); with other step values use pav_grpo, "
+            "tree-shaped groups supply (verl_prm.critic.source=tree); with other step values use pav_grpo, "
             "pav_rloo, ...")
     counts, values, leaves = (tree[key] for key in TREE_KEYS)
     rows = inputs.step_values.shape[0]

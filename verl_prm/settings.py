@@ -24,12 +24,12 @@ __all__ = ["check_bounds", "check_choices", "check_integer", "doc_of", "setting"
 
 def setting(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Any = dataclasses.MISSING,
             low: Optional[float] = None, high: Optional[float] = None, low_open: bool = False,
-            high_open: bool = False, flag: Optional[str] = None) -> Any:
+            high_open: bool = False, finite: bool = False, flag: Optional[str] = None) -> Any:
     """A dataclass field with its doc (one paragraph; whitespace runs collapse) and, for a number, its bounds
-    (inclusive unless ``*_open``). ``flag`` names its command-line flag when that is not ``--<name>`` (a bool that
-    defaults to true gets ``--no-<name>``)."""
+    (inclusive unless ``*_open``; ``finite``: no bound, but NaN and inf are refused). ``flag`` names its
+    command-line flag when that is not ``--<name>`` (a bool that defaults to true gets ``--no-<name>``)."""
     metadata = {"doc": " ".join(doc.split()), "flag": flag}
-    if low is not None or high is not None:
+    if low is not None or high is not None or finite:
         metadata["bounds"] = (low, high, low_open, high_open)
     return dataclasses.field(default=default, default_factory=factory, metadata=metadata)
 

@@ -10,9 +10,9 @@
 # Differs from the GRPO baseline (run_qwen2_5_0_5b_gsm8k_grpo_baseline.sh) only in the verl-prm block (and the
 # experiment name); docs/step_values.md, "Sampled", has the method, its cost and its metrics (pav/mc_*).
 # The settings, and why a run should start from them:
-# - verl_prm.critic.format=rollout, no critic path: in the advantage phase the hook wakes the rollout replicas,
+# - verl_prm.critic.source=sampled, no critic path: in the advantage phase the hook wakes the rollout replicas,
 #   samples, scores each continuation with verl's GSM8K scorer (success: reward > 0.5, the default
-#   mc_success_threshold) and puts them back to sleep. The other responses of a group that begin with a sampled
+#   success_threshold) and puts them back to sleep. The other responses of a group that begin with a sampled
 #   prefix are pooled as free samples of its value (pool_group_samples, on by default).
 # - n_mc=4: a sampled value's standard error is at most sqrt(0.25 / 4) = 0.25 (less where group responses are
 #   pooled), and first_pit reads a step as the pit when its 4 continuations all fail, i.e. finds the first step
@@ -38,7 +38,7 @@ PROJECT=${PROJECT:-verl_prm_gsm8k}
 python3 -m verl.trainer.main_ppo \
     "hydra.searchpath=[pkg://verl_prm.config]" \
     +verl_prm=pav \
-    verl_prm.critic.format=rollout \
+    verl_prm.critic.source=sampled \
     verl_prm.critic.n_mc=4 \
     verl_prm.critic.prefix_rule=first_pit \
     verl_prm.critic.mc_token_budget=2097152 \

@@ -9,9 +9,9 @@
 # Differs from the GRPO baseline (run_qwen2_5_0_5b_math_grpo_baseline.sh) only in the verl-prm block (and the
 # experiment name); docs/step_values.md, "Tree-shaped groups", has the method and its metrics (pav/tree_*).
 # The settings, and why a run should start from them:
-# - verl_prm.critic.format=tree, no critic path: the trainer hook has verl's agent loop sample each training
+# - verl_prm.critic.source=tree, no critic path: the trainer hook has verl's agent loop sample each training
 #   group as a tree through the run's own vLLM replicas (validation keeps independent samples). A leaf succeeds
-#   iff its reward is above verl_prm.critic.mc_success_threshold (0.5; verl's MATH scorer gives 1 or 0).
+#   iff its reward is above verl_prm.critic.success_threshold (0.5; verl's MATH scorer gives 1 or 0).
 # - roots=2, branch_width=2 with the baseline's rollout.n=8: 2 complete responses, then 3 branch points of 2
 #   continuations each (8 = 2 + 3 x 2). Two roots keep two independent openings in every group (with one, every
 #   leaf would share the root's text up to the first branch point); width 2 makes a branch point's node average
@@ -38,7 +38,7 @@ PROJECT=${PROJECT:-verl_prm_math}
 python3 -m verl.trainer.main_ppo \
     "hydra.searchpath=[pkg://verl_prm.config]" \
     +verl_prm=pav \
-    verl_prm.critic.format=tree \
+    verl_prm.critic.source=tree \
     verl_prm.tree.roots=2 \
     verl_prm.tree.branch_width=2 \
     verl_prm.tree.branch_rule=confidence \

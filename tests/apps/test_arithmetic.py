@@ -67,7 +67,7 @@ def test_micro_run_of_the_whole_recipe(micro_run):
     assert sum("val-core/arithmetic_mod/acc/mean@4" in m["data"] for m in metrics) == 3
     assert (work / "rl" / "pav_exact_seed0" / "final" / "model.safetensors").exists()
     command = (work / "rl" / "pav_exact_seed0" / "command.sh").read_text()
-    assert "verl.trainer.main_ppo" in command and "verl_prm.critic.format=exact" in command
+    assert "verl.trainer.main_ppo" in command and "verl_prm.critic.source=exact" in command
     # (f) the table and the plots
     results = json.loads((work / "results" / "results.json").read_text())
     assert set(results["search"]) == {"learned", "exact"}
@@ -252,19 +252,19 @@ def test_main_ppo_commands_of_every_arm_compose_and_differ_only_in_the_critic(tm
         assert config.actor_rollout_ref.rollout.name == ("hf" if device == "cpu" else "vllm")
         exact_prover = {"prover": "verl_prm.apps.arithmetic.prover:ArithmeticProver", "step_accuracy": 0.8125}
         if ARMS[arm].critic == "exact":
-            assert hook.critic.format == "exact"
+            assert hook.critic.source == "exact"
             assert dict(hook.critic.options) == exact_prover
             assert hook.diagnostics.reference is None
         elif ARMS[arm].critic == "rollout":
-            assert (hook.critic.format, hook.critic.path, hook.critic.n_mc) == ("rollout", None, MC_N)
+            assert (hook.critic.source, hook.critic.path, hook.critic.n_mc) == ("sampled", None, MC_N)
             assert hook.diagnostics.reference == exact_prover
         elif ARMS[arm].critic == "tree":
-            assert (hook.critic.format, hook.critic.path) == ("tree", None)
+            assert (hook.critic.source, hook.critic.path) == ("tree", None)
             assert (hook.tree.roots, hook.tree.branch_width, hook.tree.branch_rule) == (2, 2, "every")
             assert hook.diagnostics.reference == exact_prover
         else:
             # each learned arm reads the PAV of its own stage
-            assert (hook.critic.format, hook.critic.path) == ("value_head", str(critics[ARMS[arm].critic]))
+            assert (hook.critic.source, hook.critic.path) == ("value_head", str(critics[ARMS[arm].critic]))
             assert hook.critic.calibration == ARMS[arm].calibration
             # the exact arm's prover is the learned arm's reference, for the diagnostics only
             assert hook.diagnostics.reference == exact_prover

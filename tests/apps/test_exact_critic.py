@@ -10,7 +10,6 @@ import random
 import pytest
 import torch
 
-from verl_prm.choices import EXACT_CRITIC_FORMAT
 from verl_prm.critic.exact import (
     ExactCritic,
     ExactPrefixCritic,
@@ -364,14 +363,14 @@ def test_worker_with_format_exact_equals_the_prover(worker_env, arithmetic_token
     from verl_prm.integrations.verl.critic_worker import ProverCriticWorker
     from verl_prm.apps.arithmetic.model import render
     from verl_prm.steps import split_steps
-    from verl_prm.integrations.verl.critic_group import critic_worker_kwargs
+    from verl_prm.integrations.verl.sources import critic_worker_kwargs
 
     tokenizer = arithmetic_tokenizer
     tokenizer.save_pretrained(tmp_path)
-    hook = read_hook_config({"critic": {"format": "exact", "options": {"prover": "verl_prm.apps.arithmetic.prover:ArithmeticProver",
+    hook = read_hook_config({"critic": {"source": "exact", "options": {"prover": "verl_prm.apps.arithmetic.prover:ArithmeticProver",
                                                                         "step_accuracy": 0.9}}})
     kwargs = critic_worker_kwargs(hook)
-    assert kwargs == {"format": "exact", "prover": EXACT_PROVER, "step_accuracy": 0.9}
+    assert kwargs == {"prover": EXACT_PROVER, "step_accuracy": 0.9}
     samples = arithmetic_samples(seed=1)
     prompts, responses, mask = policy_batch(tokenizer, [p.prompt_text for p, _ in samples], [r for _, r in samples])
     response_mask = mask[:, prompts.shape[1]:]
@@ -393,9 +392,9 @@ def test_worker_with_format_exact_equals_the_prover(worker_env, arithmetic_token
     assert torch.equal(out.batch["step_values"], step_values)
 
     # the exact critic reads text: without the policy tokenizer the worker refuses to start
-    with pytest.raises(ValueError, match="format 'exact' reads the response text, so it needs policy_tokenizer_path"):
+    with pytest.raises(ValueError, match="an exact prover reads the response text, so it needs policy_tokenizer_path"):
         ProverCriticWorker(None, kwargs).init_model()
-    assert HookConfig().critic.format != EXACT_CRITIC_FORMAT
+    assert HookConfig().critic.source != "exact"
 
 
 def test_hook_values_with_format_exact(worker_env, arithmetic_tokenizer, tmp_path):
@@ -406,7 +405,7 @@ def test_hook_values_with_format_exact(worker_env, arithmetic_tokenizer, tmp_pat
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
     from verl_prm.config.hook import read_hook_config
-    from verl_prm.integrations.verl.critic_group import critic_worker_kwargs
+    from verl_prm.integrations.verl.sources import critic_worker_kwargs
     from verl_prm.integrations.verl.critic_worker import ProverCriticWorker
     from verl_prm.integrations.verl.step_batch import read_step_batch
     from verl_prm.integrations.verl.value_sources import CriticWorkerValues
@@ -416,7 +415,7 @@ def test_hook_values_with_format_exact(worker_env, arithmetic_tokenizer, tmp_pat
     tokenizer = arithmetic_tokenizer
     tokenizer.save_pretrained(tmp_path)
     hook = read_hook_config({
-        "critic": {"format": "exact", "options": {"prover": "verl_prm.apps.arithmetic.prover:ArithmeticProver", "step_accuracy": 0.75}},
+        "critic": {"source": "exact", "options": {"prover": "verl_prm.apps.arithmetic.prover:ArithmeticProver", "step_accuracy": 0.75}},
         "steps": {"delimiter": None, "regex": STEP_REGEX},
     })
     worker = ProverCriticWorker(None, critic_worker_kwargs(hook), policy_tokenizer_path=str(tmp_path))
@@ -448,7 +447,7 @@ def test_hook_values_with_format_exact(worker_env, arithmetic_tokenizer, tmp_pat
 # ---------------------------------------------------------------------------------------------- config
 
 
-EXACT_OVERRIDES = ["verl_prm.critic.format=exact", "+verl_prm.critic.options.prover=verl_prm.apps.arithmetic.prover:ArithmeticProver",
+EXACT_OVERRIDES = ["verl_prm.critic.source=exact", "+verl_prm.critic.options.prover=verl_prm.apps.arithmetic.prover:ArithmeticProver",
                    "+verl_prm.critic.options.step_accuracy=0.8"]
 
 
@@ -467,13 +466,13 @@ def compose_verl(overrides):
 def test_exact_overrides_compose_with_verl_and_pass_the_startup_check():
     """(verl's own config validation of a whole launcher with these overrides: tests/integration/test_launchers.py)"""
     from verl_prm.integrations.verl.run_config import validate_run_config
-    from verl_prm.integrations.verl.critic_group import critic_worker_kwargs
+    from verl_prm.integrations.verl.sources import critic_worker_kwargs
 
     config = compose_verl(EXACT_OVERRIDES)
     hook, _ = validate_run_config(config)
-    assert hook.critic.format == "exact" and hook.critic.path is None
+    assert hook.critic.source == "exact" and hook.critic.path is None
     assert hook.critic.options == {"prover": "verl_prm.apps.arithmetic.prover:ArithmeticProver", "step_accuracy": 0.8}
-    assert critic_worker_kwargs(hook) == {"format": "exact", "prover": EXACT_PROVER, "step_accuracy": 0.8}
+    assert critic_worker_kwargs(hook) == {"prover": EXACT_PROVER, "step_accuracy": 0.8}
 
 
 @pytest.mark.parametrize(
@@ -493,16 +492,16 @@ def test_exact_overrides_compose_with_verl_and_pass_the_startup_check():
           "+verl_prm.critic.options.seed=3"],
          "verl_prm.critic.options.seed: unknown option 'seed' of the arithmetic_mod exact prover; known: ['step_accuracy']"),
         (["+verl_prm.critic.options.step_accuracy=0.8"],
-         "verl_prm.critic.format=exact needs verl_prm.critic.options.prover"),
+         "verl_prm.critic.source=exact needs verl_prm.critic.options.prover"),
         (EXACT_OVERRIDES[1:] + ["verl_prm.critic.path=/some/critic"],
-         "verl_prm.critic.path='/some/critic' is unused with verl_prm.critic.format=exact"),
+         "verl_prm.critic.path='/some/critic' is unused with verl_prm.critic.source=exact"),
     ],
 )
 def test_exact_startup_errors(overrides, message):
     from verl_prm.config.hook import ConfigError
     from verl_prm.integrations.verl.run_config import validate_run_config
 
-    config = compose_verl(["verl_prm.critic.format=exact"] + overrides)
+    config = compose_verl(["verl_prm.critic.source=exact"] + overrides)
     with pytest.raises(ConfigError) as error:
         validate_run_config(config)
     assert message in str(error.value)

@@ -31,7 +31,7 @@ def test_grpo_is_verls_own_and_pav_tree_runs_the_hook_with_line_steps(tmp_path):
     assert [r["index"] for r in train.extra_info] == [6, 7, 8, 9]  # the PAV's label problems are left out
     assert len(val) == 4
     tree = command(work, tmp_path / "rl", "pav_tree", 0, steps=20, lr=2e-6, test_freq=10, val_problems=4, skip=6)[0]
-    assert {"+verl_prm=pav", "verl_prm.critic.format=tree", "algorithm.adv_estimator=pav_grpo",
+    assert {"+verl_prm=pav", "verl_prm.critic.source=tree", "algorithm.adv_estimator=pav_grpo",
             "verl_prm.steps.delimiter='\\n'", "verl_prm.steps.max_tokens=null"} <= set(tree)
 
 

@@ -612,8 +612,9 @@ def test_bench_loop_arms_compose_and_the_sampled_arm_passes_the_startup_check(tm
     from verl_prm.apps.bench.loop import ARMS, arm_overrides
     from verl_prm.apps.cpu_loop import main_ppo_args
     from verl_prm.config.hook import read_hook_config
-    from verl_prm.integrations.verl.rollout_critic import check_rollout_critic_run, run_reward_function
-    from verl_prm.integrations.verl.tree_rollout import check_tree_run
+    from verl_prm.integrations.verl.rollout_sampler import run_reward_function
+    from verl_prm.integrations.verl.run_config import check_sampling_run
+    from verl_prm.integrations.verl.run_config import check_tree_run
 
     configs = {}
     for arm in ARMS:
@@ -622,11 +623,11 @@ def test_bench_loop_arms_compose_and_the_sampled_arm_passes_the_startup_check(tm
         score = run_reward_function(config)
         assert [score("arithmetic_mod", text, "7") for text in ("12", "123")] == [1.0, 0.0], arm
         assert config.algorithm.adv_estimator == estimator
-        assert config.verl_prm.critic.format == {"sampled": "rollout", "tree": "tree"}.get(arm, "value_head"), arm
+        assert config.verl_prm.critic.source == {"sampled": "sampled", "tree": "tree"}.get(arm, "checkpoint"), arm
     sampled, tree = configs["sampled"], configs["tree"]
     assert (sampled.verl_prm.critic.path, sampled.verl_prm.critic.n_mc, sampled.verl_prm.critic.prefix_rule) == \
         (None, 3, "first_pit")
-    check_rollout_critic_run(sampled)
+    check_sampling_run(sampled)
     assert (tree.verl_prm.critic.path, tree.verl_prm.tree.roots, tree.verl_prm.tree.branch_width) == (None, 2, 2)
     check_tree_run(tree, read_hook_config(tree.verl_prm))
     with pytest.raises(ValueError, match="unknown bench loop arm 'sft'"):

@@ -49,9 +49,9 @@ def test_slipped_steps_marks_the_step_where_the_value_drops_to_zero():
     ([f"+verl_prm.diagnostics.reference.prover={PROVER}", "+verl_prm.diagnostics.reference.step_accuracy=nan"],
      "verl_prm.diagnostics.reference.step_accuracy must be a finite number, got nan"),
     (["verl_prm.diagnostics.signal_threshold=-0.1"],
-     "verl_prm.diagnostics.signal_threshold must be a finite number >= 0, got -0.1"),
+     "verl_prm.diagnostics.signal_threshold must be >= 0 (a finite number), got -0.1"),
     (["verl_prm.diagnostics.signal_threshold=inf"],
-     "verl_prm.diagnostics.signal_threshold must be a finite number >= 0, got inf"),
+     "verl_prm.diagnostics.signal_threshold must be >= 0 (a finite number), got inf"),
     (["+verl_prm.diagnostics.colour=red"], "Known keys of verl_prm.diagnostics: reference, signal_threshold"),
     (REFERENCE + ["algorithm.adv_estimator=grpo", "verl_prm.score_outcome_estimators=false"],
      "verl_prm.diagnostics.reference is set, but this run scores no steps"),
@@ -117,7 +117,7 @@ def hook_trainer(config, tokenizer, critic_dir, policy_tokenizer_path=None):
     in-process critic worker (world size 1; ``critic_dir`` None for format=exact, which reads the text with the
     tokenizer saved at ``policy_tokenizer_path``)."""
     from verl_prm.config.hook import build_exact_critic
-    from verl_prm.integrations.verl.critic_group import critic_worker_kwargs
+    from verl_prm.integrations.verl.sources import critic_worker_kwargs
     from verl_prm.integrations.verl.critic_worker import ProverCriticWorker
     from verl_prm.integrations.verl.hook_trainer import PavSyncTrainer
     from verl_prm.integrations.verl.run_config import validate_run_config
@@ -227,7 +227,7 @@ def test_an_exact_critic_against_its_own_prover_correlates_perfectly(bpe_small, 
     """format=exact with the same prover as reference: correlation 1 and the learned scales equal the exact ones."""
     from verl_prm.apps.arithmetic.task import STEP_REGEX
 
-    run = PLUGIN_OVERRIDES + ["verl_prm.critic.format=exact", f"+verl_prm.critic.options.prover={PROVER}",
+    run = PLUGIN_OVERRIDES + ["verl_prm.critic.source=exact", f"+verl_prm.critic.options.prover={PROVER}",
                               "+verl_prm.critic.options.step_accuracy=0.8", "verl_prm.steps.delimiter=null",
                               f"verl_prm.steps.regex='{STEP_REGEX}'"] + REFERENCE
     stored, keys, tags = arithmetic_batch(bpe_small)

@@ -12,9 +12,9 @@ import pytest
 from verl_support import LAUNCHERS, compose_verl, load_example
 
 from verl_prm.config.hook import ConfigError, read_hook_config
-from verl_prm.integrations.verl.rollout_critic import check_rollout_critic_run
+from verl_prm.integrations.verl.run_config import check_sampling_run
 from verl_prm.integrations.verl.run_config import validate_run_config
-from verl_prm.integrations.verl.tree_rollout import check_tree_run, tree_shape
+from verl_prm.integrations.verl.run_config import check_tree_run
 
 # the launchers of one value source each, and the GRPO baseline each must equal outside its verl-prm block
 VALUE_SOURCE_LAUNCHERS = {
@@ -128,9 +128,9 @@ def test_launcher_overrides_compose_and_pass_verl_validation(launcher_calls, cri
         hook, pav = validate_run_config(config)
         # the trainer hook's own startup checks of the sampling sources (PavSyncTrainer.__init__): rollout.n
         # against the tree's shape, the reward, the rollout context, the training files' data sources
-        if hook.critic.format == "rollout":
-            check_rollout_critic_run(config)
-        if hook.critic.format == "tree":
+        if hook.critic.source == "sampled":
+            check_sampling_run(config)
+        if hook.critic.source == "tree":
             check_tree_run(config, hook)
         assert config.trainer.v1.trainer_mode == "pav_sync"
         assert config.reward.reward_manager.name == "pav"
@@ -145,18 +145,18 @@ def test_launcher_with_an_exact_critic_composes_and_passes_verl_validation(launc
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    from verl_prm.integrations.verl.critic_group import critic_worker_kwargs
+    from verl_prm.integrations.verl.sources import critic_worker_kwargs
 
     launcher = verl_overrides(launcher_calls["run_qwen2_5_0_5b_gsm8k_pav_grpo.sh"][-1])
     kept = [o for o in launcher if not o.startswith("verl_prm.critic.path=")]
     assert len(kept) == len(launcher) - 1
-    exact = ["verl_prm.critic.format=exact", "+verl_prm.critic.options.prover=verl_prm.apps.arithmetic.prover:ArithmeticProver",
+    exact = ["verl_prm.critic.source=exact", "+verl_prm.critic.options.prover=verl_prm.apps.arithmetic.prover:ArithmeticProver",
              "+verl_prm.critic.options.step_accuracy=0.8"]
     config = compose_verl(kept + exact)
     validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     hook, _ = validate_run_config(config)
-    assert hook.critic.format == "exact" and hook.critic.path is None
-    assert critic_worker_kwargs(hook) == {"format": "exact", "prover": "verl_prm.apps.arithmetic.prover:ArithmeticProver", "step_accuracy": 0.8}
+    assert hook.critic.source == "exact" and hook.critic.path is None
+    assert critic_worker_kwargs(hook) == {"prover": "verl_prm.apps.arithmetic.prover:ArithmeticProver", "step_accuracy": 0.8}
     with pytest.raises(ConfigError, match="verl_prm.critic.options.step_accuracy: step_accuracy must be a finite"):
         validate_run_config(compose_verl(kept + exact[:2] + ["+verl_prm.critic.options.step_accuracy=1.5"]))
 
@@ -221,7 +221,7 @@ def test_math_baseline_is_the_gsm8k_run_with_math_data_and_lengths(launcher_call
 @pytest.mark.parametrize("dataset", ["gsm8k", "math"])
 def test_value_source_launchers_configure_their_source(launcher_calls, dataset):
     """The settings each launcher's comments give reasons for reach the composed config as the comments say."""
-    from verl_prm.integrations.verl.critic_group import critic_worker_kwargs
+    from verl_prm.integrations.verl.sources import critic_worker_kwargs
 
     def composed(source):
         config = compose_verl(verl_overrides(launcher_calls[f"run_qwen2_5_0_5b_{dataset}_pav_{source}.sh"][-1]))
@@ -229,14 +229,14 @@ def test_value_source_launchers_configure_their_source(launcher_calls, dataset):
         return config, hook, pav
 
     config, hook, pav = composed("tree")
-    assert hook.critic.format == "tree" and hook.critic.path is None
+    assert hook.critic.source == "tree" and hook.critic.path is None
     # 8 = 2 roots + 3 branch points x 2 continuations, on the baseline's rollout.n
-    assert config.actor_rollout_ref.rollout.n == 8 and tree_shape(hook.tree).branch_points(8) == 3
+    assert config.actor_rollout_ref.rollout.n == 8 and hook.tree.shape().branch_points(8) == 3
     assert (hook.tree.roots, hook.tree.branch_width, hook.tree.branch_rule) == (2, 2, "confidence")
     assert pav.best_of_k == 4 and config.algorithm.adv_estimator == "pav_grpo"
 
     config, hook, pav = composed("sampled")
-    assert hook.critic.format == "rollout" and hook.critic.path is None
+    assert hook.critic.source == "sampled" and hook.critic.path is None
     assert (hook.critic.n_mc, hook.critic.prefix_rule) == (4, "first_pit") and pav.best_of_k == 4
     # the budget is twice the largest batch the rollout can generate: prompts x responses x response length
     largest_batch = config.data.train_batch_size * config.actor_rollout_ref.rollout.n * config.data.max_response_length

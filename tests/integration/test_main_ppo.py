@@ -33,6 +33,45 @@ except Exception as error:
 """
 
 
+# Named mistakes of the checks that used to run in the trainer's __init__ (inside verl's Ray task) or that name a
+# renamed setting: each must stop main_ppo in the startup check, before ray.init.
+BEFORE_RAY_MISTAKES = {
+    "sampled_with_a_reward_model": (["verl_prm.critic.source=sampled", "reward.reward_model.enable=True"],
+                                    "reward.reward_model.enable=True (a reward model) cannot score them"),
+    "sampled_with_two_updates_per_sync": (["verl_prm.critic.source=sampled", "+trainer.v1.sync.parameter_sync_step=2"],
+                                          "trainer.v1.sync.parameter_sync_step=2 updates the actor"),
+    "tree_shape_against_rollout_n": (["verl_prm.critic.source=tree", "actor_rollout_ref.rollout.n=5"],
+                                     "verl_prm.tree with actor_rollout_ref.rollout.n=5"),
+    "tree_unknown_data_source": (["verl_prm.critic.source=tree", "actor_rollout_ref.rollout.n=6",
+                                  "data.train_files=UNKNOWN_SOURCE_FILE"],
+                                 "holds data_source values that verl's default reward function does not score ('my_task'"),
+    "old_format_name": (["verl_prm.critic.format=rollout"], "set verl_prm.critic.source=sampled"),
+    "renamed_setting": (["verl_prm.critic.source=tree", "+verl_prm.critic.mc_success_threshold=0.3"],
+                        "verl_prm.critic.mc_success_threshold was renamed: set verl_prm.critic.success_threshold"),
+}
+
+
+@pytest.fixture(scope="module")
+def ray_tmpdir(tmp_path_factory):
+    """A Ray temp dir of these runs only: ray.init would create its session_* directory here."""
+    return tmp_path_factory.mktemp("ray")
+
+
+@pytest.fixture(scope="module")
+def before_ray_runs(ray_tmpdir, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """A real `python -m verl.trainer.main_ppo` run per named mistake, one after another (each spends ~10 s of CPU
+    importing verl; run side by side on a loaded machine they would time out)."""
+    import pandas as pd
+
+    data = tmp_path_factory.mktemp("data") / "train.parquet"
+    pd.DataFrame({"data_source": ["my_task"], "prompt": [[{"role": "user", "content": "1+1"}]]}).to_parquet(data)
+    env = dict(os.environ, RAY_TMPDIR=str(ray_tmpdir))
+    return {name: subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo"] + PLUGIN_OVERRIDES
+                                 + [o.replace("UNKNOWN_SOURCE_FILE", str(data)) for o in overrides],
+                                 env=env, capture_output=True, text=True, cwd=REPO, timeout=300)
+            for name, (overrides, _) in BEFORE_RAY_MISTAKES.items()}
+
+
 @pytest.fixture(scope="module")
 def main_ppo_runs(critic_dir) -> dict[str, subprocess.CompletedProcess]:
     """Real `python -m verl.trainer.main_ppo` runs and fresh-process plugin checks (started together: each
@@ -51,7 +90,7 @@ def main_ppo_runs(critic_dir) -> dict[str, subprocess.CompletedProcess]:
         "critic_path_is_a_file": (main_ppo + PLUGIN_OVERRIDES + [f"verl_prm.critic.path={critic_dir}/config.json"],
                                   {}),
         "exact_bad_step_accuracy": (main_ppo + PLUGIN_OVERRIDES + [
-            "verl_prm.critic.format=exact", "+verl_prm.critic.options.prover=verl_prm.apps.arithmetic.prover:ArithmeticProver",
+            "verl_prm.critic.source=exact", "+verl_prm.critic.options.prover=verl_prm.apps.arithmetic.prover:ArithmeticProver",
             "+verl_prm.critic.options.step_accuracy=1.5"], {}),
     }
     processes = {
@@ -104,6 +143,20 @@ def test_main_ppo_startup_check_catches_nan_knobs_unknown_estimators_and_bad_cri
         assert "config.json' is a file, not a checkpoint directory" in output
     assert "full_key: hydra.callbacks.verl_prm_startup_check" in output
     assert "Please set at least one of" not in output and "ray init kwargs" not in output
+
+
+@pytest.mark.parametrize("run", sorted(BEFORE_RAY_MISTAKES))
+def test_main_ppo_refuses_each_source_mistake_before_ray_starts(before_ray_runs, ray_tmpdir, run):
+    """The rollout, reward and data checks of the sampling and tree sources, the training data's sources and the
+    renamed settings: each refused by the startup check (a Hydra callback, in the driver), and Ray never started
+    (no session directory in the runs' RAY_TMPDIR, no `ray init kwargs` line from verl's main)."""
+    result = before_ray_runs[run]
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "verl-prm startup check failed: " in output and BEFORE_RAY_MISTAKES[run][1] in output, output[-3000:]
+    assert "full_key: hydra.callbacks.verl_prm_startup_check" in output
+    assert "ray init kwargs" not in output
+    assert not list(ray_tmpdir.glob("**/session_*")), "a main_ppo run started Ray"
 
 
 def test_plugin_registers_when_our_module_is_imported_before_verl(main_ppo_runs):

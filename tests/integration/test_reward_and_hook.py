@@ -246,13 +246,13 @@ def test_hook_with_an_exact_critic(transfer_queue, policy_dir, bpe_small):
     from verl_prm.integrations.verl.critic_group import policy_tokenizer_path
     from verl_prm.apps.arithmetic.task import STEP_REGEX, Problem
 
-    exact = ["verl_prm.critic.format=exact", "+verl_prm.critic.options.prover=verl_prm.apps.arithmetic.prover:ArithmeticProver",
+    exact = ["verl_prm.critic.source=exact", "+verl_prm.critic.options.prover=verl_prm.apps.arithmetic.prover:ArithmeticProver",
              "+verl_prm.critic.options.step_accuracy=0.8"]
     steps = ["verl_prm.steps.delimiter=null", f"verl_prm.steps.regex='{STEP_REGEX}'"]
     trainer = make_hook_trainer(policy_dir, None, bpe_small, "pav_test_pool_exact", critic_overrides=exact,
                                 steps_overrides=steps)
     assert trainer.hook_config.steps.regex == STEP_REGEX
-    assert policy_tokenizer_path(trainer.hook_config, trainer.config.actor_rollout_ref.model, bpe_small) == str(policy_dir)
+    assert policy_tokenizer_path(trainer.hook_config.critic.path, trainer.config.actor_rollout_ref.model, bpe_small) == str(policy_dir)
     problems = [Problem(5, (("+", 7), ("*", 3), ("-", 4)), 13), Problem(2, (("*", 5), ("+", 9), ("*", 2)), 11)]
     critic = ExactCritic.from_options("verl_prm.apps.arithmetic.prover:ArithmeticProver", step_accuracy=0.8)
     check_advantage_phase(trainer, transfer_queue, arithmetic_responses_for(problems, bpe_small), bpe_small,

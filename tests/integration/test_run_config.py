@@ -14,9 +14,9 @@ from omegaconf import OmegaConf
 from verl_support import PLUGIN_OVERRIDES, compose_verl
 
 from verl_prm.config import PavConfig
-from verl_prm.choices import CHECKPOINT_FORMATS, CODE_STEP_RULES, CRITIC_FORMATS
+from verl_prm.choices import CHECKPOINT_FORMATS, CODE_STEP_RULES, VALUE_SOURCES
 from verl_prm.config.hook import ConfigError, HookConfig, read_hook_config
-from verl_prm.integrations.verl.run_config import validate_run_config
+from verl_prm.integrations.verl.run_config import check_source_settings, validate_run_config
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -40,7 +40,7 @@ def test_every_checkpoint_format_a_config_names_has_a_loader():
     from verl_prm.critic.formats import FORMATS
 
     assert set(CHECKPOINT_FORMATS) == set(FORMATS)
-    assert set(CRITIC_FORMATS) - set(FORMATS) == {"exact", "rollout", "tree"}
+    assert not set(VALUE_SOURCES) & set(FORMATS)  # a source is no checkpoint format
 
 
 def test_every_code_rule_a_config_names_splits_code():
@@ -106,20 +106,20 @@ def test_steps_section_splits_with_its_rule(bpe_small):
         (["verl_prm.critic.format=onnx"], "verl_prm.critic.format must be one of"),
         (["verl_prm.placement.pool=elsewhere"], "verl_prm.placement.pool must be one of"),
         (["verl_prm.steps.regex='(?=Step'"], "is not a valid regex"),
-        (["verl_prm.steps.max_tokens=0"], "verl_prm.steps.max_tokens must be >= 1"),
+        (["verl_prm.steps.max_tokens=0"], "verl_prm.steps.max_tokens must be an integer >= 1"),
         (["verl_prm.critic.n_mc=2.5"], "verl_prm.critic.n_mc must be an integer, got 2.5"),
         (["verl_prm.critic.dtype=fp8"], "verl_prm.critic.dtype must be one of ('auto', 'bfloat16', 'float16', 'float32'), got 'fp8'"),
         (["verl_prm.steps.regex=Step", "verl_prm.steps.max_tokens=8"], "not both"),
-        (["verl_prm.critic.max_tokens_per_batch=0"], "max_tokens_per_batch must be >= 1"),
+        (["verl_prm.critic.max_tokens_per_batch=0"], "max_tokens_per_batch must be an integer >= 1"),
         (["verl_prm.steps.code_rule=ast"], "verl_prm.steps.code_rule must be one of"),
         (["verl_prm.steps.code_rule=block", "verl_prm.steps.regex=x", "verl_prm.steps.delimiter=null"],
          "code_rule replaces the text rules: set verl_prm.steps.regex=null"),
         (["verl_prm.steps.code_rule=line", "verl_prm.steps.delimiter=';'"],
          "set verl_prm.steps.delimiter=null"),
-        (["verl_prm.steps.code_depth=-1"], "verl_prm.steps.code_depth must be >= 0"),
+        (["verl_prm.steps.code_depth=-1"], "verl_prm.steps.code_depth must be an integer >= 0"),
         (["algorithm.adv_estimator=tree_rl"],
          "algorithm.adv_estimator=tree_rl reads the node values and leaf counts of tree-shaped groups, but "
-         "verl_prm.critic.format=value_head: set verl_prm.critic.format=tree"),
+         "verl_prm.critic.source=checkpoint: set verl_prm.critic.source=tree"),
     ],
 )
 def test_startup_validation_errors(overrides, message, critic_dir):
@@ -185,7 +185,7 @@ def test_startup_rejects_an_uncached_hub_id_offline(critic_dir, monkeypatch, tmp
 
 
 def test_critic_worker_gets_the_pickle_opt_in(critic_dir):
-    from verl_prm.integrations.verl.critic_group import critic_worker_kwargs
+    from verl_prm.integrations.verl.sources import critic_worker_kwargs
 
     config = compose_verl(PLUGIN_OVERRIDES + [f"verl_prm.critic.path={critic_dir}", "verl_prm.critic.allow_pickle=true"])
     hook, _ = validate_run_config(config)
@@ -197,7 +197,7 @@ def test_critic_calibration_choice_reaches_the_worker_and_is_checked_at_startup(
     """verl_prm.critic.calibration goes to ProverCritic.from_pretrained as is (auto: the checkpoint's
     calibration.json; none: raw values; tests/unit/test_calibration.py loads both); a missing file, or a choice
     for a critic without weights, stops the run at startup naming the key."""
-    from verl_prm.integrations.verl.critic_group import critic_worker_kwargs
+    from verl_prm.integrations.verl.sources import critic_worker_kwargs
 
     base = PLUGIN_OVERRIDES + [f"verl_prm.critic.path={critic_dir}"]
     assert critic_worker_kwargs(validate_run_config(compose_verl(base))[0])["calibration"] == "auto"
@@ -207,8 +207,8 @@ def test_critic_calibration_choice_reaches_the_worker_and_is_checked_at_startup(
     with pytest.raises(ConfigError, match=re.escape(f"verl_prm.critic.calibration={str(missing)!r} does not exist")):
         validate_run_config(compose_verl(base + [f"verl_prm.critic.calibration={missing}"]))
     with pytest.raises(ConfigError, match=re.escape("verl_prm.critic.calibration='none' is unused with "
-                                                    "verl_prm.critic.format=rollout")):
-        read_hook_config({"critic": {"format": "rollout", "calibration": "none"}})
+                                                    "verl_prm.critic.source=sampled")):
+        check_source_settings(read_hook_config({"critic": {"source": "sampled", "calibration": "none"}}))
 
 
 @pytest.fixture

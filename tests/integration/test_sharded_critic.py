@@ -335,15 +335,16 @@ def test_sharded_load_peak_rss_is_below_a_full_load(tmp_path, bpe_small):
       "verl_prm.placement.shard=none")),
     ({"critic": {"path": "c", "allow_pickle": True}, "placement": {"shard": "fsdp"}},
      "verl_prm.placement.shard=fsdp reads safetensors only: set verl_prm.critic.allow_pickle=false"),
-    ({"critic": {"format": "rollout"}, "placement": {"offload": "cpu"}},
-     ("verl_prm.placement.offload/shard are unused with verl_prm.critic.format=rollout (no critic weights): set "
+    ({"critic": {"source": "sampled"}, "placement": {"offload": "cpu"}},
+     ("verl_prm.placement.offload/shard are unused with verl_prm.critic.source=sampled (no critic weights): set "
       "verl_prm.placement.offload=none and verl_prm.placement.shard=none")),
 ])
 def test_placement_keys_are_checked(section, message):
     from verl_prm.config.hook import ConfigError, read_hook_config
+    from verl_prm.integrations.verl.run_config import check_source_settings
 
     with pytest.raises(ConfigError) as error:
-        read_hook_config(section)
+        check_source_settings(read_hook_config(section))
     assert str(error.value) == message
 
 

@@ -1,4 +1,4 @@
-"""Tree-shaped groups in verl's loop (verl_prm.critic.format=tree): verl's agent loop pav_tree over a scripted LLM
+"""Tree-shaped groups in verl's loop (verl_prm.critic.source=tree): verl's agent loop pav_tree over a scripted LLM
 server client (its n sessions run concurrently, as verl's agent-loop worker runs them), the startup errors, and a
 2-step main_ppo on the CPU loop."""
 
@@ -11,10 +11,11 @@ import torch
 from verl_support import PLUGIN_OVERRIDES, compose_verl, parity_reward_file
 
 from verl_prm.config.hook import ConfigError, read_hook_config
+from verl_prm.integrations.verl.run_config import check_source_settings
 
 N, ROOTS, WIDTH, RESPONSE_LENGTH, STEP_TOKENS = 6, 2, 2, 24, 4
 TREE_OVERRIDES = [
-    "verl_prm.critic.format=tree", "verl_prm.critic.path=null", "verl_prm.steps.delimiter=null",
+    "verl_prm.critic.source=tree", "verl_prm.critic.path=null", "verl_prm.steps.delimiter=null",
     f"verl_prm.steps.max_tokens={STEP_TOKENS}", f"verl_prm.tree.roots={ROOTS}", f"verl_prm.tree.branch_width={WIDTH}",
     f"actor_rollout_ref.rollout.n={N}", f"actor_rollout_ref.rollout.response_length={RESPONSE_LENGTH}",
     "actor_rollout_ref.rollout.prompt_length=32", "trainer.device=cpu", "data.train_batch_size=2",
@@ -95,7 +96,6 @@ def _sessions(config, server, tokenizer, uid="prompt-0", n=N):
 def test_agent_loop_sessions_return_the_leaves_of_one_tree(rule, chat_tokenizer):
     """Session i returns leaf i of the tree ``sample_tree`` samples directly with the same policy; every request of
     the tree shares one sticky request id; every leaf's extra fields say its parent and generated tokens."""
-    from verl_prm.integrations.verl.tree_rollout import tree_shape
     from verl_prm.trees import sample_tree
 
     config = compose_verl(PLUGIN_OVERRIDES + TREE_OVERRIDES + [f"verl_prm.tree.branch_rule={rule}"])
@@ -116,7 +116,7 @@ def test_agent_loop_sessions_return_the_leaves_of_one_tree(rule, chat_tokenizer)
         split = hook.steps.split(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), chat_tokenizer)
         return [int(e) + 1 for e in split.step_ends[0, : int(split.num_steps[0])]]
 
-    leaves = asyncio.run(sample_tree(generate, prompt_ids, N, tree_shape(hook.tree), step_ends, RESPONSE_LENGTH))
+    leaves = asyncio.run(sample_tree(generate, prompt_ids, N, hook.tree.shape(), step_ends, RESPONSE_LENGTH))
     assert [output.response_ids for output in outputs] == [leaf.response_ids for leaf in leaves]
     parents = [output.extra_fields["pav_tree_parent"] for output in outputs]
     assert parents == [-1 if leaf.parent is None else leaf.parent for leaf in leaves]
@@ -146,12 +146,12 @@ def test_confidence_branching_without_log_probs_is_an_error(chat_tokenizer):
     ("actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.n=2"),  # n = roots: a branch budget of 0
     ("actor_rollout_ref.rollout.max_model_len=40",
      "actor_rollout_ref.rollout.max_model_len=40 cannot take a step prefix of a full-length response: "
-     "verl_prm.critic.format=tree"),
+     "verl_prm.critic.source=tree"),
     ("actor_rollout_ref.rollout.agent.default_agent_loop=pav_tree",
      "actor_rollout_ref.rollout.agent.default_agent_loop=pav_tree would sample the validation groups as trees"),
 ])
 def test_tree_run_errors_name_the_key(override, message):
-    from verl_prm.integrations.verl.tree_rollout import check_tree_run
+    from verl_prm.integrations.verl.run_config import check_tree_run
 
     config = compose_verl(PLUGIN_OVERRIDES + TREE_OVERRIDES + [override])
     with pytest.raises(ConfigError) as error:
@@ -160,26 +160,28 @@ def test_tree_run_errors_name_the_key(override, message):
 
 
 def test_tree_run_passes_the_startup_check_without_those_overrides():
-    from verl_prm.integrations.verl.tree_rollout import check_tree_run
+    from verl_prm.integrations.verl.run_config import check_tree_run
 
     config = compose_verl(PLUGIN_OVERRIDES + TREE_OVERRIDES)
     check_tree_run(config, read_hook_config(config.verl_prm))
 
 
 @pytest.mark.parametrize("section, message", [
-    ({"critic": {"format": "tree", "path": "/x"}}, "verl_prm.critic.path='/x' is unused with verl_prm.critic.format=tree"),
-    ({"critic": {"format": "tree"}, "placement": {"pool": "own"}}, "verl_prm.placement.pool=own is unused"),
-    ({"critic": {"format": "tree", "prior_strength": float("nan")}},
-     "verl_prm.critic.prior_strength must be a finite number >= 0"),
-    ({"critic": {"format": "tree", "mc_success_threshold": float("inf")}},
-     "verl_prm.critic.mc_success_threshold must be a finite number"),
+    ({"critic": {"source": "tree", "path": "/x"}}, "verl_prm.critic.path='/x' is unused with verl_prm.critic.source=tree"),
+    ({"critic": {"source": "tree"}, "placement": {"pool": "own"}}, "verl_prm.placement.pool=own is unused"),
+    ({"critic": {"source": "tree", "group_prior_strength": float("nan")}},
+     "verl_prm.critic.group_prior_strength must be >= 0 (a finite number), got nan"),
+    ({"critic": {"format": "tree"}}, "verl_prm.critic.format=tree is no checkpoint format: the value source is a "
+                                     "setting of its own now: set verl_prm.critic.source=tree"),
+    ({"critic": {"source": "tree", "success_threshold": float("inf")}},
+     "verl_prm.critic.success_threshold must be a finite number"),
     ({"tree": {"roots": 0}}, "verl_prm.tree.roots must be an integer >= 1, got 0"),
     ({"tree": {"branch_width": 0}}, "verl_prm.tree.branch_width must be an integer >= 1, got 0"),
     ({"tree": {"branch_rule": "often"}}, "verl_prm.tree.branch_rule must be one of ('every', 'fixed', 'confidence')"),
 ])
 def test_tree_section_errors_name_the_key(section, message):
     with pytest.raises(ConfigError) as error:
-        read_hook_config(section)
+        check_source_settings(read_hook_config(section))
     assert message in str(error.value)
 
 
@@ -188,7 +190,7 @@ def test_tree_run_refuses_data_its_default_scorer_cannot_score(tmp_path):
     does not know stops the run at startup."""
     import pandas as pd
 
-    from verl_prm.integrations.verl.tree_rollout import check_tree_run
+    from verl_prm.integrations.verl.run_config import check_tree_run
 
     path = tmp_path / "train.parquet"
     pd.DataFrame({"data_source": ["my_task"], "prompt": [[{"role": "user", "content": "1+1"}]]}).to_parquet(path)
@@ -211,7 +213,7 @@ def tree_loop_run(tmp_path_factory):
     prepare(work)
     reward = parity_reward_file(work)
     args = main_ppo_args(work, "pav_grpo", steps=2, run_name="pav_grpo_tree", extra=[
-        "verl_prm.critic.format=tree", "verl_prm.critic.path=null", "verl_prm.tree.roots=2",
+        "verl_prm.critic.source=tree", "verl_prm.critic.path=null", "verl_prm.tree.roots=2",
         "verl_prm.tree.branch_width=2", "verl_prm.tree.branch_rule=confidence",
         "actor_rollout_ref.rollout.calculate_log_probs=True", f"reward.custom_reward_function.path={reward}"])
     return run_main_ppo(args, work / "tree.jsonl", work / "tree.log", timeout=600)

@@ -316,7 +316,7 @@ def test_three_step_run_trains_and_logs_pav_metrics(tmp_path, tokenizer, critic,
     ({"aggregation": "max"}, None, "algorithm.pav.aggregation belongs to another verl estimator"),
     ({"min_form_temperature": 0.2}, None, "algorithm.pav.min_form_temperature belongs to another verl estimator"),
     (None, {"regex": "("}, r"verl_prm.steps.regex '\(' is not a valid regex"),
-    (None, {"max_tokens": 0}, "verl_prm.steps.max_tokens must be >= 1"),
+    (None, {"max_tokens": 0}, "verl_prm.steps.max_tokens must be an integer >= 1"),
     (None, {"delimitr": "\n"}, "verl_prm.steps.delimitr"),
 ])
 def test_bad_knobs_fail_at_construction_naming_the_key(critic, pav, steps, message):

@@ -171,7 +171,7 @@ def test_rollout_sampled_values_wake_sample_and_sleep(step_batch):
     assert events == [("wake", 6), ("sample",), ("sleep",)]
     args, kwargs = calls[0]
     assert args[0] == step_batch.prompt_ids() and args[1] == step_batch.response_ids()
-    assert args[4] == [True, False, False, True, True]  # outcome > mc_success_threshold
+    assert args[4] == [True, False, False, True, True]  # outcome > success_threshold
     assert args[5] == step_batch.uids and args[7] == ["0", "1", "2", "3", "4"]
     assert kwargs == {"sample_rows": [True, True, True, True, False], "request_tag": "7"}
     # the mc metrics of the real rows: 40 tokens per the 4 real responses' tokens

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from verl_prm.config.hook import ConfigError, read_hook_config
+from verl_prm.integrations.verl.run_config import check_source_settings
 from verl_prm.critic.refresh import (
     PROMPT_INDEX_STRIDE,
     RefreshRows,
@@ -368,19 +369,24 @@ def test_labelled_rows_keep_the_positions_with_trials():
 @pytest.mark.parametrize("section, message", [
     ({"refresh": {"every": 2}, "critic": {"calibration": "CALIBRATION_FILE"}},
      "which verl_prm.refresh refits to the sampled values: set verl_prm.critic.calibration=none"),
-    ({"refresh": {"every": -1}}, "verl_prm.refresh.every must be >= 0 (0: no refresh), got -1"),
-    ({"refresh": {"every": 2, "window": 0}}, "verl_prm.refresh.window must be >= 1, got 0"),
+    ({"refresh": {"every": -1}}, "verl_prm.refresh.every must be an integer >= 0, got -1"),
+    ({"refresh": {"every": 2, "window": 0}}, "verl_prm.refresh.window must be an integer >= 1, got 0"),
     ({"refresh": {"every": 2}, "critic": {"format": "qwen_prm"}},
-     "verl_prm.refresh.every=2 refits the value head of a learned PAV (verl_prm.critic.format=value_head)"),
+     "verl_prm.refresh.every=2 refits the value head of a learned PAV (verl_prm.critic.source=checkpoint, format "
+     "value_head)"),
+    ({"refresh": {"every": 2}, "critic": {"source": "sampled"}},
+     "verl_prm.refresh.every=2 refits the value head of a learned PAV"),
+    ({"refresh": {"every": 2, "prior_strength": -1.0}},
+     "verl_prm.refresh.prior_strength must be >= 0 (a finite number), got -1.0"),
     ({"refresh": {"every": 2}, "placement": {"shard": "fsdp"}}, "set verl_prm.placement.shard=none"),
-    ({"refresh": {"every": 2}, "critic": {"n_mc": 0}}, "verl_prm.critic.n_mc (continuations per step prefix) must be"),
-    ({"refresh": {"every": 2, "often": 1}}, "Known keys of verl_prm.refresh: every, window, directory"),
+    ({"refresh": {"every": 2}, "critic": {"n_mc": 0}}, "verl_prm.critic.n_mc must be an integer >= 1"),
+    ({"refresh": {"every": 2, "often": 1}}, "Known keys of verl_prm.refresh: every, window, prior_strength, directory"),
 ])
 def test_refresh_section_errors_name_the_key(section, message, tmp_path):
     if section.get("critic", {}).get("calibration") == "CALIBRATION_FILE":
         (tmp_path / "calibration.json").write_text("{}")
         section = {**section, "critic": {"calibration": str(tmp_path / "calibration.json")}}
     with pytest.raises(ConfigError) as error:
-        read_hook_config(section)
+        check_source_settings(read_hook_config(section))
     assert message in str(error.value)
     assert read_hook_config({"refresh": {"every": 3}}).refresh.every == 3

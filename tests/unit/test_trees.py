@@ -448,7 +448,7 @@ def test_tree_estimators_on_a_tree_worked_by_hand():
 
 def _issue_batch(groups, responses, rewards, threshold=0.0):
     """As the hook builds it: verl's raw rewards in token_level_rewards, the node values from the successes
-    (reward > verl_prm.critic.mc_success_threshold)."""
+    (reward > verl_prm.critic.success_threshold)."""
     batch = _batch(groups, responses, [float(r > threshold) for r in rewards])
     batch["token_level_rewards"] = torch.zeros_like(batch["token_level_rewards"])
     for b, (response, reward) in enumerate(zip(responses, rewards)):

@@ -72,7 +72,7 @@ def test_training_data_the_default_scorer_cannot_score_is_refused_at_startup(tmp
     from omegaconf import OmegaConf
 
     from verl_prm.config.hook import ConfigError
-    from verl_prm.integrations.verl.data_sources import check_default_scorer_data_sources
+    from verl_prm.integrations.verl.run_config import check_default_scorer_data_sources
 
     known = tmp_path / "gsm8k.parquet"
     pd.DataFrame({"data_source": ["openai/gsm8k", "aime_2024"], "prompt": ["a", "b"]}).to_parquet(known)

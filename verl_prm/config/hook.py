@@ -1,74 +1,81 @@
-"""Typed configuration of the verl trainer hook (the ``verl_prm`` section of verl's config) and the startup
-validation of a whole run config.
+"""Typed configuration of the verl trainer hook (the ``verl_prm`` section of verl's config) and the checks of the
+section on its own.
 
 The estimator knobs (alpha, best_of_k, clip, ...) stay in ``algorithm.pav`` (``PavConfig``, read by the
 estimators). This module adds what the hook needs around them: where the prover critic is and how it is run,
 how responses are split into steps, and where the critic's worker group is placed::
 
     verl_prm:
-      critic:    {path, format, max_tokens_per_batch, dtype}
+      critic:    {source, path, format, max_tokens_per_batch, dtype, n_mc, success_threshold, ...}
       steps:     {delimiter, regex, max_tokens, max_steps, code_rule, code_depth}
-      placement: {pool, n_gpus_per_node, nnodes}
+      placement: {pool, n_gpus_per_node, nnodes, offload, shard}
       diagnostics: {reference, signal_threshold}
-      refresh:   {every, window, directory}
+      refresh:   {every, window, directory, prior_strength}
       tree:      {roots, branch_width, branch_rule, branches_per_response}
       score_outcome_estimators: true
 
-``verl_prm.integrations.verl.run_config.validate_run_config(config)`` checks a composed verl config (DictConfig
-or dict) before any model is loaded with these checks and returns the typed ``HookConfig`` and ``PavConfig``.
-Every error names the config key and the fix.
+Each number's bounds are declared on its field (``setting(..., low=...)``) and checked by ``check_bounds`` on
+every section. What a value source (``verl_prm.critic.source``) needs is declared by the source
+(``verl_prm.integrations.verl.sources``) and checked with the rest of the run config, before Ray starts, by
+``verl_prm.integrations.verl.run_config.validate_run_config``. Every error names the config key and the fix.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
 from verl_prm.checks import empty_match_problem, is_class_path
+from verl_prm.critic.exact import ExactCritic, ProverOptionError
 from verl_prm.choices import (
-    EXACT_CRITIC_FORMAT,
-    ROLLOUT_CRITIC_FORMAT,
-    TREE_CRITIC_FORMAT,
     SHARDABLE_FORMATS,
     BranchRule,
+    CheckpointFormat,
     CodeStepRule,
     CriticDtype,
-    CriticFormat,
     OffloadMode,
     PlacementPool,
     PrefixRule,
     ShardMode,
     Truncation,
+    ValueSourceName,
 )
+from verl_prm.config.names import HOOK_TRAINER_NAME, REWARD_MANAGER_NAME, TREE_AGENT_LOOP_NAME
 from verl_prm.settings import check_bounds, check_choices, from_mapping, setting
+from verl_prm.steps import DEFAULT_DELIMITER, split_steps
+from verl_prm.steps.code import code_split_steps
+from verl_prm.trees import TreeShape
 
 __all__ = [
-    "EXACT_CRITIC_FORMAT",
-    "ROLLOUT_CRITIC_FORMAT",
-    "TREE_CRITIC_FORMAT",
     "ConfigError",
     "CriticSection",
     "DiagnosticsSection",
     "HOOK_TRAINER_NAME",
     "HookConfig",
     "PlacementSection",
+    "REWARD_MANAGER_NAME",
+    "RENAMED_SETTINGS",
     "RefreshSection",
     "StepsSection",
+    "TREE_AGENT_LOOP_NAME",
+    "TreeSection",
     "read_hook_config",
+    "select_key",
 ]
 
-# formats that load no critic weights
-WEIGHTLESS_FORMATS = (EXACT_CRITIC_FORMAT, ROLLOUT_CRITIC_FORMAT, TREE_CRITIC_FORMAT)
-DEFAULT_DELIMITER = "\n\n"  # verl_prm.steps.DEFAULT_DELIMITER (kept here so the check imports no tensor code)
-# The name verl's ``trainer.v1.trainer_mode`` selects the hook by (verl_prm.integrations.verl.hook_trainer.PavSyncTrainer).
-HOOK_TRAINER_NAME = "pav_sync"
-# The verl agent loop that samples a training group as a tree (verl_prm.integrations.verl.tree_rollout).
-TREE_AGENT_LOOP_NAME = "pav_tree"
+# Settings renamed in verl-prm 0.x (issue: one registry of value sources): the old key -> the new one. A config that
+# still names an old key is refused with the new name (docs/verl.md, "Renamed settings").
+RENAMED_SETTINGS = {
+    "verl_prm.critic.mc_success_threshold": "verl_prm.critic.success_threshold",
+    "verl_prm.critic.prior_strength": "verl_prm.critic.group_prior_strength (sources sampled and tree) or "
+                                      "verl_prm.refresh.prior_strength (the refresh's labels)",
+}
+# The value sources verl_prm.critic.format used to name: format=<old> -> source=<new>.
+RENAMED_FORMATS = {"exact": "exact", "rollout": "sampled", "tree": "tree"}
 
 
 class ConfigError(ValueError):
@@ -77,27 +84,32 @@ class ConfigError(ValueError):
 
 @dataclass
 class CriticSection:
-    """``verl_prm.critic``: the prover critic that scores the steps."""
+    """``verl_prm.critic``: where the step values come from (``source``) and the settings of each source."""
 
+    source: ValueSourceName = setting("checkpoint", "Where the step values come from (docs/step_values.md; "
+                                      "verl_prm.integrations.verl.sources): checkpoint (a critic checkpoint at "
+                                      "path, a learned PAV or a public PRM, in the given format), exact (no "
+                                      "checkpoint: the closed-form values of the exact prover options.prover "
+                                      "('module:Class')), sampled (no checkpoint: Monte-Carlo values sampled from "
+                                      "the run's rollout replicas; n_mc, prefix_rule and the mc_* keys), tree (no "
+                                      "checkpoint: each group sampled as a tree (verl_prm.tree) whose node values "
+                                      "are the mean outcome of the leaves below them).")
     path: Optional[str] = setting(None, "Hugging Face checkpoint directory (or hub id) of the prover critic. "
-                                  "Required when the hook runs, except with format exact or rollout (then null).")
-    format: CriticFormat = setting("value_head", "Checkpoint format (docs/critic.md): value_head (the native one: "
-                                   "token-classification head, num_labels=1, as `verl-prm train` writes), qwen_prm "
-                                   "(separator token with a two-class head, Qwen2.5-Math-PRM style), pure_prm, "
-                                   "math_shepherd (+/- logits of the LM head at a tag token), rlhflow (a verdict "
-                                   "turn per step), value_head_lm (Skywork-style value head); exact: no checkpoint, "
-                                   "the closed-form values of the exact prover options.prover ('module:Class'); "
-                                   "rollout: no checkpoint, Monte-Carlo values sampled from the run's rollout "
-                                   "replicas (n_mc, prefix_rule and the mc_* keys; docs/step_values.md); tree: no "
-                                   "checkpoint, each group sampled as a tree (verl_prm.tree) whose node values are "
-                                   "the mean outcome of the leaves below them.")
+                                  "Required with source checkpoint; null with the other sources.")
+    format: CheckpointFormat = setting("value_head", "Source checkpoint: the checkpoint's format (docs/critic.md): "
+                                       "value_head (the native one: token-classification head, num_labels=1, as "
+                                       "`verl-prm train` writes), qwen_prm (separator token with a two-class head, "
+                                       "Qwen2.5-Math-PRM style), pure_prm, math_shepherd (+/- logits of the LM "
+                                       "head at a tag token), rlhflow (a verdict turn per step), value_head_lm "
+                                       "(Skywork-style value head).")
     options: dict[str, Any] = setting(factory=dict, doc="Options of the format, e.g. {separator: '<extra_0>'} "
-                                      "(qwen_prm), {tag: 'ки'} (math_shepherd), {prover: 'module:Class', <the "
-                                      "prover's options>} (exact; e.g. +verl_prm.critic.options.prover="
+                                      "(qwen_prm), {tag: 'ки'} (math_shepherd); with source exact {prover: "
+                                      "'module:Class', <the prover's options>} (e.g. "
+                                      "+verl_prm.critic.options.prover="
                                       "verl_prm.apps.arithmetic.prover:ArithmeticProver "
                                       "+verl_prm.critic.options.step_accuracy=0.8).")
     max_tokens_per_batch: int = setting(16384, "Token budget of one critic micro-batch (sequences are packed or "
-                                        "length-bucketed up to it).")
+                                        "length-bucketed up to it).", low=1)
     dtype: CriticDtype = setting("auto", "Parameter dtype of the critic: auto (bf16 on GPU, fp32 on CPU), "
                                  "bfloat16, float16, float32.")
     truncation: Truncation = setting("error", "A prompt + response longer than the critic's context: error "
@@ -105,66 +117,63 @@ class CriticSection:
                                      "response tokens).")
     allow_pickle: bool = setting(False, "Also load a checkpoint whose weights are pickle only (pytorch_model.bin): "
                                  "unpickling can run arbitrary code, so the default loads safetensors only.")
-    calibration: str = setting("auto", "Post-hoc calibration of a checkpoint critic's values: auto (the "
-                               "checkpoint's calibration.json when it has one; `verl-prm train` writes it), none "
-                               "(the raw values), or the path of a calibration file fitted for these weights. "
-                               "Unused with formats exact and rollout.")
-    n_mc: int = setting(4, "Format rollout and verl_prm.refresh: continuations sampled per step prefix, through "
+    calibration: str = setting("auto", "Source checkpoint: post-hoc calibration of the checkpoint's values: auto "
+                               "(the checkpoint's calibration.json when it has one; `verl-prm train` writes it), "
+                               "none (the raw values), or the path of a calibration file fitted for these "
+                               "weights.")
+    n_mc: int = setting(4, "Source sampled and verl_prm.refresh: continuations sampled per step prefix, through "
                         "the run's rollout replicas with the rollout's sampling settings, scored by the run's reward "
-                        "function.")
-    prefix_rule: PrefixRule = setting("every", "Format rollout and verl_prm.refresh: which prefixes are sampled: "
+                        "function.", low=1)
+    prefix_rule: PrefixRule = setting("every", "Source sampled and verl_prm.refresh: which prefixes are sampled: "
                                       "every (every step but the last), fixed (prefixes_per_response evenly "
                                       "spaced steps), first_pit (bisection for the first zero-value step of each "
                                       "failed response, about log2(H) prefixes).")
-    prefixes_per_response: int = setting(4, "The number of steps sampled per response under prefix_rule=fixed.")
+    prefixes_per_response: int = setting(4, "The number of steps sampled per response under prefix_rule=fixed.",
+                                         low=1)
     mc_token_budget: Optional[int] = setting(None, "The most continuation tokens one training step may generate "
-                                             "(null: no bound). A prefix is sampled only if n_mc x its continuation "
-                                             "limit fits; the others hold the value of the step before them "
-                                             "(pav/mc_prefixes_skipped).")
-    mc_success_threshold: float = setting(0.5, "A continuation (format rollout) or a leaf (format tree) "
-                                          "succeeds iff its reward is greater than this (verl's rule-based "
-                                          "scorers give 1 or 0/-1).")
-    pool_group_samples: bool = setting(True, "Format rollout and verl_prm.refresh: the other responses of the "
+                                             "(null: no bound; a budget of zero would sample nothing: use an "
+                                             "outcome-only estimator instead). A prefix is sampled only if n_mc x "
+                                             "its continuation limit fits; the others hold the value of the step "
+                                             "before them (pav/mc_prefixes_skipped).", low=1)
+    success_threshold: float = setting(0.5, "Sources sampled and tree, and verl_prm.refresh: a response, a "
+                                       "continuation or a tree's leaf succeeds iff its reward is greater than this "
+                                       "(verl's rule-based scorers give 1 or 0/-1).", finite=True)
+    pool_group_samples: bool = setting(True, "Source sampled and verl_prm.refresh: the other responses of the "
                                        "group that begin with a sampled prefix's tokens are samples of its value "
                                        "too; their outcomes are pooled with the continuations' (unbiased; "
                                        "pav/mc_pooled_samples).")
-    prior_strength: float = setting(0.0, "Shrinkage s of a sampled success rate toward a prior, (successes + s "
-                                    "prior) / (samples + s): format rollout, toward the group's success rate "
-                                    "before Best-of-K; format tree, a node's value (its leaves the samples) toward "
-                                    "the group's success rate; verl_prm.refresh, the labels toward the learned "
-                                    "PAV's values (with samples + s trials). 0: the plain rate.", low=0.0)
+    group_prior_strength: float = setting(0.0, "Sources sampled and tree: shrinkage s of a sampled success rate "
+                                          "(a prefix's continuations, a tree node's leaves) toward the group's "
+                                          "success rate v_0, (successes + s v_0) / (samples + s), before "
+                                          "Best-of-K. 0: the plain rate.", low=0.0)
 
 
 @dataclass
 class StepsSection:
     """``verl_prm.steps``: how a response is split into steps (verl_prm.steps.split_steps)."""
 
-    delimiter: Optional[str] = setting("\n\n", "A step ends at this text delimiter (\"\\n\" for one line per "
+    delimiter: Optional[str] = setting(DEFAULT_DELIMITER, "A step ends at this text delimiter (\"\\n\" for one line per "
                                        "step). The escapes \\n, \\r, \\t and \\\\ are decoded, because a shell and "
                                        "Hydra pass verl_prm.steps.delimiter='\\n' as backslash-n.")
     regex: Optional[str] = setting(None, "A regex whose matches end a step; replaces the delimiter (set "
                                    "delimiter=null).")
     max_tokens: Optional[int] = setting(None, "Fixed-size steps of this many tokens instead of text delimiters "
-                                        "(set delimiter=null).")
+                                        "(set delimiter=null).", low=1)
     max_steps: Optional[int] = setting(None, "Merge trailing steps so that a response has at most this many (the "
-                                       "merge count is a metric).")
+                                       "merge count is a metric).", low=1)
     code_rule: Optional[CodeStepRule] = setting(None, "Code responses: a step rule of verl_prm.steps.code instead "
                                                 "of the text rules (set delimiter=null): block (Python statements "
                                                 "found by ast; the indentation rule when the text does not parse), "
                                                 "line or indent.")
     code_depth: int = setting(0, "With code_rule: the statement nesting depth that still starts a step (1: a "
-                              "function's signature, then each statement of its body).")
+                              "function's signature, then each statement of its body).", low=0)
 
     def split(self, response_ids, response_mask, tokenizer):
         """``verl_prm.steps.StepSplit`` of a batch of responses under this rule (the hook and the reward
         manager both split through here, so the steps the critic scores are the steps the metrics count)."""
         if self.code_rule is not None:
-            from verl_prm.steps.code import code_split_steps
-
             return code_split_steps(response_ids, response_mask, tokenizer, self.code_rule, depth=self.code_depth,
                                     max_steps=self.max_steps)
-        from verl_prm.steps import split_steps
-
         return split_steps(response_ids, response_mask, tokenizer, self.delimiter, regex=self.regex,
                            max_tokens=self.max_tokens, max_steps=self.max_steps)
 
@@ -176,8 +185,8 @@ class PlacementSection:
     pool: PlacementPool = setting("colocated", "colocated: the critic's workers share verl's global pool (the "
                                   "actor and rollout GPUs); own: a pool of n_gpus_per_node x nnodes, which verl's "
                                   "GPU check counts.")
-    n_gpus_per_node: int = setting(1, "Only for pool=own: GPUs per node of the critic's own pool.")
-    nnodes: int = setting(1, "Only for pool=own: nodes of the critic's own pool.")
+    n_gpus_per_node: int = setting(1, "Only for pool=own: GPUs per node of the critic's own pool.", low=1)
+    nnodes: int = setting(1, "Only for pool=own: nodes of the critic's own pool.", low=1)
     offload: OffloadMode = setting("none", "Between scorings: none keeps the critic's weights on its GPUs; cpu "
                                    "moves them to host memory after each scoring and back before the next (for a "
                                    "critic sharing GPUs with the rollout and the actor; the cost is logged as "
@@ -199,7 +208,7 @@ class DiagnosticsSection:
                                                   "pav/zero_outcome_groups_with_signal; null: no reference, no such "
                                                   "metrics.")
     signal_threshold: float = setting(0.01, "|A_h| above this counts as a process signal "
-                                      "(pav/zero_outcome_groups_with_signal).")
+                                      "(pav/zero_outcome_groups_with_signal).", low=0.0)
 
 
 @dataclass
@@ -208,10 +217,14 @@ class RefreshSection:
     rollout replicas (``verl_prm.critic.refresh``; docs/step_values.md). Off by default."""
 
     every: int = setting(0, "Refresh every this many training steps (0: never): on such a step the batch's step "
-                         "values are also sampled with the verl_prm.critic n_mc, prefix_rule and mc_* settings (as "
-                         "format rollout samples them), written as labels, and the value head is refitted; the "
-                         "step's advantages use the values the PAV gave before the refit.")
-    window: int = setting(4, "The head is fitted to the labels of the last this many refreshes.")
+                         "values are also sampled with the verl_prm.critic n_mc, prefix_rule, mc_* and "
+                         "success_threshold settings (as source sampled samples them), written as labels, and the "
+                         "value head is refitted; the step's advantages use the values the PAV gave before the "
+                         "refit. Needs source checkpoint with format value_head.", low=0)
+    window: int = setting(4, "The head is fitted to the labels of the last this many refreshes.", low=1)
+    prior_strength: float = setting(0.0, "Shrinkage s of a sampled step's label toward the learned PAV's value "
+                                    "before the refit: a label of t samples is fitted with t + s trials, (successes "
+                                    "+ s v_PAV) / (t + s). 0: the plain rate.", low=0.0)
     directory: Optional[str] = setting(None, "Where the labels (the label format `verl-prm train` reads) and the "
                                        "state a resume needs are written; null: "
                                        "<trainer.default_local_dir>/pav_refresh.")
@@ -219,7 +232,7 @@ class RefreshSection:
 
 @dataclass
 class TreeSection:
-    """``verl_prm.tree``: the shape of a tree-shaped group (``verl_prm.critic.format=tree``; verl_prm.trees): the
+    """``verl_prm.tree``: the shape of a tree-shaped group (``verl_prm.critic.source=tree``; verl_prm.trees): the
     ``actor_rollout_ref.rollout.n`` responses of a prompt are ``roots`` complete responses, then ``branch_width``
     continuations at each of (n - roots) / branch_width branch points at step boundaries."""
 
@@ -232,6 +245,11 @@ class TreeSection:
                                       "from the rollout's log-probs).")
     branches_per_response: int = setting(1, "branch_rule=fixed: the branch points of each root; then rollout.n "
                                          "= roots x (1 + branches_per_response x branch_width).", low=1)
+
+    def shape(self) -> TreeShape:
+        """The library's ``TreeShape`` of this section."""
+        return TreeShape(roots=self.roots, branch_width=self.branch_width, branch_rule=self.branch_rule,
+                         branches_per_response=self.branches_per_response)
 
 
 @dataclass
@@ -252,21 +270,48 @@ class HookConfig:
 def read_hook_config(section: Any) -> HookConfig:
     """``HookConfig`` from the ``verl_prm`` section (DictConfig, dict or None: the defaults).
 
-    Raises ``ConfigError`` for unknown keys or values of the wrong type, and for out-of-range values.
+    Raises ``ConfigError`` for unknown or renamed keys, values of the wrong type, out-of-range values (the bounds
+    declared on the fields: ``check_bounds`` on every section) and settings that contradict each other. What
+    depends on the value source is checked with the source (``verl_prm.integrations.verl.run_config``).
     """
     if isinstance(section, DictConfig):
         section = OmegaConf.to_container(section, resolve=True)
+    _check_renamed(section)
     config = from_mapping(HookConfig, section, "verl_prm", ConfigError)
     if config.steps.delimiter is not None:
         config.steps.delimiter = decode_escapes(config.steps.delimiter)
-    for name in ("critic", "steps", "placement", "tree"):
-        check_choices(getattr(config, name), lambda key: f"verl_prm.{name}.{key}", ConfigError)
-    try:
-        check_bounds(config.tree, lambda key: f"verl_prm.tree.{key}")
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    _check_ranges(config)
+    for name in _SECTIONS:
+        part = getattr(config, name)
+        check_choices(part, lambda key: f"verl_prm.{name}.{key}", ConfigError)
+        try:
+            check_bounds(part, lambda key: f"verl_prm.{name}.{key}")
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    _check_critic_section(config.critic)
+    _check_steps_section(config.steps)
+    _check_placement_section(config.placement, config.critic)
+    _check_diagnostics_section(config.diagnostics)
     return config
+
+
+_SECTIONS = ("critic", "steps", "placement", "diagnostics", "refresh", "tree")
+
+
+def _check_renamed(section: Any) -> None:
+    """A renamed key, or a value source named as a checkpoint format, is an error naming the new key."""
+    if not isinstance(section, dict):
+        return  # from_mapping names the type
+    for old, new in RENAMED_SETTINGS.items():
+        group, key = old.split(".")[1:]
+        if isinstance(section.get(group), dict) and key in section[group]:
+            raise ConfigError(f"{old} was renamed: set {new} (docs/verl.md, \"Renamed settings\")")
+    critic = section.get("critic")
+    old_format = critic.get("format") if isinstance(critic, dict) else None
+    if isinstance(old_format, str) and old_format in RENAMED_FORMATS:
+        raise ConfigError(
+            f"verl_prm.critic.format={old_format} is no checkpoint format: the value source is a setting of its "
+            f"own now: set verl_prm.critic.source={RENAMED_FORMATS[old_format]} (and drop the format override)"
+        )
 
 
 _ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "\\": "\\"}
@@ -277,37 +322,15 @@ def decode_escapes(text: str) -> str:
     return re.sub(r"\\([nrt\\])", lambda match: _ESCAPES[match.group(1)], text)
 
 
-def _check_ranges(config: HookConfig) -> None:
-    _check_critic_section(config.critic, config.placement)
-    _check_steps_section(config.steps)
-    _check_placement_section(config.placement, config.critic)
-    _check_diagnostics_section(config.diagnostics)
-    _check_refresh_section(config.refresh, config.critic, config.placement)
-
-
-def _check_critic_section(critic: CriticSection, placement: PlacementSection) -> None:
-    """The critic's own knobs and those of its format (exact, rollout, tree)."""
-    if critic.format == EXACT_CRITIC_FORMAT:
-        _check_exact_critic_section(critic)
-    if critic.format == ROLLOUT_CRITIC_FORMAT:
-        _check_rollout_critic_section(critic, placement)
-    if critic.max_tokens_per_batch < 1:
-        raise ConfigError(f"verl_prm.critic.max_tokens_per_batch must be >= 1, got {critic.max_tokens_per_batch}")
+def _check_critic_section(critic: CriticSection) -> None:
+    """A calibration is auto, none or a file name (whether the file exists is checked at startup)."""
     if not isinstance(critic.calibration, str) or not critic.calibration:
         raise ConfigError(f"verl_prm.critic.calibration must be auto, none or a calibration.json path, got "
                           f"{critic.calibration!r}")
-    if critic.format == TREE_CRITIC_FORMAT:
-        _check_tree_critic_section(critic, placement)
-    if critic.format in WEIGHTLESS_FORMATS and critic.calibration != "auto":
-        raise ConfigError(f"verl_prm.critic.calibration={critic.calibration!r} is unused with verl_prm.critic.format="
-                          f"{critic.format} (no checkpoint's values to calibrate): remove the override")
-    if critic.calibration not in ("auto", "none") and not Path(critic.calibration).exists():
-        raise ConfigError(f"verl_prm.critic.calibration={critic.calibration!r} does not exist: name a calibration.json "
-                          "written by `verl-prm train` for this critic's weights, or use auto / none")
 
 
 def _check_steps_section(steps: StepsSection) -> None:
-    """Exactly one step rule (delimiter, regex, max_tokens or code_rule), each in range."""
+    """Exactly one step rule (delimiter, regex, max_tokens or code_rule); a regex that can split."""
     if steps.regex is not None:
         try:
             pattern = re.compile(steps.regex)
@@ -317,10 +340,6 @@ def _check_steps_section(steps: StepsSection) -> None:
         if problem is not None:
             raise ConfigError(f"verl_prm.steps.regex {steps.regex!r} {problem}: make it match at least one "
                               r"character (e.g. '\n\n+') or look ahead for a marker (e.g. '(?=Step \d)')")
-    if steps.max_tokens is not None and steps.max_tokens < 1:
-        raise ConfigError(f"verl_prm.steps.max_tokens must be >= 1 or null, got {steps.max_tokens}")
-    if steps.max_steps is not None and steps.max_steps < 1:
-        raise ConfigError(f"verl_prm.steps.max_steps must be >= 1 or null, got {steps.max_steps}")
     if steps.regex is not None and steps.max_tokens is not None:
         raise ConfigError("verl_prm.steps: set either regex (text steps) or max_tokens (fixed-size steps), not both")
     if steps.regex is not None and steps.delimiter not in (None, DEFAULT_DELIMITER):
@@ -340,8 +359,6 @@ def _check_steps_section(steps: StepsSection) -> None:
                 "verl_prm.steps.code_rule replaces the text rules: set "
                 + " ".join(f"verl_prm.steps.{key}=null" for key, value in others.items() if value is not None)
             )
-    if steps.code_depth < 0:
-        raise ConfigError(f"verl_prm.steps.code_depth must be >= 0, got {steps.code_depth}")
     if steps.code_rule is None and steps.max_tokens is None and steps.regex is None and not steps.delimiter:
         raise ConfigError(
             "verl_prm.steps needs a step rule: a non-empty delimiter, a regex, or max_tokens (fixed-size steps)"
@@ -349,13 +366,7 @@ def _check_steps_section(steps: StepsSection) -> None:
 
 
 def _check_placement_section(placement: PlacementSection, critic: CriticSection) -> None:
-    """Offload, sharding and an own pool only where the critic has weights that can use them."""
-    weightless = critic.format in WEIGHTLESS_FORMATS
-    if weightless and (placement.offload != "none" or placement.shard != "none"):
-        raise ConfigError(
-            f"verl_prm.placement.offload/shard are unused with verl_prm.critic.format={critic.format} (no critic "
-            "weights): set verl_prm.placement.offload=none and verl_prm.placement.shard=none"
-        )
+    """Sharding only for a format that can be sharded, from safetensors."""
     if placement.shard == "fsdp" and critic.format not in SHARDABLE_FORMATS:
         raise ConfigError(
             f"verl_prm.placement.shard=fsdp supports verl_prm.critic.format {SHARDABLE_FORMATS}, got "
@@ -363,43 +374,10 @@ def _check_placement_section(placement: PlacementSection, critic: CriticSection)
         )
     if placement.shard == "fsdp" and critic.allow_pickle:
         raise ConfigError("verl_prm.placement.shard=fsdp reads safetensors only: set verl_prm.critic.allow_pickle=false")
-    if placement.pool == "own" and (placement.n_gpus_per_node < 1 or placement.nnodes < 1):
-        raise ConfigError(
-            "verl_prm.placement.pool=own needs n_gpus_per_node >= 1 and nnodes >= 1, got "
-            f"{placement.n_gpus_per_node} x {placement.nnodes}"
-        )
-
-
-def _check_refresh_section(refresh: RefreshSection, critic: CriticSection, placement: PlacementSection) -> None:
-    """A refresh refits a value head: a learned PAV of format value_head, one replica per worker, no calibration
-    file for the old head; the sampling knobs are format rollout's (checked as there)."""
-    if refresh.every < 0:
-        raise ConfigError(f"verl_prm.refresh.every must be >= 0 (0: no refresh), got {refresh.every}")
-    if refresh.window < 1:
-        raise ConfigError(f"verl_prm.refresh.window must be >= 1, got {refresh.window}")
-    if not refresh.every:
-        return
-    if critic.format != "value_head":
-        raise ConfigError(
-            f"verl_prm.refresh.every={refresh.every} refits the value head of a learned PAV (verl_prm.critic.format="
-            f"value_head), got verl_prm.critic.format={critic.format}: set verl_prm.refresh.every=0"
-        )
-    if placement.shard != "none":
-        raise ConfigError("verl_prm.refresh sets the value head on every critic worker's replica: set "
-                          "verl_prm.placement.shard=none, or verl_prm.refresh.every=0")
-    if critic.calibration not in ("auto", "none"):
-        raise ConfigError(
-            f"verl_prm.critic.calibration={critic.calibration!r} maps the values of the checkpoint's head, which "
-            "verl_prm.refresh refits to the sampled values: set verl_prm.critic.calibration=none"
-        )
-    _check_rollout_sampling(critic)
 
 
 def _check_diagnostics_section(diagnostics: DiagnosticsSection) -> None:
-    """A reference names its exact prover (built by ``check_reference_prover`` at startup); a finite threshold."""
-    threshold = diagnostics.signal_threshold
-    if not math.isfinite(threshold) or threshold < 0:
-        raise ConfigError(f"verl_prm.diagnostics.signal_threshold must be a finite number >= 0, got {threshold}")
+    """A reference names its exact prover (built at startup: ``run_config.check_reference_prover``)."""
     if diagnostics.reference is None:
         return
     prover = diagnostics.reference.get("prover")
@@ -411,94 +389,9 @@ def _check_diagnostics_section(diagnostics: DiagnosticsSection) -> None:
         )
 
 
-def _check_rollout_critic_section(critic: CriticSection, placement: PlacementSection) -> None:
-    """format=rollout: no checkpoint, no critic pool, and sampling knobs in range."""
-    if critic.path is not None and str(critic.path).strip() != "":
-        raise ConfigError(
-            f"verl_prm.critic.path={critic.path!r} is unused with verl_prm.critic.format=rollout (the values are "
-            "sampled from the run's own rollout replicas): set verl_prm.critic.path=null"
-        )
-    if placement.pool != "colocated":
-        raise ConfigError(
-            "verl_prm.placement.pool=own is unused with verl_prm.critic.format=rollout (no critic workers: the "
-            "rollout replicas sample): set verl_prm.placement.pool=colocated"
-        )
-    _check_rollout_sampling(critic)
-
-
-def _check_tree_critic_section(critic: CriticSection, placement: PlacementSection) -> None:
-    """format=tree: no checkpoint, no critic pool, a finite success threshold (the shape is checked against
-    rollout.n by the trainer: ``integrations.verl.tree_rollout.check_tree_run``)."""
-    if critic.path is not None and str(critic.path).strip() != "":
-        raise ConfigError(
-            f"verl_prm.critic.path={critic.path!r} is unused with verl_prm.critic.format=tree (the values are the "
-            "tree's own node values): set verl_prm.critic.path=null"
-        )
-    if placement.pool != "colocated":
-        raise ConfigError("verl_prm.placement.pool=own is unused with verl_prm.critic.format=tree (no critic "
-                          "workers): set verl_prm.placement.pool=colocated")
-    if not math.isfinite(critic.mc_success_threshold):
-        raise ConfigError(f"verl_prm.critic.mc_success_threshold must be a finite number, got {critic.mc_success_threshold}")
-    if not math.isfinite(critic.prior_strength) or critic.prior_strength < 0:
-        raise ConfigError(f"verl_prm.critic.prior_strength must be a finite number >= 0 (0: no shrinkage), got "
-                          f"{critic.prior_strength}")
-
-
-def _check_rollout_sampling(critic: CriticSection) -> None:
-    """The mc_* knobs of format "rollout" and of verl_prm.refresh."""
-    if critic.n_mc < 1:
-        raise ConfigError(f"verl_prm.critic.n_mc (continuations per step prefix) must be >= 1, got {critic.n_mc}")
-    if critic.prefixes_per_response < 1:
-        raise ConfigError(
-            f"verl_prm.critic.prefixes_per_response must be >= 1, got {critic.prefixes_per_response}"
-        )
-    if critic.mc_token_budget is not None and critic.mc_token_budget < 1:
-        raise ConfigError(
-            f"verl_prm.critic.mc_token_budget must be >= 1 or null (no bound), got {critic.mc_token_budget}: a "
-            "budget of zero samples nothing; use an outcome-only estimator instead"
-        )
-    if not math.isfinite(critic.mc_success_threshold):
-        raise ConfigError(f"verl_prm.critic.mc_success_threshold must be a finite number, got {critic.mc_success_threshold}")
-    if not math.isfinite(critic.prior_strength) or critic.prior_strength < 0:
-        raise ConfigError(f"verl_prm.critic.prior_strength must be a finite number >= 0 (0: no shrinkage), got "
-                          f"{critic.prior_strength}")
-
-
-def _check_exact_critic_section(critic: CriticSection) -> None:
-    """format=exact: no checkpoint path, and ``options.prover`` naming the exact prover (built by
-    ``check_exact_prover`` at startup; here only what needs no import)."""
-    if critic.path is not None and str(critic.path).strip() != "":
-        raise ConfigError(
-            f"verl_prm.critic.path={critic.path!r} is unused with verl_prm.critic.format=exact (the values come "
-            "from the exact prover of verl_prm.critic.options.prover, not a checkpoint): set "
-            "verl_prm.critic.path=null"
-        )
-    prover = critic.options.get("prover")
-    if not is_class_path(prover):
-        raise ConfigError(
-            "verl_prm.critic.format=exact needs verl_prm.critic.options.prover, the 'module:Class' of the exact "
-            f"prover that gives the values (got {prover!r}): add +verl_prm.critic.options.prover=module:Class "
-            "(e.g. verl_prm.apps.arithmetic.prover:ArithmeticProver)"
-        )
-
-
-def check_exact_prover(critic: CriticSection) -> None:
-    """Build the exact prover of ``verl_prm.critic.options`` once, so that a prover that cannot be imported or a bad
-    prover option fails at startup; errors name the option's key."""
-    build_exact_critic(critic.options, "verl_prm.critic.options")
-
-
-def check_reference_prover(diagnostics: DiagnosticsSection) -> None:
-    """The same for ``verl_prm.diagnostics.reference`` (nothing to check when it is null)."""
-    if diagnostics.reference is not None:
-        build_exact_critic(diagnostics.reference, "verl_prm.diagnostics.reference")
-
-
-def build_exact_critic(options: Any, key: str):
+def build_exact_critic(options: Any, key: str) -> ExactCritic:
     """``ExactCritic`` of the exact prover options at config key ``key`` ({prover: "module:Class", ...}); a prover
     that cannot be imported or a bad option is a ``ConfigError`` naming the option's key."""
-    from verl_prm.critic.exact import ExactCritic, ProverOptionError
-
     try:
         return ExactCritic.from_options(**dict(options))
     except ProverOptionError as error:
@@ -515,23 +408,6 @@ def select_key(config: Any, dotted: str, default: Any = None) -> Any:
         getter = getattr(node, "get", None)
         node = getter(part, None) if getter is not None else getattr(node, part, None)
     return default if node is None else node
-
-
-def check_critic_path(path: Optional[str], allow_pickle: bool = False) -> None:
-    if path is None or str(path).strip() == "":
-        raise ConfigError(
-            "verl_prm.critic.path is required when the verl-prm trainer hook runs: set "
-            "verl_prm.critic.path=/path/to/prover_critic (a Hugging Face checkpoint; `verl-prm train` writes one)"
-        )
-    path = str(path)
-    if "://" in path:  # hdfs:// and the like: verl copies it to a local directory when the worker starts
-        return
-    from verl_prm.checkpoints import CheckpointError, resolve_checkpoint
-
-    try:
-        resolve_checkpoint(path, "critic", allow_pickle=allow_pickle)
-    except (FileNotFoundError, CheckpointError) as error:
-        raise ConfigError(f"verl_prm.critic.path: {error}") from None
 
 
 def check_finite_floats(node: Any, key: str) -> None:

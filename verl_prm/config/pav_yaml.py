@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from verl_prm.config import PavConfig
-from verl_prm.config.hook import HOOK_TRAINER_NAME, HookConfig
+from verl_prm.config.hook import HOOK_TRAINER_NAME, REWARD_MANAGER_NAME, HookConfig
 from verl_prm.estimators import ESTIMATORS
 
 __all__ = ["PAV_YAML", "render"]
@@ -38,8 +38,9 @@ _HEADER = f"""\
 #
 # verl-prm's defaults for a verl run: add to verl's command
 #   hydra.searchpath=[pkg://verl_prm.config] +verl_prm=pav verl_prm.critic.path=/path/to/critic
-# It selects the trainer hook (trainer.v1.trainer_mode={HOOK_TRAINER_NAME}), the pav_grpo estimator, the pav reward
-# manager, and installs the startup check. Every value can be overridden on the command line after it.
+# It selects the trainer hook (trainer.v1.trainer_mode={HOOK_TRAINER_NAME}), the pav_grpo estimator, the
+# {REWARD_MANAGER_NAME} reward manager, and installs the startup check. Every value can be overridden on the
+# command line after it.
 """
 
 _FOOTER = f"""\
@@ -49,9 +50,10 @@ trainer:
 
 reward:
   reward_manager:
-    name: pav
+    name: {REWARD_MANAGER_NAME}
 
-# The startup check (verl_prm.integrations.verl.startup): Hydra builds it in the driver before verl's main runs.
+# The startup check (verl_prm.integrations.verl.startup: every check of verl_prm.integrations.verl.run_config).
+# Hydra builds it in the driver before verl's main runs, so a bad setting stops the run before Ray starts.
 hydra:
   callbacks:
     verl_prm_startup_check:
@@ -59,7 +61,10 @@ hydra:
       _recursive_: false
       verl_prm: ${{verl_prm}}
       algorithm: ${{algorithm}}
-      trainer_mode: ${{trainer.v1.trainer_mode}}
+      trainer: ${{trainer}}
+      rollout: ${{actor_rollout_ref.rollout}}
+      reward: ${{reward}}
+      data: ${{data}}
     # trainer.device=cpu: GPU-only settings fail here, naming the key and the value to use
     # (verl_prm.integrations.verl.platform.checks; docs/cpu_loop.md). Checks nothing on a GPU run.
     verl_prm_cpu_check:

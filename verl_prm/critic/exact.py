@@ -12,13 +12,13 @@ Pieces:
   when a run builds it: the application that owns a prover names it, the library names none), built by the
   class's ``from_options`` from the other options.
 - ``ExactProver``: the protocol a prover implements (``from_options`` and ``values``).
-- ``ExactCritic``: what a ``ProverCriticWorker`` holds for ``verl_prm.critic.format=exact``; it has the
+- ``ExactCritic``: what a ``ProverCriticWorker`` holds for ``verl_prm.critic.source=exact``; it has the
   ``ProverCritic`` entry points ``score_policy_batch`` and ``score_texts`` and returns ``CriticScores``.
 - ``ExactPrefixCritic``: the search's ``PrefixCritic`` (``verl_prm.search``: best-of-N, beam search).
 
 Config of a verl run::
 
-    verl_prm.critic.format=exact
+    verl_prm.critic.source=exact
     +verl_prm.critic.options.prover=verl_prm.apps.arithmetic.prover:ArithmeticProver
     +verl_prm.critic.options.step_accuracy=0.8
 """
@@ -133,7 +133,7 @@ def _decode_prompt_texts(tokenizer, prompts: torch.Tensor, prompt_mask: torch.Te
 
 
 class ExactCritic:
-    """A critic whose values come from an exact prover (``verl_prm.critic.format=exact``): no checkpoint, no
+    """A critic whose values come from an exact prover (``verl_prm.critic.source=exact``): no checkpoint, no
     forward pass. It reads text: the steps of each response as the step split found them.
 
     Attributes mirror ``ProverCritic`` where the worker and the search read them: ``device`` (cpu),

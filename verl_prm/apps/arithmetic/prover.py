@@ -25,7 +25,7 @@ in the rendered prompt (``model.render``: the chat template around ``5 +3 *4 -2 
 
 Use it in a verl run::
 
-    verl_prm.critic.format=exact +verl_prm.critic.options.prover=verl_prm.apps.arithmetic.prover:ArithmeticProver
+    verl_prm.critic.source=exact +verl_prm.critic.options.prover=verl_prm.apps.arithmetic.prover:ArithmeticProver
     +verl_prm.critic.options.step_accuracy=0.8
 """
 

@@ -214,13 +214,13 @@ def main_ppo_command(scale, arm_name: str, seed: int, paths: RunPaths, run_dir: 
                   *(f"verl_prm.critic.{override}" for override in arm.mc_overrides),
                   *(f"verl_prm.refresh.{override}" for override in arm.refresh_overrides)]
     elif arm.critic == "rollout":
-        critic = ["verl_prm.critic.format=rollout", "verl_prm.critic.path=null",
+        critic = ["verl_prm.critic.source=sampled", "verl_prm.critic.path=null",
                   *(f"verl_prm.critic.{override}" for override in arm.mc_overrides), *reference]
     elif arm.critic == "tree":
-        critic = ["verl_prm.critic.format=tree", "verl_prm.critic.path=null",
+        critic = ["verl_prm.critic.source=tree", "verl_prm.critic.path=null",
                   *(f"verl_prm.tree.{override}" for override in arm.tree_overrides), *reference]
     else:
-        critic = ["verl_prm.critic.format=exact", *(f"+verl_prm.critic.options.{option}" for option in exact_prover)]
+        critic = ["verl_prm.critic.source=exact", *(f"+verl_prm.critic.options.{option}" for option in exact_prover)]
     batch = rl.prompts_per_step
     run = [
         "hydra.searchpath=[pkg://verl_prm.config]",

@@ -7,9 +7,9 @@ and critic, the launcher's batch), one after the other on the same data, seeds, 
   the hook does not call the critic);
 - **pav_grpo**: ``algorithm.adv_estimator=pav_grpo`` with the learned critic (``value_head``: the critic scores
   every step, the PAV estimator runs);
-- **sampled**: ``pav_grpo`` with ``verl_prm.critic.format=rollout`` (Monte-Carlo step values: ``n_mc``
+- **sampled**: ``pav_grpo`` with ``verl_prm.critic.source=sampled`` (Monte-Carlo step values: ``n_mc``
   continuations per step prefix from the run's own rollout replicas, ``timing_s/pav_mc``);
-- **tree**: ``pav_grpo`` with ``verl_prm.critic.format=tree`` (each group of n responses sampled as a tree of
+- **tree**: ``pav_grpo`` with ``verl_prm.critic.source=tree`` (each group of n responses sampled as a tree of
   ``--tree-roots`` roots and branches of ``--tree-width`` continuations; the node values come from the leaves:
   nothing is sampled beyond the group).
 
@@ -79,10 +79,10 @@ def arm_overrides(arm: str, n_mc: int = 4, prefix_rule: str = "every", tree_root
     if arm == "pav_grpo":
         return "pav_grpo", reward
     if arm == "sampled":
-        return "pav_grpo", ["verl_prm.critic.format=rollout", "verl_prm.critic.path=null",
+        return "pav_grpo", ["verl_prm.critic.source=sampled", "verl_prm.critic.path=null",
                             f"verl_prm.critic.n_mc={n_mc}", f"verl_prm.critic.prefix_rule={prefix_rule}", *reward]
     if arm == "tree":
-        return "pav_grpo", ["verl_prm.critic.format=tree", "verl_prm.critic.path=null",
+        return "pav_grpo", ["verl_prm.critic.source=tree", "verl_prm.critic.path=null",
                             f"verl_prm.tree.roots={tree_roots}", f"verl_prm.tree.branch_width={tree_width}", *reward]
     raise ValueError(f"unknown bench loop arm {arm!r}: use one of {ARMS}")
 

@@ -11,68 +11,44 @@ import ray
 from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
 from verl.utils.fs import copy_to_local
 
-from verl_prm.config.hook import EXACT_CRITIC_FORMAT, ConfigError, HookConfig
+from verl_prm.config.hook import ConfigError, HookConfig
+from verl_prm.critic.loading import load_critic_tokenizer
 from verl_prm.integrations.verl.critic_worker import ProverCriticWorker
+from verl_prm.integrations.verl.sharded_critic import ShardedProverCriticWorker
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "INFO"))
 
-__all__ = ["CRITIC_POOL_NAME", "create_critic_group", "critic_worker_kwargs", "policy_tokenizer_path"]
+__all__ = ["CRITIC_POOL_NAME", "create_critic_group", "policy_tokenizer_path"]
 
 # Name of the critic's own resource pool (placement.pool=own) in verl's ResourcePoolManager.
 CRITIC_POOL_NAME = "pav_critic_pool"
 
 
-def critic_worker_kwargs(hook: HookConfig) -> dict[str, Any]:
-    """``ProverCritic.from_pretrained`` keyword arguments from ``verl_prm.critic``.
-
-    Best-of-K stays 1 here: the estimators apply ``algorithm.pav.best_of_k`` to the raw values (applying it in
-    the critic too would transform twice). With format "exact": the format and ``verl_prm.critic.options``
-    (``prover`` and the prover's options; ``ExactCritic.from_options``), nothing else.
-    """
-    critic = hook.critic
-    if critic.format == EXACT_CRITIC_FORMAT:
-        return {"format": critic.format, **dict(critic.options)}
-    kwargs: dict[str, Any] = {
-        "format": critic.format,
-        "best_of_k": 1,
-        "max_tokens_per_batch": critic.max_tokens_per_batch,
-        "truncation": critic.truncation,
-        "allow_pickle": critic.allow_pickle,
-        "calibration": critic.calibration,
-    }
-    if critic.dtype != "auto":
-        kwargs["dtype"] = critic.dtype
-    kwargs.update(dict(critic.options))
-    return kwargs
-
-
-def policy_tokenizer_path(hook: HookConfig, model_config, policy_tokenizer) -> str | None:
+def policy_tokenizer_path(critic_path: str | None, model_config, policy_tokenizer) -> str | None:
     """The policy tokenizer's path (``actor_rollout_ref.model``) when the critic's tokenizer differs from
-    ``policy_tokenizer``, else None. An exact critic (format "exact") always gets it: it reads the text."""
-    from verl_prm.critic.loading import load_critic_tokenizer
-
+    ``policy_tokenizer``, else None. A critic without a checkpoint (``critic_path`` None: an exact prover) always
+    gets it: it reads the text."""
     path = model_config.get("tokenizer_path", None) or model_config.path
-    if hook.critic.format == EXACT_CRITIC_FORMAT:
+    if critic_path is None:
         return copy_to_local(path)
-    critic_tokenizer = load_critic_tokenizer(copy_to_local(hook.critic.path))  # as the critic workers load it
+    critic_tokenizer = load_critic_tokenizer(copy_to_local(critic_path))  # as the critic workers load it
     if critic_tokenizer.get_vocab() == policy_tokenizer.get_vocab():
         return None
     return copy_to_local(path)
 
 
-def create_critic_group(hook: HookConfig, resource_pool, device_name: str, policy_tokenizer: str | None):
-    """Create the critic worker group on ``resource_pool`` and load the critic replicas (``init_model``);
-    ``policy_tokenizer`` is ``policy_tokenizer_path``'s answer."""
+def create_critic_group(hook: HookConfig, resource_pool, device_name: str, policy_tokenizer: str | None,
+                        model_path: str | None, critic_kwargs: dict[str, Any]):
+    """Create the critic worker group on ``resource_pool`` and load the critic replicas (``init_model``):
+    ``model_path`` the local checkpoint (None: ``critic_kwargs`` are an exact prover's options),
+    ``policy_tokenizer`` ``policy_tokenizer_path``'s answer."""
     placement = hook.placement
-    if placement.shard == "fsdp":
-        from verl_prm.integrations.verl.sharded_critic import ShardedProverCriticWorker as worker_class
-    else:
-        worker_class = ProverCriticWorker
+    worker_class = ShardedProverCriticWorker if placement.shard == "fsdp" else ProverCriticWorker
     worker_cls = RayClassWithInitArgs(
         cls=ray.remote(worker_class),
-        model_path=None if hook.critic.format == EXACT_CRITIC_FORMAT else copy_to_local(hook.critic.path),
-        critic_kwargs=critic_worker_kwargs(hook),
+        model_path=model_path,
+        critic_kwargs=critic_kwargs,
         policy_tokenizer_path=policy_tokenizer,
         offload=placement.offload,
     )

@@ -38,8 +38,11 @@ from verl.protocol import pad_dataproto_to_divisor, unpad_dataproto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 
-from verl_prm.choices import EXACT_CRITIC_FORMAT, OFFLOAD_MODES
+from verl_prm.choices import OFFLOAD_MODES
+from verl_prm.critic.exact import ExactCritic
+from verl_prm.critic import ProverCritic
 from verl_prm.integrations.verl.critic_placement import balanced_row_order, inverse_order
+from verl_prm.steps import StepSplit, decode_with_char_ends
 
 __all__ = ["ProverCriticWorker", "compute_step_values", "move_critic", "INPUT_KEYS", "OUTPUT_KEYS", "ROW_INDEX_KEY",
            "OFFLOAD_SECONDS_KEY"]
@@ -61,18 +64,18 @@ OFFLOAD_SECONDS_KEY = "pav_critic_offload_s"
 
 
 class ProverCriticWorker(Worker):
-    """A verl worker holding one ``ProverCritic`` replica (or an ``ExactCritic``: ``format="exact"``).
+    """A verl worker holding one ``ProverCritic`` replica (or an ``ExactCritic``: no checkpoint).
 
     Args:
-        model_path: critic checkpoint; None with ``format="exact"`` (no checkpoint).
+        model_path: critic checkpoint; None: no checkpoint, ``critic_kwargs`` are an exact prover's options
+            (``verl_prm.critic.source=exact``).
         critic_kwargs: keyword arguments of ``ProverCritic.from_pretrained`` (format, best_of_k, dtype, ...);
             ``device`` defaults to the worker's accelerator (``cuda`` when a GPU is visible, else ``cpu``).
-            With ``format="exact"``: ``prover`` (``"module:Class"``) and the exact prover's options
+            Without a checkpoint: ``prover`` (``"module:Class"``) and the exact prover's options
             (``ExactCritic.from_options``).
         policy_tokenizer_path: the policy's tokenizer when it differs from the critic's (then responses are
             re-tokenised for the critic with ``align_to_critic``); None when the critic reads the policy's ids.
-            Required with ``format="exact"``: the exact critic reads the text (at the split's
-            ``step_char_ends``).
+            Required for an exact prover: it reads the text (at the split's ``step_char_ends``).
     """
 
     def __init__(self, model_path: str | None, critic_kwargs: dict[str, Any] | None = None,
@@ -90,18 +93,15 @@ class ProverCriticWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict[str, Any]:
         """Load the critic replica on this worker's device; returns a short description (rank, device)."""
-        from verl_prm.critic.exact import ExactCritic
-
         kwargs = dict(self.critic_kwargs)
-        if kwargs.get("format") == EXACT_CRITIC_FORMAT and self.offload != "none":
-            raise ValueError("ProverCriticWorker: format 'exact' has no weights to offload; use offload='none'")
-        if kwargs.get("format") == EXACT_CRITIC_FORMAT:
+        if self.model_path is None and self.offload != "none":
+            raise ValueError("ProverCriticWorker: an exact prover has no weights to offload; use offload='none'")
+        if self.model_path is None:
             if self.policy_tokenizer_path is None:
                 raise ValueError(
-                    "ProverCriticWorker: format 'exact' reads the response text, so it needs policy_tokenizer_path "
+                    "ProverCriticWorker: an exact prover reads the response text, so it needs policy_tokenizer_path "
                     "(the trainer passes the policy's tokenizer)"
                 )
-            kwargs.pop("format")
             self.critic = ExactCritic.from_options(**kwargs)
         else:
             kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
@@ -118,8 +118,6 @@ class ProverCriticWorker(Worker):
 
     def _load_critic(self, kwargs: dict[str, Any]):
         """The checkpoint critic of this worker (a full replica; ``ShardedProverCriticWorker``: its shard)."""
-        from verl_prm.critic.scorer import ProverCritic
-
         return ProverCritic.from_pretrained(self.model_path, **kwargs)
 
     def _score(self, prompts, responses, attention_mask, split, prompt_texts, with_features: bool = False):
@@ -146,7 +144,6 @@ class ProverCriticWorker(Worker):
         """
         if self.critic is None:
             raise RuntimeError("ProverCriticWorker: call init_model() on the worker group before compute_step_values")
-        from verl_prm.steps import StepSplit, decode_with_char_ends
 
         batch = data.batch
         missing = [k for k in INPUT_KEYS if k not in batch.keys()]

@@ -1,4 +1,5 @@
-"""The data sources verl's default scorer knows, and the startup check that the training data holds only those.
+"""The data sources verl's default scorer knows, and those of a training file (the startup check that the
+training data holds only known ones is ``run_config.check_default_scorer_data_sources``).
 
 verl's ``default_compute_score`` picks a scorer by the row's ``data_source`` and raises ``NotImplementedError``
 for any other; a run without ``reward.custom_reward_function`` would meet that only when it first scores a
@@ -15,9 +16,7 @@ import os
 import textwrap
 from typing import Any
 
-from verl_prm.config.hook import ConfigError, select_key
-
-__all__ = ["check_default_scorer_data_sources", "default_scorer_data_sources"]
+__all__ = ["default_scorer_data_sources", "file_data_sources"]
 
 
 def default_scorer_data_sources(function: Any = None) -> tuple[frozenset[str], tuple[str, ...]]:
@@ -43,7 +42,7 @@ def default_scorer_data_sources(function: Any = None) -> tuple[frozenset[str], t
     return frozenset(names), tuple(prefixes)
 
 
-def _file_data_sources(path: str) -> set[str] | None:
+def file_data_sources(path: str) -> set[str] | None:
     """The ``data_source`` values of a local parquet or JSON-lines training file; None when it cannot be read
     here (a remote path, another format, no such column: verl reports those itself)."""
     import pyarrow.json as pa_json
@@ -60,26 +59,3 @@ def _file_data_sources(path: str) -> set[str] | None:
     except (OSError, KeyError, ValueError):  # pyarrow's errors derive from these
         return None
     return {str(value) for value in column.unique().to_pylist()}
-
-
-def check_default_scorer_data_sources(config: Any, function: Any = None) -> None:
-    """Without ``reward.custom_reward_function``, refuse training files (``data.train_files``) whose
-    ``data_source`` values verl's default scorer does not know (``ConfigError`` naming the file, the values and
-    the key to set). Files that cannot be read here are left to verl."""
-    if select_key(config, "reward.custom_reward_function.path", None):
-        return
-    names, prefixes = default_scorer_data_sources(function)
-    if not names and not prefixes:
-        return  # the scorer's source gave no names: nothing to check against
-    files = select_key(config, "data.train_files", None)
-    files = [files] if isinstance(files, str) else list(files or [])
-    for path in files:
-        sources = _file_data_sources(str(path))
-        unknown = sorted(s for s in sources or () if s not in names and not s.startswith(prefixes))
-        if unknown:
-            raise ConfigError(
-                f"data.train_files {path} holds data_source values that verl's default reward function does not "
-                f"score ({', '.join(map(repr, unknown[:5]))}{', ...' if len(unknown) > 5 else ''}; it knows "
-                f"{', '.join(sorted(names))} and the prefixes {', '.join(prefixes) or 'none'}): set "
-                "reward.custom_reward_function.path and .name to a function that scores them"
-            )

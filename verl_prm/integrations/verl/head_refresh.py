@@ -41,8 +41,9 @@ def open_refresh_store(hook: HookConfig, default_local_dir: str) -> RefreshStore
     settings = {"critic_path": str(critic.path), "every": refresh.every, "window": refresh.window,
                 "n_mc": critic.n_mc, "prefix_rule": critic.prefix_rule,
                 "prefixes_per_response": critic.prefixes_per_response,
-                "mc_token_budget": critic.mc_token_budget, "mc_success_threshold": critic.mc_success_threshold,
-                "pool_group_samples": critic.pool_group_samples, "prior_strength": critic.prior_strength}
+                "mc_token_budget": critic.mc_token_budget, "success_threshold": critic.success_threshold,
+                "pool_group_samples": critic.pool_group_samples, "group_prior_strength": critic.group_prior_strength,
+                "prior_strength": refresh.prior_strength}
     try:
         return RefreshStore(directory, settings)
     except ValueError as error:
@@ -56,7 +57,7 @@ class HeadRefresh:
                  hook: HookConfig, tokenizer, timer: Timer = no_timer) -> None:
         self.critic, self.sampler, self.store = critic, sampler, store
         self.every, self.window = hook.refresh.every, hook.refresh.window
-        self.prefix_rule, self.prior_strength = hook.critic.prefix_rule, hook.critic.prior_strength
+        self.prefix_rule, self.prior_strength = hook.critic.prefix_rule, hook.refresh.prior_strength
         self.tokenizer = tokenizer
         self.timer = timer
         self._restored = False
@@ -87,7 +88,7 @@ class HeadRefresh:
     def refresh(self, batch: StepBatch, scored: StepValues) -> dict[str, float]:
         """Sample the batch's step values, compare the PAV's values ``scored`` (with its features) with them,
         write them as labels, refit the value head to the labels of the last ``window`` refreshes and set it on
-        every worker (``verl_prm.critic.refresh``); with ``verl_prm.critic.prior_strength`` s > 0 a sampled
+        every worker (``verl_prm.critic.refresh``); with ``verl_prm.refresh.prior_strength`` s > 0 a sampled
         step's label of t samples is shrunk toward the PAV's value with t + s trials
         (``verl_prm.critic.sampled.shrink_labels``: the refit is then pulled toward the PAV it refits). Returns
         the ``pav/refresh/*`` and ``pav/mc_*`` metrics."""
@@ -98,7 +99,7 @@ class HeadRefresh:
         critic_values = torch.cat([scored.prompt_values[:, None], scored.step_values], dim=1)
         metrics = refresh_metrics(critic_values, targets.float(), trials)
         metrics.update(sampled.metrics)
-        # verl_prm.critic.prior_strength: the sampled steps' labels shrunk toward the PAV's values (the prompt's
+        # verl_prm.refresh.prior_strength: the sampled steps' labels shrunk toward the PAV's values (the prompt's
         # group rate and the outcome stay), metered above on the plain labels
         if self.prior_strength:
             mask = sampled.sampled.sampled & (trials[:, 1:] > 0)

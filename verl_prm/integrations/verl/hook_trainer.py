@@ -3,14 +3,14 @@
 Select it with ``trainer.v1.trainer_mode=pav_sync`` (the ``verl_prm`` config group sets it). This class only
 orchestrates; compared with verl's ``PPOTrainerSync`` it changes:
 
-1. worker initialisation (``_setup``): after verl has built its worker groups, the source of the step values is
-   set up (``value_sources``): a ``ProverCriticWorker`` group (``critic_group``) on verl's ``global_pool``
-   (``verl_prm.placement.pool=colocated``) or a pool of its own (``pool=own``, added to verl's
-   ``ResourcePoolManager`` before verl creates its pools, so verl's GPU-availability check counts it); or, with
-   format "rollout", the rollout sampler over verl's rollout replicas; with format "tree", the node values of
-   tree-shaped groups (``value_sources.TreeNodeValues``); with ``verl_prm.refresh.every = k``, the critic group
-   whose value head ``head_refresh.HeadRefresh`` refits every k-th step;
-2. with format "tree", the training batches it submits name verl's agent loop ``pav_tree``
+1. worker initialisation (``_setup``): after verl has built its worker groups, the source of the step values
+   (``verl_prm.critic.source``) is built by its entry in the registry ``sources.SOURCES``: a
+   ``ProverCriticWorker`` group (``critic_group``) on verl's ``global_pool`` (``verl_prm.placement.pool=
+   colocated``) or a pool of its own (``pool=own``, added to verl's ``ResourcePoolManager`` before verl creates
+   its pools, so verl's GPU-availability check counts it) for a source with critic workers; the rollout sampler
+   over verl's rollout replicas; the node values of tree-shaped groups; with ``verl_prm.refresh.every = k``, the
+   critic group whose value head ``head_refresh.HeadRefresh`` refits every k-th step;
+2. for a source whose groups are trees, the training batches it submits name verl's agent loop ``pav_tree``
    (``_next_train_batch``; ``tree_rollout``), which samples each prompt's group as a tree through the rollout
    replicas (validation batches keep the default agent loop);
 3. the advantage phase (``_compute_advantage``): the batch is read from TransferQueue and split into steps
@@ -42,28 +42,17 @@ import os
 import transfer_queue as tq
 from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+from verl.utils import tensordict_utils as tu
 from verl.utils.debug import marked_timer
 
-from verl_prm.config.hook import (
-    HOOK_TRAINER_NAME,
-    ROLLOUT_CRITIC_FORMAT,
-    TREE_AGENT_LOOP_NAME,
-    TREE_CRITIC_FORMAT,
-    build_exact_critic,
-)
+from verl_prm.config.hook import HOOK_TRAINER_NAME, TREE_AGENT_LOOP_NAME, build_exact_critic
 from verl_prm.estimators import ESTIMATORS
 from verl_prm.integrations.verl.advantage import StepInputs, estimator_step_inputs
 from verl_prm.integrations.verl.batch_metrics import batch_metrics
-from verl_prm.integrations.verl.critic_group import CRITIC_POOL_NAME, create_critic_group, policy_tokenizer_path
-from verl_prm.integrations.verl.head_refresh import HeadRefresh, open_refresh_store
+from verl_prm.integrations.verl.critic_group import CRITIC_POOL_NAME
 from verl_prm.integrations.verl.import_hooks import run_deferred_registration
-from verl_prm.integrations.verl.rollout_critic import (
-    RolloutCritic,
-    check_rollout_critic_run,
-    run_reward_function,
-    sampling_params,
-)
-from verl_prm.integrations.verl.run_config import validate_run_config
+from verl_prm.integrations.verl.run_config import scores_steps, validate_run_config
+from verl_prm.integrations.verl.sources import ValueSource, value_source
 from verl_prm.integrations.verl.step_batch import (
     SAMPLING_FIELDS,
     STEP_FIELDS,
@@ -71,15 +60,7 @@ from verl_prm.integrations.verl.step_batch import (
     StepBatch,
     read_step_batch,
 )
-from verl_prm.integrations.verl.tree_rollout import check_tree_run
-from verl_prm.integrations.verl.value_sources import (
-    CriticWorkerValues,
-    ExactReferenceValues,
-    RolloutSampledValues,
-    StepValueSource,
-    TreeNodeValues,
-)
-from verl_prm.labeling.scoring import OutcomeScorer
+from verl_prm.integrations.verl.value_sources import ExactReferenceValues, StepValueSource
 from verl_prm.special_tokens import policy_eos_token_ids
 
 logger = logging.getLogger(__name__)
@@ -92,12 +73,8 @@ class PavSyncTrainer(PPOTrainerSync):
     """verl's synchronous PPO trainer with the step values in the advantage phase (module docstring)."""
 
     def __init__(self, config):
-        # Startup validation before verl builds anything (no model is loaded before init()).
+        # The run checks again (the startup check ran them in the driver before Ray); no model is loaded yet.
         self.hook_config, self.pav_config = validate_run_config(config)
-        if self._samples_values() or self.hook_config.refresh.every:
-            check_rollout_critic_run(config)
-        if self._samples_trees():
-            check_tree_run(config, self.hook_config)
         self.value_source: StepValueSource | None = None
         self.reference: ExactReferenceValues | None = None
         # verl_prm.diagnostics.reference: the exact prover of the diagnostics, in the driver (it reads text)
@@ -105,6 +82,11 @@ class PavSyncTrainer(PPOTrainerSync):
         self.reference_critic = (build_exact_critic(reference, "verl_prm.diagnostics.reference")
                                  if reference is not None else None)
         super().__init__(config)
+
+    @property
+    def source(self) -> ValueSource:
+        """The registry entry of the run's value source (``verl_prm.critic.source``)."""
+        return value_source(self.hook_config)
 
     # verl checks `trainer_mode == "sync"`; this trainer is sync in every such check.
     @property
@@ -119,76 +101,39 @@ class PavSyncTrainer(PPOTrainerSync):
     def _init_resource_pool_mgr(self):
         super()._init_resource_pool_mgr()
         placement = self.hook_config.placement
-        if self._runs_critic() and not self._samples_values() and placement.pool == "own":
+        if self._scores_steps() and self.source.critic_workers and placement.pool == "own":
             self.resource_pool_manager.resource_pool_spec[CRITIC_POOL_NAME] = (
                 [placement.n_gpus_per_node] * placement.nnodes
             )
 
     def _setup(self):
         super()._setup()
-        if self._runs_critic():
+        if self._scores_steps():
             self.init_value_sources()
 
     def init_value_sources(self) -> None:
         """The source of the step values and the diagnostics' reference (verl's workers must exist)."""
-        hook = self.hook_config
-        if self._samples_values():
-            self.value_source = self._rollout_sampler()
-        elif self._samples_trees():
-            self.value_source = TreeNodeValues(hook.critic.mc_success_threshold, hook.tree.roots,
-                                               hook.critic.prior_strength)
-        else:
-            critic = CriticWorkerValues(self._init_prover_critic(), reports_offload=hook.placement.offload != "none")
-            self.value_source = critic
-            if hook.refresh.every:
-                store = open_refresh_store(hook, self.config.trainer.default_local_dir)
-                self.value_source = HeadRefresh(critic, self._rollout_sampler(), store, hook, self.tokenizer,
-                                                self._timer)
+        self.value_source = self.source.build(self)
         if self.reference_critic is not None:
             self.reference = ExactReferenceValues(self.reference_critic, self.tokenizer)
 
-    def _runs_critic(self) -> bool:
-        estimator = self.config.algorithm.adv_estimator
-        return estimator in ESTIMATORS or self.hook_config.score_outcome_estimators
-
-    def _samples_values(self) -> bool:
-        """format "rollout": the values are sampled from the rollout replicas (no critic worker group)."""
-        return self.hook_config.critic.format == ROLLOUT_CRITIC_FORMAT
-
-    def _samples_trees(self) -> bool:
-        """format "tree": each training group is sampled as a tree (agent loop pav_tree), valued by its nodes."""
-        return self.hook_config.critic.format == TREE_CRITIC_FORMAT
+    def _scores_steps(self) -> bool:
+        """Whether the hook values the batch's steps (``run_config.scores_steps``); false: verl's own phase."""
+        return scores_steps(self.hook_config, self.config.algorithm.adv_estimator)
 
     def _next_train_batch(self, num_prompts: int | None = None):
-        """verl's next training batch; with format "tree" it names the tree agent loop for every prompt."""
+        """verl's next training batch; for a source of tree-shaped groups it names the tree agent loop for every
+        prompt."""
         batch = super()._next_train_batch(num_prompts)
-        if self._samples_trees():
+        if self.source.tree_agent_loop:
             if "agent_name" in batch.keys():
                 raise ValueError(
-                    "verl_prm.critic.format=tree samples every training prompt with agent loop "
+                    f"verl_prm.critic.source={self.source.name} samples every training prompt with agent loop "
                     f"{TREE_AGENT_LOOP_NAME}, but the training data names its own agent loop (column agent_name): "
-                    "drop that column or use another verl_prm.critic.format"
+                    "drop that column or use another verl_prm.critic.source"
                 )
-            from verl.utils import tensordict_utils as tu
-
             tu.assign_non_tensor_data(batch, "agent_name", TREE_AGENT_LOOP_NAME)
         return batch
-
-    def _rollout_sampler(self) -> RolloutSampledValues:
-        """The sampling critic over verl's LLM server client (the agent loop's) and the run's reward function."""
-        rollout = self.config.actor_rollout_ref.rollout
-        critic = self.hook_config.critic
-        sampler = RolloutCritic(critic, self.get_llm_client(), self.tokenizer,
-                                OutcomeScorer(run_reward_function(self.config), critic.mc_success_threshold),
-                                sampling_params(rollout), int(rollout.response_length))
-        return RolloutSampledValues(sampler, self.checkpoint_manager, critic.mc_success_threshold, self._timer)
-
-    def _init_prover_critic(self):
-        """The critic worker group on its verl resource pool, the critic replicas loaded."""
-        name = CRITIC_POOL_NAME if self.hook_config.placement.pool == "own" else "global_pool"
-        tokenizer_path = policy_tokenizer_path(self.hook_config, self.config.actor_rollout_ref.model, self.tokenizer)
-        return create_critic_group(self.hook_config, self.resource_pool_manager.resource_pool_dict[name],
-                                   self.config.trainer.device, tokenizer_path)
 
     # ------------------------------------------------------------------ advantage phase
     def _timer(self, name: str):
@@ -215,9 +160,8 @@ class PavSyncTrainer(PPOTrainerSync):
 
     def read_step_batch(self, batch) -> StepBatch:
         """The ``StepBatch`` of verl's ``KVBatchMeta`` ``batch`` (its fields read from TransferQueue)."""
-        sampling = self._samples_values() or self.hook_config.refresh.every
-        fields = list(STEP_FIELDS) + (list(SAMPLING_FIELDS) if sampling else [])
-        fields += list(TREE_FIELDS) if self._samples_trees() else []
+        fields = list(STEP_FIELDS) + (list(SAMPLING_FIELDS) if self.source.samples_with_rollout(self.hook_config) else [])
+        fields += list(TREE_FIELDS) if self.source.tree_agent_loop else []
         raw = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
         return read_step_batch(raw, batch.keys, batch.tags, self.global_steps, self.tokenizer,
                                self.hook_config.steps, self._eos_token_ids())
@@ -226,7 +170,7 @@ class PavSyncTrainer(PPOTrainerSync):
         """The step values and their metrics, then verl's own advantage phase (``PPOTrainer._compute_advantage``
         -> ``compute_advantage_for_multi_trajectories`` -> ``compute_advantage`` -> the registered estimator),
         whose step estimator reads the step tensors from ``estimator_step_inputs`` (module docstring)."""
-        if not self._runs_critic():
+        if not self._scores_steps():
             return super()._compute_advantage(batch, metrics)
         step_estimator = self.config.algorithm.adv_estimator in ESTIMATORS
         if step_estimator:

@@ -22,13 +22,12 @@ import traceback
 from typing import Callable
 
 from verl_prm import SUPPORTED_VERL_VERSION
+from verl_prm.config.names import HOOK_TRAINER_NAME, REWARD_MANAGER_NAME, TREE_AGENT_LOOP_NAME
 from verl_prm.estimators import ESTIMATORS
 from verl_prm.integrations.verl.import_hooks import register_or_defer, register_when_imported
 
 logger = logging.getLogger("verl_prm")
 
-PLUGIN_TRAINER_NAME = "pav_sync"
-PLUGIN_REWARD_MANAGER_NAME = "pav"
 # verl package -> the registration that must run once it is imported
 TRAINER_REGISTRY_MODULE = "verl.trainer.ppo.v1"
 REWARD_REGISTRY_MODULE = "verl.experimental.reward_loop.reward_manager"
@@ -61,8 +60,6 @@ def _register_tree_agent_loop() -> None:
     """verl's agent loop ``pav_tree`` (tree-shaped groups), by class path: the module loads when a worker runs it."""
     from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
 
-    from verl_prm.config.hook import TREE_AGENT_LOOP_NAME
-
     _agent_loop_registry.setdefault(
         TREE_AGENT_LOOP_NAME, {"_target_": "verl_prm.integrations.verl.tree_rollout.PavTreeAgentLoop"})
 
@@ -87,6 +84,8 @@ def register_all() -> None:
     check_verl_version(verl.__version__)
     from verl.trainer.ppo.core_algos import register_adv_est
 
+    # These modules import verl, and this runs while `import verl` loads its plugins: imported here, when verl's
+    # package has finished (module top would import verl's submodules into a half-initialised verl).
     from verl_prm.integrations.verl.advantage import VERL_ESTIMATORS
 
     # each estimator of ESTIMATORS, reading the trainer hook's step tensors when verl calls it (advantage.py)
@@ -101,9 +100,9 @@ def register_all() -> None:
     register_platform()
     register_rollout_when_imported()
     install_trl_fix()
-    register_when_imported(TRAINER_REGISTRY_MODULE, _guarded("trainer " + PLUGIN_TRAINER_NAME, _register_trainer))
+    register_when_imported(TRAINER_REGISTRY_MODULE, _guarded("trainer " + HOOK_TRAINER_NAME, _register_trainer))
     register_when_imported(
-        REWARD_REGISTRY_MODULE, _guarded("reward manager " + PLUGIN_REWARD_MANAGER_NAME, _register_reward_manager)
+        REWARD_REGISTRY_MODULE, _guarded("reward manager " + REWARD_MANAGER_NAME, _register_reward_manager)
     )
     register_when_imported(AGENT_LOOP_REGISTRY_MODULE, _guarded("agent loop pav_tree", _register_tree_agent_loop))
 
@@ -120,8 +119,8 @@ def _register_failure(error: BaseException) -> None:
     for name in ESTIMATORS:
         ADV_ESTIMATOR_REGISTRY.setdefault(name, failed_estimator)
 
-    message = f"verl-prm failed to load, so its trainer {PLUGIN_TRAINER_NAME!r} and reward manager " \
-        f"{PLUGIN_REWARD_MANAGER_NAME!r} are unavailable: {error}"
+    message = f"verl-prm failed to load, so its trainer {HOOK_TRAINER_NAME!r} and reward manager " \
+        f"{REWARD_MANAGER_NAME!r} are unavailable: {error}"
 
     def register_trainer_stub() -> None:
         from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
@@ -131,7 +130,7 @@ def _register_failure(error: BaseException) -> None:
             def __init__(self, *args, **kwargs):
                 raise PluginLoadError(message) from error
 
-        TRAINER_REGISTRY.setdefault(PLUGIN_TRAINER_NAME, FailedPavTrainer)
+        TRAINER_REGISTRY.setdefault(HOOK_TRAINER_NAME, FailedPavTrainer)
 
     def register_reward_stub() -> None:
         from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
@@ -144,7 +143,7 @@ def _register_failure(error: BaseException) -> None:
             async def run_single(self, data):
                 raise PluginLoadError(message) from error
 
-        REWARD_MANAGER.setdefault(PLUGIN_REWARD_MANAGER_NAME, FailedPavRewardManager)
+        REWARD_MANAGER.setdefault(REWARD_MANAGER_NAME, FailedPavRewardManager)
 
     for module_name, stub in ((TRAINER_REGISTRY_MODULE, register_trainer_stub),
                               (REWARD_REGISTRY_MODULE, register_reward_stub)):

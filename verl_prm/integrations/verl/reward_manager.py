@@ -28,14 +28,12 @@ from typing import Any
 from verl import DataProto
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
-from verl_prm.config.hook import StepsSection, read_hook_config
+from verl_prm.config.hook import REWARD_MANAGER_NAME, StepsSection, read_hook_config
 from verl_prm.integrations.verl.import_hooks import run_deferred_registration
 from verl_prm.labeling.scoring import reward_number
 from verl_prm.special_tokens import generation_config_of, policy_eos_token_ids
 
 __all__ = ["PavRewardManager", "REWARD_MANAGER_NAME", "register_reward_manager"]
-
-REWARD_MANAGER_NAME = "pav"
 
 
 def _steps_config(config: Any) -> StepsSection:

@@ -29,7 +29,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from verl_prm.checkpoints import CheckpointError, resolve_checkpoint
 from verl_prm.choices import SHARDABLE_FORMATS
+from verl_prm.critic import ProverCritic
+from verl_prm.critic.formats import ValueHeadFormat
+from verl_prm.critic.loading import (
+    check_vocabulary,
+    default_attn_implementation,
+    load_critic_tokenizer,
+    read_head_from_safetensors,
+    resolve_dtype,
+    unused_weights_error,
+)
 from verl_prm.training.calibration import checkpoint_calibration
 from verl_prm.integrations.verl.critic_worker import ProverCriticWorker
 
@@ -120,8 +131,6 @@ def _fill_local_shards(module: nn.Module, prefix: str, path: Path, index: dict[s
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
 
-    from verl_prm.checkpoints import CheckpointError
-
     params = [(prefix + name, param) for name, param in module.named_parameters()]
     missing = [key for key, _ in params if key not in index]
     if missing:
@@ -160,10 +169,6 @@ def load_sharded_value_head(path: str, tokenizer, *, device: torch.device, dtype
     """
     from transformers import AutoConfig, AutoModelForTokenClassification
     from verl.utils.fsdp_utils import apply_fsdp2, meta_device_init
-
-    from verl_prm.checkpoints import CheckpointError
-    from verl_prm.critic.formats import ValueHeadFormat
-    from verl_prm.critic.loading import check_vocabulary, read_head_from_safetensors, unused_weights_error
 
     root = Path(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=False)
@@ -205,10 +210,6 @@ class ShardedProverCriticWorker(ProverCriticWorker):
 
     def _load_critic(self, kwargs: dict[str, Any]):
         from torch.distributed.device_mesh import init_device_mesh
-
-        from verl_prm.checkpoints import resolve_checkpoint
-        from verl_prm.critic.loading import default_attn_implementation, load_critic_tokenizer, resolve_dtype
-        from verl_prm.critic.scorer import ProverCritic
 
         kwargs = dict(kwargs)
         fmt = kwargs.pop("format", "value_head")

@@ -1,9 +1,10 @@
 """Startup check of a verl run that uses verl-prm, as a Hydra callback.
 
 The ``verl_prm`` config group (``+verl_prm=pav`` with ``hydra.searchpath=[pkg://verl_prm.config]``) installs
-``StartupCheck`` as a Hydra callback whose arguments are interpolations of the run config (``verl_prm``,
-``algorithm``, ``trainer.v1.trainer_mode``). Hydra builds its callbacks in the driver right after composing the
-config, before verl's ``main`` starts Ray or loads any model, so the check runs in the constructor: Hydra
+``StartupCheck`` as a Hydra callback whose arguments are interpolations of the sections of the run config that
+the checks read (``verl_prm``, ``algorithm``, ``trainer``, ``actor_rollout_ref.rollout``, ``reward``, ``data``).
+Hydra builds its callbacks in the driver right after composing the config, before verl's ``main`` starts Ray or
+loads any model, so every check (``run_config.validate_run_config``) runs in the constructor: Hydra
 reports an exception raised there as the run's error (an exception in ``on_run_start`` would only be turned
 into a warning). It also runs when verl did not load the plugin (``VERL_USE_EXTERNAL_PLUGINS=none``, or the
 plugin failed to import), which verl itself would only report later as an unknown trainer or estimator.
@@ -16,8 +17,9 @@ import sys
 from typing import Any
 
 from hydra.experimental.callback import Callback
+from omegaconf import OmegaConf
 
-from verl_prm.config.hook import ConfigError
+from verl_prm.config.hook import HOOK_TRAINER_NAME, REWARD_MANAGER_NAME, ConfigError
 from verl_prm.integrations.verl.run_config import validate_run_config
 
 __all__ = ["PluginNotLoadedError", "StartupCheck", "check_plugin_loaded"]
@@ -43,8 +45,8 @@ def check_plugin_loaded() -> None:
                 "that runs verl"
             )
         raise PluginNotLoadedError(
-            "this run uses verl-prm (the verl_prm config group: trainer pav_sync, reward manager pav, estimator "
-            f"pav_*), but verl did not load the verl-prm plugin: {reason}"
+            f"this run uses verl-prm (the verl_prm config group: trainer {HOOK_TRAINER_NAME}, reward manager "
+            f"{REWARD_MANAGER_NAME}, estimator pav_*), but verl did not load the verl-prm plugin: {reason}"
         )
     if getattr(plugin, "load_error", None) is not None:
         raise PluginNotLoadedError(f"the verl-prm plugin failed to load: {plugin.load_error}") from plugin.load_error
@@ -53,8 +55,10 @@ def check_plugin_loaded() -> None:
 class StartupCheck(Callback):
     """Hydra callback: the plugin is loaded and the verl-prm config is valid, checked when Hydra builds it."""
 
-    def __init__(self, verl_prm: Any = None, algorithm: Any = None, trainer_mode: Any = None) -> None:
-        self.check({"verl_prm": verl_prm, "algorithm": algorithm, "trainer": {"v1": {"trainer_mode": trainer_mode}}})
+    def __init__(self, verl_prm: Any = None, algorithm: Any = None, trainer: Any = None, rollout: Any = None,
+                 reward: Any = None, data: Any = None) -> None:
+        self.check(OmegaConf.create({"verl_prm": verl_prm, "algorithm": algorithm, "trainer": trainer,
+                                     "actor_rollout_ref": {"rollout": rollout}, "reward": reward, "data": data}))
 
     @staticmethod
     def check(config: Any) -> None:

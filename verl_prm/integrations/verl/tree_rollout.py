@@ -1,4 +1,4 @@
-"""Tree-shaped groups in verl's loop (``verl_prm.critic.format=tree``): verl's agent loop ``pav_tree``.
+"""Tree-shaped groups in verl's loop (``verl_prm.critic.source=tree``): verl's agent loop ``pav_tree``.
 
 What a tree is, how its branch points are chosen and what its node values are is the library's
 (``verl_prm.trees``); this module only translates:
@@ -23,7 +23,7 @@ What a tree is, how its branch points are chosen and what its node values are is
   prefill again for the tree's requests, where the engine reports it (``prefill_tokens_saved``: the ``hf``
   rollout's prefix reuse) (``pav_tree_*``: the hook's cost metrics).
 
-``check_tree_run(config)`` is the startup check of a run with this format (each error names the key).
+The startup checks of a run with tree-shaped groups are ``run_config.check_tree_run`` (each error names the key).
 """
 
 from __future__ import annotations
@@ -37,59 +37,17 @@ from typing import Any
 import torch
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput
 
-from verl_prm.config.hook import (
-    TREE_AGENT_LOOP_NAME,
-    ConfigError,
-    HookConfig,
-    TreeSection,
-    read_hook_config,
-    select_key,
-)
-from verl_prm.integrations.verl.data_sources import check_default_scorer_data_sources
-from verl_prm.integrations.verl.rollout_critic import check_continuation_context
-from verl_prm.trees import Leaf, TreeShape, sample_tree
+from verl_prm.config.hook import TREE_AGENT_LOOP_NAME, read_hook_config
+from verl_prm.trees import Leaf, sample_tree
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
 
-__all__ = ["TREE_AGENT_LOOP_NAME", "TREE_EXTRA_FIELDS", "PavTreeAgentLoop", "check_tree_run", "tree_shape"]
+__all__ = ["TREE_AGENT_LOOP_NAME", "TREE_EXTRA_FIELDS", "PavTreeAgentLoop"]
 
 # the leaf's extra_fields the hook reads back (parent leaf or -1, shared tokens, generated tokens)
 TREE_EXTRA_FIELDS = ("pav_tree_parent", "pav_tree_fork_tokens", "pav_tree_generated_tokens",
                      "pav_tree_prefill_tokens_saved")
-
-
-def tree_shape(tree: TreeSection) -> TreeShape:
-    """The library's ``TreeShape`` of the ``verl_prm.tree`` section."""
-    return TreeShape(roots=tree.roots, branch_width=tree.branch_width, branch_rule=tree.branch_rule,
-                     branches_per_response=tree.branches_per_response)
-
-
-def check_tree_run(config: Any, hook: HookConfig) -> None:
-    """Startup check of a run with ``verl_prm.critic.format=tree``; raises ``ConfigError`` naming the key.
-
-    ``actor_rollout_ref.rollout.n`` that the shape cannot reach (n < roots, (n - roots) not a multiple of
-    branch_width, no branch point at all, or for branch_rule fixed not roots x (1 + branches_per_response x
-    branch_width)); a rollout context (``max_model_len``) that cannot hold a branch (prompt + a full response);
-    a reward that cannot score a leaf (training data whose ``data_source`` verl's default scorer does not know,
-    without a custom reward function: ``data_sources.check_default_scorer_data_sources``); and a dataset that
-    names its own agent loop (``data.*agent_name``), which would bypass the tree.
-    """
-    rollout = "actor_rollout_ref.rollout"
-    n = int(select_key(config, f"{rollout}.n", 1))
-    try:
-        tree_shape(hook.tree).branch_points(n)
-    except ValueError as error:
-        raise ConfigError(f"verl_prm.tree with {rollout}.n={n}: {error}") from None
-    check_continuation_context(config, "tree")
-    check_default_scorer_data_sources(config)
-    default_loop = select_key(config, f"{rollout}.agent.default_agent_loop", "single_turn_agent")
-    if default_loop == TREE_AGENT_LOOP_NAME:
-        raise ConfigError(
-            f"{rollout}.agent.default_agent_loop={TREE_AGENT_LOOP_NAME} would sample the validation groups as "
-            "trees too: keep the default (single_turn_agent); the trainer hook names the tree agent loop for the "
-            "training batches when verl_prm.critic.format=tree"
-        )
 
 
 @dataclass
@@ -110,7 +68,7 @@ class PavTreeAgentLoop(AgentLoopBase):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.hook = read_hook_config(self.config.get("verl_prm"))
-        self.shape = tree_shape(self.hook.tree)
+        self.shape = self.hook.tree.shape()
         self.n = int(self.rollout_config.n)
         self.response_length = int(self.rollout_config.response_length)
 
@@ -138,8 +96,8 @@ class PavTreeAgentLoop(AgentLoopBase):
         it took and the prompt tokens the rollout engine reused instead of prefilling."""
         multi_modal = await self.process_multi_modal_info(messages)
         if any(multi_modal.get(key) for key in ("images", "videos", "audios")):
-            raise NotImplementedError(f"prompt {uid}: tree-shaped groups (verl_prm.critic.format=tree) take text "
-                                      "prompts only; use another verl_prm.critic.format for multimodal data")
+            raise NotImplementedError(f"prompt {uid}: tree-shaped groups (verl_prm.critic.source=tree) take text "
+                                      "prompts only; use another verl_prm.critic.source for multimodal data")
         prompt_ids = await self.ct_build_initial_tokens(messages)
         start = self.loop.time()
         params = dict(sampling_params)
@@ -155,7 +113,7 @@ class PavTreeAgentLoop(AgentLoopBase):
                                                         sampling_params={**params, "max_tokens": int(max_tokens)})
             if output.routed_experts is not None:
                 raise NotImplementedError("tree-shaped groups do not carry routed experts (router replay): turn "
-                                          "router replay off or use another verl_prm.critic.format")
+                                          "router replay off or use another verl_prm.critic.source")
             versions.append(output.extra_fields.get("global_steps"))
             saved[0] += int(output.extra_fields.get("prefill_tokens_saved", 0))
             return list(output.token_ids), (list(output.log_probs) if output.log_probs else None)

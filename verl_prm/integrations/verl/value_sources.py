@@ -1,15 +1,16 @@
 """The sources of step values in the trainer hook, each behind one interface: ``values(batch) -> StepValues``.
 
-- :class:`CriticWorkerValues`: a critic worker group (``verl_prm.critic.format`` value_head, a public PRM's
-  format, or exact with the prover in the workers);
-- :class:`RolloutSampledValues`: Monte-Carlo values from the run's rollout replicas (format ``rollout``);
-- :class:`TreeNodeValues`: the node values of tree-shaped groups (format ``tree``): each step's value is the mean
+- :class:`CriticWorkerValues`: a critic worker group (``verl_prm.critic.source`` checkpoint: a learned PAV or a
+  public PRM; or exact, with the prover in the workers);
+- :class:`RolloutSampledValues`: Monte-Carlo values from the run's rollout replicas (source ``sampled``);
+- :class:`TreeNodeValues`: the node values of tree-shaped groups (source ``tree``): each step's value is the mean
   outcome of the group's leaves below its node (``verl_prm.trees.tree_step_values``), sampled by the agent loop
   ``pav_tree`` (``tree_rollout``) at no extra cost;
 - :class:`ExactReferenceValues`: the exact prover of ``verl_prm.diagnostics.reference``, in the driver (for the
   diagnostics only, never the advantages).
 
 The refitted learned PAV (``verl_prm.refresh``) is ``head_refresh.HeadRefresh``, a source over the first two.
+Which of them a run uses, and how it is built, is its entry in the registry ``sources.SOURCES``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from verl.protocol import DataProto
 
 from verl_prm.critic.sampled import shrink_success_rates
 from verl_prm.integrations.verl.critic_worker import OFFLOAD_SECONDS_KEY, compute_step_values
-from verl_prm.integrations.verl.rollout_critic import RolloutCritic, mc_metrics
+from verl_prm.integrations.verl.rollout_sampler import RolloutSampler, mc_metrics
 from verl_prm.integrations.verl.step_batch import StepBatch, StepValues
 from verl_prm.trees import tree_step_values
 
@@ -96,18 +97,18 @@ class CriticWorkerValues:
 
 
 class RolloutSampledValues:
-    """Monte-Carlo step values sampled from the rollout replicas (``RolloutCritic``), between a wake-up with the
+    """Monte-Carlo step values sampled from the rollout replicas (``RolloutSampler``), between a wake-up with the
     actor's weights (not yet updated in this step: those that generated the batch) and a sleep."""
 
-    def __init__(self, critic: RolloutCritic, checkpoint_manager, success_threshold: float,
+    def __init__(self, sampler: RolloutSampler, checkpoint_manager, success_threshold: float,
                  timer: Timer = no_timer) -> None:
-        self.critic = critic
+        self.sampler = sampler
         self.checkpoint_manager = checkpoint_manager
         self.success_threshold = float(success_threshold)
         self.timer = timer
 
     def successes(self, batch: StepBatch) -> list[bool]:
-        """Each response's success: its outcome above ``verl_prm.critic.mc_success_threshold``."""
+        """Each response's success: its outcome above ``verl_prm.critic.success_threshold``."""
         return [bool(value > self.success_threshold) for value in batch.outcomes.tolist()]
 
     def values(self, batch: StepBatch) -> StepValues:
@@ -120,7 +121,7 @@ class RolloutSampledValues:
             # version is the previous step's
             self.checkpoint_manager.update_weights(max(batch.step - 1, 0))
             try:
-                sampled = self.critic.step_values(
+                sampled = self.sampler.step_values(
                     batch.prompt_ids(), batch.response_ids(), batch.split.step_ends, batch.split.num_steps,
                     self.successes(batch), batch.uids, batch.data_sources, batch.ground_truths, batch.extra_infos,
                     sample_rows=batch.real_rows.tolist(), request_tag=str(batch.step),
@@ -169,9 +170,10 @@ def tree_metrics(batch: StepBatch, roots: int, leaf_counts: torch.Tensor) -> dic
 
 
 class TreeNodeValues:
-    """Step values of tree-shaped groups (format ``tree``): a step's value is the mean success of the group's
+    """Step values of tree-shaped groups (source ``tree``): a step's value is the mean success of the group's
     leaves whose response begins with the tokens up to that step's end (``verl_prm.trees.tree_step_values``);
-    a prompt's value is its group's success rate. With ``prior_strength`` s > 0 a node of L leaves, k of them
+    a prompt's value is its group's success rate. With ``prior_strength`` s > 0
+    (``verl_prm.critic.group_prior_strength``) a node of L leaves, k of them
     successes, is valued (k + s v_0) / (L + s) (``verl_prm.critic.sampled.shrink_success_rates``, v_0 the
     group's rate). Nothing is sampled here: the agent loop sampled the tree."""
 
@@ -206,7 +208,7 @@ class TreeNodeValues:
 
 class ExactReferenceValues:
     """The exact prover of ``verl_prm.diagnostics.reference`` (an ``ExactCritic``), in the driver: it reads the
-    split's texts with the policy's tokenizer, as a format=exact critic worker does."""
+    split's texts with the policy's tokenizer, as an exact critic worker (source ``exact``) does."""
 
     def __init__(self, critic, tokenizer) -> None:
         self.critic = critic

@@ -1,4 +1,4 @@
-"""The sampling critic (verl_prm.critic.format=rollout) in the trainer hook: a fake LLM server client over the
+"""The sampling critic (verl_prm.critic.source=sampled) in the trainer hook: a fake LLM server client over the
 scripted policy of verl_prm.labeling.closed_form_task (token ids in, token ids out, as verl's LLMServerClient),
 the hook's advantage phase on TransferQueue, and the startup errors."""
 
@@ -13,6 +13,7 @@ import torch
 from verl_support import PLUGIN_OVERRIDES, compose_verl, parity_reward_file
 
 from verl_prm.config.hook import ConfigError, read_hook_config
+from verl_prm.integrations.verl.run_config import check_source_settings
 from verl_prm.labeling.generators import derive_seed
 from verl_prm.labeling.closed_form_task import (
     ScriptedStepGenerator,
@@ -26,7 +27,7 @@ TASK = ScriptedStepTask(num_steps=H)
 # verl loads a custom reward function from a file: this one re-exports the scripted task's outcome
 REWARD_FILE = Path(__file__).resolve().parent / "scripted_reward.py"
 ROLLOUT_OVERRIDES = [
-    "verl_prm.critic.format=rollout", f"verl_prm.critic.n_mc={N_MC}",
+    "verl_prm.critic.source=sampled", f"verl_prm.critic.n_mc={N_MC}",
     f"reward.custom_reward_function.path={REWARD_FILE}", "reward.custom_reward_function.name=scripted_step_score",
     f"actor_rollout_ref.rollout.response_length={RESPONSE_LENGTH}", "actor_rollout_ref.rollout.prompt_length=32",
     "trainer.device=cpu", "actor_rollout_ref.rollout.n=3", "data.train_batch_size=2",
@@ -276,7 +277,7 @@ def test_mc_token_ratio_counts_the_real_rows_response_tokens():
     """pav/mc_token_ratio = continuation tokens / response tokens of the real rows (the padding row's tokens and
     its unsampled steps do not count), from a nested or a padded response mask alike."""
     from verl_prm.critic.sampled import SampledValues
-    from verl_prm.integrations.verl.rollout_critic import mc_metrics
+    from verl_prm.integrations.verl.rollout_sampler import mc_metrics
 
     lengths = [4, 6, 5]
     values = SampledValues(step_values=torch.zeros(3, 2), prompt_values=torch.zeros(3),
@@ -296,7 +297,7 @@ def test_mc_samples_metrics_count_the_real_rows_values():
     """pav/mc_pooled_samples and pav/mc_samples_per_value over the real rows' sampled values (a padding row's do
     not count)."""
     from verl_prm.critic.sampled import SampledValues
-    from verl_prm.integrations.verl.rollout_critic import mc_metrics
+    from verl_prm.integrations.verl.rollout_sampler import mc_metrics
     from verl_prm.monte_carlo import PrefixCounts
 
     counts = {(0, 0): PrefixCounts(3, 6, 10), (0, 1): PrefixCounts(1, 4, 8), (1, 0): PrefixCounts(2, 5, 9),
@@ -315,18 +316,29 @@ def test_mc_samples_metrics_count_the_real_rows_values():
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("n_mc", 0, "verl_prm.critic.n_mc (continuations per step prefix) must be >= 1, got 0"),
-    ("mc_token_budget", 0, "verl_prm.critic.mc_token_budget must be >= 1 or null (no bound), got 0"),
+    ("n_mc", 0, "verl_prm.critic.n_mc must be an integer >= 1, got 0"),
+    ("mc_token_budget", 0, "verl_prm.critic.mc_token_budget must be an integer >= 1, got 0"),
     ("prefix_rule", "all", "verl_prm.critic.prefix_rule must be one of ('every', 'fixed', 'first_pit'), got 'all'"),
-    ("path", "/some/critic", "verl_prm.critic.path='/some/critic' is unused with verl_prm.critic.format=rollout"),
-    ("mc_success_threshold", float("nan"), "verl_prm.critic.mc_success_threshold must be a finite number"),
-    ("prior_strength", -1.0, "verl_prm.critic.prior_strength must be a finite number >= 0 (0: no shrinkage), got -1.0"),
-    ("prior_strength", float("inf"), "verl_prm.critic.prior_strength must be a finite number >= 0"),
+    ("path", "/some/critic", "verl_prm.critic.path='/some/critic' is unused with verl_prm.critic.source=sampled"),
+    ("success_threshold", float("nan"), "verl_prm.critic.success_threshold must be a finite number"),
+    ("group_prior_strength", -1.0, "verl_prm.critic.group_prior_strength must be >= 0 (a finite number), got -1.0"),
+    ("group_prior_strength", float("inf"), "verl_prm.critic.group_prior_strength must be >= 0 (a finite number)"),
+    ("mc_success_threshold", 0.5, "verl_prm.critic.mc_success_threshold was renamed: set "
+                                  "verl_prm.critic.success_threshold"),
+    ("prior_strength", 1.0, "verl_prm.critic.prior_strength was renamed: set verl_prm.critic.group_prior_strength"),
 ])
-def test_rollout_critic_section_errors_name_the_key(key, value, message):
+def test_sampled_source_section_errors_name_the_key(key, value, message):
     with pytest.raises(ConfigError) as error:
-        read_hook_config({"critic": {"format": "rollout", key: value}})
+        check_source_settings(read_hook_config({"critic": {"source": "sampled", key: value}}))
     assert message in str(error.value)
+
+
+def test_old_format_names_of_the_value_sources_are_refused_with_the_new_key():
+    for old, new in (("rollout", "sampled"), ("tree", "tree"), ("exact", "exact")):
+        with pytest.raises(ConfigError, match=f"set verl_prm.critic.source={new} "):
+            read_hook_config({"critic": {"format": old}})
+    with pytest.raises(ConfigError, match="verl_prm.critic.format must be one of"):
+        read_hook_config({"critic": {"format": "sampled"}})
 
 
 @pytest.mark.parametrize("override, message", [
@@ -336,15 +348,15 @@ def test_rollout_critic_section_errors_name_the_key(key, value, message):
     ("reward.reward_manager.name=dapo", "reward.reward_manager.name='dapo' (source 'register') may reward"),
     ("+trainer.v1.sync.parameter_sync_step=2", "trainer.v1.sync.parameter_sync_step=2 updates the actor"),
 ])
-def test_rollout_critic_run_errors_name_the_key(override, message):
-    from verl_prm.integrations.verl.rollout_critic import check_rollout_critic_run
+def test_sampling_run_errors_name_the_key(override, message):
+    from verl_prm.integrations.verl.run_config import check_sampling_run
 
     config = compose_verl(PLUGIN_OVERRIDES + ROLLOUT_OVERRIDES + [override])
     with pytest.raises(ConfigError) as error:
-        check_rollout_critic_run(config)
+        check_sampling_run(config)
     assert message in str(error.value)
     # the same config without the override passes
-    check_rollout_critic_run(compose_verl(PLUGIN_OVERRIDES + ROLLOUT_OVERRIDES))
+    check_sampling_run(compose_verl(PLUGIN_OVERRIDES + ROLLOUT_OVERRIDES))
 
 
 # ---------------------------------------------------------------------------------------------- main_ppo on CPU
@@ -362,7 +374,7 @@ def rollout_loop_run(tmp_path_factory):
     prepare(work)
     reward = parity_reward_file(work)
     args = main_ppo_args(work, "pav_grpo", steps=2, run_name="pav_grpo_rollout", extra=[
-        "verl_prm.critic.format=rollout", "verl_prm.critic.path=null", "verl_prm.critic.n_mc=2",
+        "verl_prm.critic.source=sampled", "verl_prm.critic.path=null", "verl_prm.critic.n_mc=2",
         f"verl_prm.critic.mc_token_budget={MC_BUDGET}", f"reward.custom_reward_function.path={reward}"])
     return run_main_ppo(args, work / "rollout.jsonl", work / "rollout.log", timeout=600)
 
@@ -404,7 +416,7 @@ class LocalCriticGroup:
 
 
 def _refresh_trainer(policy_dir, critic_dir, tokenizer, events, directory, global_steps, extra=()):
-    from verl_prm.integrations.verl.critic_group import critic_worker_kwargs
+    from verl_prm.integrations.verl.sources import critic_worker_kwargs
     from verl_prm.integrations.verl.critic_worker import ProverCriticWorker
 
     from verl.trainer.ppo.v1 import get_trainer_cls
@@ -481,14 +493,14 @@ def test_hook_refresh_refits_the_head_to_the_samples_and_a_resumed_run_starts_wi
 @pytest.mark.ray
 def test_hook_refresh_shrinks_the_sampled_labels_toward_the_pav(
         transfer_queue, policy_dir, critic_dir, bpe_small, worker_env, tmp_path):
-    """verl_prm.critic.prior_strength=s under the refresh: a sampled step's label y of t samples becomes
+    """verl_prm.refresh.prior_strength=s under the refresh: a sampled step's label y of t samples becomes
     (t y + s m) / (t + s) with t + s trials, m the PAV's value of the step before the refit; the prompt's and the
     outcome's labels stay (against the same refresh with s = 0: the same samples from a fresh client)."""
     strength = 2.0
     stored = {}
     for s in (0.0, strength):
         trainer, _ = _refresh_trainer(policy_dir, critic_dir, bpe_small, [], tmp_path / f"refresh_{s}", global_steps=2,
-                                      extra=[f"verl_prm.critic.prior_strength={s}"])
+                                      extra=[f"verl_prm.refresh.prior_strength={s}"])
         rows = _rows(bpe_small)
         keys, tags = _put(transfer_queue, rows)
         scored = trainer.value_source.values(_step_batch(trainer, transfer_queue, keys, tags))

@@ -1,5 +1,5 @@
-"""The sampling critic (``verl_prm.critic.format=rollout``) in a verl run: Monte-Carlo step values from the run's
-own rollout replicas, scored by the run's own reward function.
+"""The rollout sampler (``verl_prm.critic.source=sampled``, and ``verl_prm.refresh``) in a verl run: Monte-Carlo
+step values from the run's own rollout replicas, scored by the run's own reward function.
 
 What is sampled and how the values are estimated is the library's (``verl_prm.monte_carlo``,
 ``verl_prm.critic.sampled``); this module only
@@ -15,39 +15,35 @@ translates:
   ``skip_special_tokens=True`` and passed with the row's ``data_source``, ``reward_model.ground_truth`` and
   ``extra_info`` to the run's reward function (``reward.custom_reward_function`` when set, else verl's
   ``default_compute_score``, as the ``pav`` and ``naive`` reward managers do); it succeeds iff its score is
-  greater than ``verl_prm.critic.mc_success_threshold``, and so does a response by its ``rm_scores``;
+  greater than ``verl_prm.critic.success_threshold``, and so does a response by its ``rm_scores``;
 - with ``verl_prm.critic.pool_group_samples`` the other responses of the group whose response token ids begin
   with a sampled prefix's (and go on past it) add their outcomes to its value (``verl_prm.critic.sampled``: free
-  samples); ``verl_prm.critic.prior_strength`` shrinks each sampled rate toward the group's success rate (the
-  refresh shrinks its labels toward the learned PAV's values instead: ``integrations.verl.head_refresh``).
+  samples); ``verl_prm.critic.group_prior_strength`` shrinks each sampled rate toward the group's success rate
+  (the refresh's labels are shrunk toward the learned PAV's values by ``verl_prm.refresh.prior_strength``:
+  ``integrations.verl.head_refresh``).
 
 The trainer hook wakes the replicas with the actor's weights (``checkpoint_manager.update_weights``; the actor
 has not been updated yet in this step, so these are the weights that generated the batch), samples, and puts
 them back to sleep (``checkpoint_manager.sleep_replicas()``), the same cycle as verl's generation phase.
 Continuations are never written to TransferQueue: they do not enter the policy update.
 
-``check_rollout_critic_run(config)`` is the startup check of a run with this format (each error names the key).
+The startup checks of a run that samples are ``run_config.check_sampling_run`` (each error names the key).
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from verl_prm.config.hook import ConfigError, CriticSection, select_key
+from verl_prm.config.hook import CriticSection
 from verl_prm.critic.sampled import SampledValues, sampled_step_values
-from verl_prm.integrations.verl.data_sources import check_default_scorer_data_sources
 from verl_prm.labeling.scoring import OutcomeScorer
 from verl_prm.monte_carlo import PrefixCounts, PrefixRequest, ResponseSteps
 
-__all__ = ["RolloutCritic", "check_continuation_context", "check_rollout_critic_run", "mc_metrics", "run_reward_function", "sampling_params"]
-
-# reward managers whose reward is the reward function of one response (so a continuation is scored the same way)
-_FUNCTION_REWARD_MANAGERS = ("pav", "naive")
+__all__ = ["RolloutSampler", "mc_metrics", "run_reward_function", "sampling_params"]
 
 
 def run_reward_function(config: Any):
@@ -61,67 +57,6 @@ def run_reward_function(config: Any):
 
         function = default_compute_score
     return function
-
-
-def check_rollout_critic_run(config: Any) -> None:
-    """Startup check of a run with ``verl_prm.critic.format=rollout``; raises ``ConfigError`` naming the key.
-
-    A reward that cannot score a continuation (a reward model, a reward manager other than pav/naive, an async
-    reward function), a rollout context (``actor_rollout_ref.rollout.max_model_len``) shorter than a prompt plus a
-    full response, more than one update per weight sync (``trainer.v1.sync.parameter_sync_step``: the values
-    would be of older weights than the actor's), or, without a custom reward function, training data whose
-    ``data_source`` verl's default scorer does not know (``data_sources.check_default_scorer_data_sources``).
-    """
-    if select_key(config, "reward.reward_model.enable", False):
-        raise ConfigError(
-            "verl_prm.critic.format=rollout scores continuations with the run's reward function, but "
-            "reward.reward_model.enable=True (a reward model) cannot score them: set reward.reward_model.enable=False "
-            "or use another verl_prm.critic.format"
-        )
-    manager = select_key(config, "reward.reward_manager.name", "naive")
-    source = select_key(config, "reward.reward_manager.source", "register")
-    if source != "register" or manager not in _FUNCTION_REWARD_MANAGERS:
-        raise ConfigError(
-            f"verl_prm.critic.format=rollout scores continuations with the reward function alone, but "
-            f"reward.reward_manager.name={manager!r} (source {source!r}) may reward a response otherwise: set "
-            f"reward.reward_manager.name to one of {_FUNCTION_REWARD_MANAGERS}"
-        )
-    function = run_reward_function(config)
-    if inspect.iscoroutinefunction(function):
-        raise ConfigError(
-            "verl_prm.critic.format=rollout calls the reward function synchronously, but "
-            "reward.custom_reward_function is an async function: give it a synchronous function"
-        )
-    check_default_scorer_data_sources(config)
-    rollout = "actor_rollout_ref.rollout"
-    response_length = int(select_key(config, f"{rollout}.response_length", 0) or 0)
-    if response_length < 1:
-        raise ConfigError(f"{rollout}.response_length must be >= 1 with verl_prm.critic.format=rollout, got {response_length}")
-    check_continuation_context(config, "rollout")
-    sync_step = select_key(config, "trainer.v1.sync.parameter_sync_step", 1)
-    if int(sync_step) != 1:
-        raise ConfigError(
-            f"verl_prm.critic.format=rollout samples from the replicas with the actor's current weights, but "
-            f"trainer.v1.sync.parameter_sync_step={sync_step} updates the actor between weight syncs, so the values "
-            "would not be of the policy that generated the batch: set trainer.v1.sync.parameter_sync_step=1"
-        )
-
-
-def check_continuation_context(config: Any, critic_format: str) -> None:
-    """A format that continues step prefixes of responses (rollout, tree) sends the rollout prompts of up to
-    ``prompt_length + response_length`` tokens (prompt + response prefix + continuation): a ``max_model_len``
-    below that is a ``ConfigError`` naming the key."""
-    rollout = "actor_rollout_ref.rollout"
-    prompt_length = int(select_key(config, f"{rollout}.prompt_length", 0) or 0)
-    response_length = int(select_key(config, f"{rollout}.response_length", 0) or 0)
-    max_model_len = select_key(config, f"{rollout}.max_model_len", None)
-    if max_model_len is not None and int(max_model_len) < prompt_length + response_length:
-        raise ConfigError(
-            f"{rollout}.max_model_len={max_model_len} cannot take a step prefix of a full-length response: "
-            f"verl_prm.critic.format={critic_format} sends prompts of up to {rollout}.prompt_length + "
-            f"response_length = {prompt_length + response_length} tokens (prompt + response prefix + "
-            f"continuation): raise {rollout}.max_model_len to {prompt_length + response_length} or null"
-        )
 
 
 def sampling_params(rollout_config: Any) -> dict[str, Any]:
@@ -168,7 +103,7 @@ def mc_metrics(values: SampledValues, response_mask: torch.Tensor, real_rows: to
     }
 
 
-class RolloutCritic:
+class RolloutSampler:
     """Step values of a batch by sampling through ``client`` (an ``LLMServerClient``: ``async generate(request_id,
     *, prompt_ids, sampling_params) -> TokenOutput``) and scoring with ``scorer`` (module docstring)."""
 
@@ -229,7 +164,7 @@ class RolloutCritic:
         return sampled_step_values(inputs, row_groups, sample, prefix_rule=critic.prefix_rule, n_mc=critic.n_mc,
                                    prefixes_per_response=critic.prefixes_per_response,
                                    token_budget=critic.mc_token_budget, width=int(step_ends.shape[1]),
-                                   tokens=tokens, step_ends=ends, prior_strength=critic.prior_strength)
+                                   tokens=tokens, step_ends=ends, prior_strength=critic.group_prior_strength)
 
     def _sample(self, requests, prompts, responses, step_ends, data_sources, ground_truths, extra_infos,
                 request_tag) -> list[PrefixCounts]:

@@ -29,14 +29,18 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
+from transformers import AutoModelForCausalLM
+
+from verl_prm.checkpoints import from_pretrained_kwargs, resolve_checkpoint
 from verl_prm.generation.attention import register_attention
 from verl_prm.generation.kv_cache import preallocated_cache
 from verl_prm.generation.prefix_cache import PrefixCache
 from verl_prm.generation.sampling import sample_next_tokens, sampled_log_probs
+from verl_prm.precision import resolve_dtype
 
 __all__ = ["EngineStats", "GenerationEngine", "GenerationOutput", "GenerationRequest"]
 
@@ -93,7 +97,6 @@ class EngineStats:
     generated_tokens: int = 0
     seconds: float = 0.0
     batches: int = 0
-    history: list = field(default_factory=list, repr=False)
 
     @property
     def saved_prefill_tokens(self) -> int:
@@ -153,11 +156,6 @@ class GenerationEngine:
     @classmethod
     def from_pretrained(cls, path: str, *, precision: str = "auto", device: str | None = None, **kwargs):
         """Load a causal LM (safetensors, ``trust_remote_code=False``) in the precision ``resolve_dtype`` picks."""
-        from transformers import AutoModelForCausalLM
-
-        from verl_prm.checkpoints import from_pretrained_kwargs, resolve_checkpoint
-        from verl_prm.precision import resolve_dtype
-
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = resolve_dtype(precision, device)
         path = resolve_checkpoint(path, "policy")

@@ -53,6 +53,7 @@ def check_cpu_run(trainer: Any, actor_rollout_ref: Any, ray_kwargs: Any, acceler
         if joins_a_cluster(ray_kwargs):
             return
         if accelerator is None:
+            # cpu.py registers a verl platform (it imports verl's platform base): loaded only for this question
             from verl_prm.integrations.verl.platform.cpu import accelerator_present
 
             accelerator = accelerator_present()

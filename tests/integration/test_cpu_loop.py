@@ -281,7 +281,8 @@ def _good_cpu_config():
 
     return OmegaConf.create({
         "trainer": {"device": "cpu", "n_gpus_per_node": 1, "nnodes": 1},
-        "actor_rollout_ref": {"actor": {"strategy": "fsdp2"}, "ref": {"strategy": "fsdp2"}, "rollout": {"name": "hf"},
+        "actor_rollout_ref": {"actor": {"strategy": "fsdp2"}, "ref": {"strategy": "fsdp2"},
+                              "rollout": {"name": "hf", "dtype": "auto"},
                               "model": {"override_config": {"attn_implementation": "sdpa"}}},
         "ray_kwargs": {"ray_init": {"num_gpus": 1}},
     })
@@ -294,6 +295,8 @@ def _good_cpu_config():
      "set +actor_rollout_ref.model.override_config.attn_implementation=sdpa"),
     ("ray_kwargs.ray_init.num_gpus", None, "set +ray_kwargs.ray_init.num_gpus=1"),
     ("ray_kwargs.ray_init.num_gpus", float("nan"), "ray_kwargs.ray_init.num_gpus must be >= 0 \\(a finite number\\), got nan"),
+    ("actor_rollout_ref.rollout.dtype", "float16", "actor_rollout_ref.rollout.dtype=float16: the hf rollout computes "
+     "in one of \\('auto', 'bfloat16', 'float32'\\)"),
 ])
 def test_cpu_startup_check_names_the_key_and_the_value_to_use(key, value, message):
     from omegaconf import OmegaConf
@@ -306,6 +309,23 @@ def test_cpu_startup_check_names_the_key_and_the_value_to_use(key, value, messag
     pattern = message if "\\(" in message else message.replace("+", "\\+")
     with pytest.raises(ConfigError, match="verl-prm startup check failed: trainer.device=cpu: .*" + pattern):
         CPUStartupCheck(config.trainer, config.actor_rollout_ref, config.ray_kwargs)
+
+
+def test_cpu_startup_check_refuses_a_bf16_rollout_on_a_cpu_without_native_bf16(monkeypatch):
+    from verl_prm.config.hook import ConfigError
+    from verl_prm.integrations.verl.platform import checks
+
+    config = _good_cpu_config()
+    config.actor_rollout_ref.rollout.dtype = "bfloat16"
+    monkeypatch.setattr(checks, "native_bf16_instructions", lambda: True)
+    checks.check_cpu_run(config.trainer, config.actor_rollout_ref, config.ray_kwargs)
+    monkeypatch.setattr(checks, "native_bf16_instructions", lambda: False)  # an AVX2 CPU, simulated
+    with pytest.raises(ConfigError, match="rollout.dtype=bfloat16 .* without native bf16 instructions .*: set "
+                                          "actor_rollout_ref.rollout.dtype=auto or float32"):
+        checks.check_cpu_run(config.trainer, config.actor_rollout_ref, config.ray_kwargs)
+    del config.actor_rollout_ref.rollout["dtype"]  # verl's default is bfloat16
+    with pytest.raises(ConfigError, match="verl's default when unset"):
+        checks.check_cpu_run(config.trainer, config.actor_rollout_ref, config.ray_kwargs)
 
 
 def test_cpu_startup_check_passes_a_cpu_run_and_leaves_gpu_runs_alone():

@@ -18,7 +18,7 @@ arm                         estimator       prover critic (``verl_prm.critic``)
 normalized``                                (``algorithm.pav.normalize=true``)
 ``pav_learned_refined_      ``pav_grpo``    the refined PAV at ``algorithm.pav.alpha=1`` (the others: ``RLConfig.alpha``)
 alpha1``
-``pav_mc``                  ``pav_grpo``    ``format=rollout``: Monte-Carlo values, ``MC_N`` continuations of every
+``pav_mc``                  ``pav_grpo``    ``source=sampled``: Monte-Carlo values, ``MC_N`` continuations of every
                                             step prefix from the run's own rollout replicas
 ==========================  ==============  ==============================================================
 
@@ -99,7 +99,7 @@ class Arm:
     label: str
     calibration: str = "none"
     pav_overrides: tuple[str, ...] = ()
-    # format=rollout, or a learned PAV's refresh: verl_prm.critic.mc_* overrides
+    # source=sampled, or a learned PAV's refresh: verl_prm.critic.mc_* overrides
     mc_overrides: tuple[str, ...] = ()
     # a learned PAV refitted to sampled values during the run: verl_prm.refresh.* overrides
     refresh_overrides: tuple[str, ...] = ()
@@ -354,7 +354,7 @@ def _metric(data: dict, key: str, missing: float = float("nan")) -> float:
 def read_run(run_dir: Path, scale) -> dict:
     """The run's curves from verl's file logger: held-out accuracy per evaluation step, and per training step
     the batch accuracy, the share of groups with no outcome signal, the step's time, its generated tokens
-    (responses; continuations of format=rollout) and the PAV metrics (``DIAGNOSTIC_METRICS``; nan when not logged).
+    (responses; continuations of source=sampled) and the PAV metrics (``DIAGNOSTIC_METRICS``; nan when not logged).
 
     A resumed run reads the parts its earlier starts logged too (``metrics-<n>.jsonl``, kept by ``start_run``: verl
     truncates the file when it starts). A torn last line of a part (its start was killed while writing) is skipped;
@@ -392,7 +392,7 @@ def read_run(run_dir: Path, scale) -> dict:
                 "step_seconds": _metric(data, "timing_s/step"),
                 # the batch's response tokens (what the update trains on), the tokens sampled to make them (fewer
                 # for tree-shaped groups, whose branches share their prefixes), and the Monte-Carlo continuations'
-                # (format=rollout; 0 otherwise)
+                # (source=sampled; 0 otherwise)
                 "response_tokens": responses,
                 "generated_tokens": _metric(data, "pav/tree_generated_tokens", responses),
                 "mc_tokens": _metric(data, "pav/mc_tokens", 0.0),

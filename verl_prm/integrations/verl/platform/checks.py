@@ -15,7 +15,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 
 from verl_prm.checks import check_number
-from verl_prm.precision import native_bf16_instructions
+from verl_prm.precision import PRECISIONS, native_bf16_instructions
 from verl_prm.config.hook import ConfigError, select_key
 
 __all__ = ["CPUStartupCheck", "FP32_MIXED_PRECISION", "check_cpu_run", "cpu_run_warnings"]
@@ -74,6 +74,14 @@ def check_cpu_run(trainer: Any, actor_rollout_ref: Any, ray_kwargs: Any, acceler
     if rollout != CPU_ROLLOUT:
         problems.append(f"actor_rollout_ref.rollout.name={rollout} needs a GPU: set "
                         f"actor_rollout_ref.rollout.name={CPU_ROLLOUT} (transformers generate on CPU)")
+    dtype = str(select_key(actor_rollout_ref, "rollout.dtype", "bfloat16"))  # verl's default: bfloat16
+    if dtype not in PRECISIONS:
+        problems.append(f"actor_rollout_ref.rollout.dtype={dtype}: the hf rollout computes in one of {PRECISIONS} "
+                        "(auto: bfloat16 where the CPU has native bf16 instructions, else float32)")
+    elif dtype == "bfloat16" and not native_bf16_instructions():
+        problems.append("actor_rollout_ref.rollout.dtype=bfloat16 (verl's default when unset) on a CPU without "
+                        "native bf16 instructions (no amx_bf16/avx512_bf16 flag) would run several times slower "
+                        "than float32: set actor_rollout_ref.rollout.dtype=auto or float32")
     attention = select_key(actor_rollout_ref, "model.override_config.attn_implementation", "flash_attention_2")
     if attention not in CPU_ATTENTION:
         problems.append(f"actor_rollout_ref.model.override_config.attn_implementation={attention} (verl's default "

@@ -25,6 +25,7 @@ import pandas as pd
 
 from verl_prm.apps.cpu_loop import LoopSize, main_ppo_args, read_metrics, start_main_ppo
 from verl_prm.apps.word_problems import score
+from verl_prm.choices import PRECISIONS
 from verl_prm.cli_types import finite_float
 
 ARMS = {
@@ -100,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--test-freq", type=int, default=10, help="-1: no held-out evaluation")
     parser.add_argument("--val-problems", type=int, default=64)
     parser.add_argument("--skip", type=int, default=48, help="label-pool problems the RL data leaves out")
-    parser.add_argument("--precision", choices=("auto", "bfloat16", "float32"), default="auto",
+    parser.add_argument("--precision", choices=PRECISIONS, default="auto",
                         help="the rollout's and the actor's compute precision (verl_prm.precision)")
     parser.add_argument("--log-probs", action="store_true",
                         help="the rollout returns log-probs: verl logs their gap to the actor's")

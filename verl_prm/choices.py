@@ -14,7 +14,7 @@ from typing import Literal, get_args
 __all__ = [
     "AGGREGATIONS", "CALIBRATION_METHODS", "CHECKPOINT_FORMATS", "CODE_SPLIT_RULES", "CODE_STEP_RULES", "COMPILE_MODES", "CRITIC_DTYPES",
     "GENERATOR_BACKENDS", "HEAD_FITS", "LABEL_STRATEGIES", "MIN_FORM_BASELINES",
-    "MIXED_PRECISIONS", "OFFLOAD_MODES", "PLACEMENT_POOLS", "PREFIX_RULES", "PRIME_REWARD_MASKS", "PROCESS_TERMS",
+    "MIXED_PRECISIONS", "OFFLOAD_MODES", "PRECISIONS", "Precision", "PLACEMENT_POOLS", "PREFIX_RULES", "PRIME_REWARD_MASKS", "PROCESS_TERMS",
     "SHARDABLE_FORMATS", "BRANCH_RULES", "SHARD_MODES", "SUCCESS_LABELS", "TRUNCATIONS",
     "Aggregation", "BranchRule", "CalibrationMethod", "CheckpointFormat", "CodeSplitRule", "CodeStepRule", "CompileMode", "CriticDtype",
     "GeneratorBackend", "HeadFit", "LabelStrategy", "MinFormBaseline", "MixedPrecision",
@@ -64,6 +64,8 @@ ShardMode = Literal["none", "fsdp"]
 CalibrationMethod = Literal["platt", "isotonic", "none"]
 HeadFit = Literal["adam", "newton"]
 MixedPrecision = Literal["auto", "no", "bf16", "fp16"]
+# the compute precision of the generation engine and the CPU loop (verl_prm.precision: "auto" reads the CPU's flags)
+Precision = Literal["auto", "bfloat16", "float32"]
 GeneratorBackend = Literal["hf", "vllm"]
 
 AGGREGATIONS = get_args(Aggregation)
@@ -90,4 +92,5 @@ SHARD_MODES = get_args(ShardMode)
 CALIBRATION_METHODS = get_args(CalibrationMethod)
 HEAD_FITS = get_args(HeadFit)
 MIXED_PRECISIONS = get_args(MixedPrecision)
+PRECISIONS = get_args(Precision)
 GENERATOR_BACKENDS = get_args(GeneratorBackend)

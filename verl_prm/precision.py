@@ -19,15 +19,13 @@ from __future__ import annotations
 import functools
 import platform
 from pathlib import Path
-from typing import Literal
-
 import torch
+
+from verl_prm.choices import PRECISIONS, Precision
 
 __all__ = ["PRECISIONS", "Precision", "cpu_bf16_flags", "mixed_precision_for", "native_bf16_instructions",
            "resolve_dtype"]
 
-Precision = Literal["auto", "bfloat16", "float32"]
-PRECISIONS: tuple[str, ...] = ("auto", "bfloat16", "float32")
 
 # /proc/cpuinfo flags of native bf16 matrix instructions: x86 (Intel AMX, AVX512-BF16 on Intel and AMD Zen 4+)
 # and Arm (the BF16 extension, "bf16" in the Features line).

@@ -28,6 +28,7 @@ from typing import Sequence
 
 # torch, transformers and everything that imports them load in the functions: `--help` stays fast
 from verl_prm.apps.word_problems.task import STEP_DELIMITER, TaskConfig, generate_problems, prompt_messages
+from verl_prm.choices import PRECISIONS
 
 __all__ = ["PlainGenerateGenerator", "main"]
 
@@ -237,7 +238,7 @@ def positive_int(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verl-prm bench generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a local causal LM (default: SmolLM2-135M-Instruct, converted once)")
-    parser.add_argument("--precision", default="auto", choices=("auto", "bfloat16", "float32"))
+    parser.add_argument("--precision", default="auto", choices=PRECISIONS)
     parser.add_argument("--sequences", type=positive_int, default=32)
     parser.add_argument("--prompt-tokens", type=positive_int, default=100)
     parser.add_argument("--new-tokens", type=positive_int, default=64)

@@ -17,7 +17,8 @@ import torch
 
 from verl_prm.labeling.converters import convert_math_shepherd, convert_prm800k, read_jsonl
 from verl_prm.labeling.format import best_of_k_from_counts, read_labels
-from verl_prm.labeling.generators import HFGenerator, RayGeneratorPool, trim_at_eos
+from verl_prm.labeling.generators import RayGeneratorPool, trim_at_eos
+from verl_prm.labeling.hf_generator import HFGenerator
 from verl_prm.labeling.inputs import PromptItem, read_prompts, render_prompt
 from verl_prm.labeling.monte_carlo import LabelSettings, MonteCarloLabeler
 from verl_prm.monte_carlo import first_pit_search_step

@@ -220,3 +220,56 @@ def test_test_fixtures_stay_out_of_the_package():
     assert "verl_prm.labeling.tiny_model" not in MODULES and (TESTS_DIR / "tiny_model.py").is_file()
     assert "verl_prm.labeling.scripted" not in MODULES
     assert "verl_prm.labeling.closed_form_task" in GRAPH["verl_prm.apps.bench.gpu"]
+
+
+# ------------------------------------------------------------------------------------- imports inside functions
+
+MAX_IMPORTS_IN_FUNCTIONS = 10
+
+
+def verl_prm_imports_in_functions(path: Path) -> list[tuple[int, bool]]:
+    """(line, commented) of each import of a ``verl_prm`` module (or a relative import) inside a function body
+    of the file at ``path``; commented: a comment on its first line or on the line above."""
+    source = path.read_text()
+    lines = source.splitlines()
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if in_function and isinstance(child, (ast.Import, ast.ImportFrom)):
+                if isinstance(child, ast.ImportFrom):
+                    names = ["." if child.level else child.module or ""]
+                else:
+                    names = [alias.name for alias in child.names]
+                if any(name == "." or name.split(".")[0] == "verl_prm" for name in names):
+                    line = lines[child.lineno - 1]
+                    above = lines[child.lineno - 2].strip() if child.lineno > 1 else ""
+                    found.append((child.lineno, "#" in line or above.startswith("#")))
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    visit(ast.parse(source), False)
+    return found
+
+
+def test_imports_in_functions_are_found_with_their_comments(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("import verl_prm.steps\n\n\ndef f():\n    import json\n    from verl_prm import steps\n\n"
+                    "    # torch: why\n    from verl_prm.steps import code\n\n    class A:\n"
+                    "        def g(self):\n            from . import x  # why\n")
+    assert verl_prm_imports_in_functions(path) == [(6, False), (9, True), (13, True)]
+
+
+def test_the_library_imports_itself_at_module_top():
+    """At most 10 imports of ``verl_prm`` inside the library's functions (``verl_prm.apps`` aside), each with a
+    comment saying why (an import cycle, a ``--help`` free of torch, an optional dependency)."""
+    inside, uncommented = [], []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        if path.relative_to(PACKAGE_DIR).parts[0] == "apps":
+            continue
+        for line, commented in verl_prm_imports_in_functions(path):
+            where = f"{path.relative_to(PACKAGE_DIR.parent)}:{line}"
+            inside.append(where)
+            if not commented:
+                uncommented.append(where)
+    assert uncommented == [], "imports inside functions without a comment saying why:\n" + "\n".join(uncommented)
+    assert len(inside) <= MAX_IMPORTS_IN_FUNCTIONS, "move imports to the module top:\n" + "\n".join(inside)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-from verl_prm.labeling.generators import HFGenerator
+from verl_prm.labeling.hf_generator import HFGenerator
 from verl_prm.search import Node
 from verl_prm.search.generation import HFStepSampler
 from verl_prm.special_tokens import ensure_pad_token, generation_config_of, policy_eos_token_ids, token_ids

@@ -12,13 +12,13 @@ import sys
 import time
 from dataclasses import asdict
 
+from verl_prm.code.data import humaneval_task, read_humaneval
+from verl_prm.code.sandbox import isolation
+from verl_prm.code.sandbox_config import SandboxConfig
+from verl_prm.code.verifier import verify_many
+
 
 def main(argv: list[str] | None = None) -> int:
-    from verl_prm.code.data import humaneval_task, read_humaneval
-    from verl_prm.code.sandbox import isolation
-    from verl_prm.code.sandbox_config import SandboxConfig
-    from verl_prm.code.verifier import verify_many
-
     parser = argparse.ArgumentParser(prog="python -m verl_prm.code", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=None, help="sandboxes at once (default: CPU count)")
     parser.add_argument("--limit", type=int, default=None, help="only the first K problems")

@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    # torch: not at `verl-prm eval processbench --help`
     from verl_prm.evaluation.processbench import evaluate, read_first_error_samples
 
     samples = read_first_error_samples(args.input, args.format, args.scores_field)

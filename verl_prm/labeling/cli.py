@@ -17,7 +17,14 @@ from typing import Sequence
 from verl_prm.checkpoints import resolve_checkpoint
 from verl_prm.choices import GENERATOR_BACKENDS
 from verl_prm.cli_types import add_dataclass_arguments, finite_float
-from verl_prm.labeling.monte_carlo import LabelSettings
+from verl_prm.labeling.converters import convert_math_shepherd, convert_prm800k, read_jsonl
+from verl_prm.labeling.generators import RayGeneratorPool, VLLMGenerator
+from verl_prm.labeling.inputs import read_prompts, render_prompt
+from verl_prm.labeling.monte_carlo import LabelSettings, MonteCarloLabeler
+from verl_prm.labeling.runner import run_labeling
+from verl_prm.labeling.scoring import OutcomeScorer, load_reward_function
+from verl_prm.labeling.store import ShardStore
+from verl_prm.locking import DirectoryLock
 
 __all__ = ["main", "build_generator"]
 
@@ -29,10 +36,10 @@ def _unescape(text: str) -> str:
 
 def build_generator(backend: str, path: str, **settings):
     """One engine of ``backend`` ("hf" or "vllm") for the model at ``path`` (module-level: Ray pickles it)."""
-    from verl_prm.labeling.generators import HFGenerator, VLLMGenerator
-
     common = {k: settings[k] for k in ("max_new_tokens", "temperature", "top_p")}
     if backend == "hf":
+        from verl_prm.labeling.hf_generator import HFGenerator  # torch: not at `verl-prm label --help`
+
         return HFGenerator.from_pretrained(path, device=settings.get("device"), dtype=settings.get("dtype", "auto"),
                                            batch_size=settings.get("batch_size", 32), **common)
     if backend == "vllm":
@@ -50,8 +57,6 @@ def _make_engine(args, path: str, memory_share: float):
                     max_model_len=args.max_model_len)
     if args.num_engines > 1:
         import torch
-
-        from verl_prm.labeling.generators import RayGeneratorPool
 
         gpus = float(args.tensor_parallel_size) * memory_share if torch.cuda.is_available() else 0.0
         factory = functools.partial(build_generator, args.backend, path, **settings)
@@ -112,17 +117,12 @@ def _convert_parser() -> argparse.ArgumentParser:
 
 
 def convert_main(argv: Sequence[str]) -> int:
-    from verl_prm.locking import DirectoryLock
-
     args = _convert_parser().parse_args(list(argv))
     with DirectoryLock(args.output_dir, "verl-prm label convert"):
         return _convert(args)
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from verl_prm.labeling.converters import convert_math_shepherd, convert_prm800k, read_jsonl
-    from verl_prm.labeling.store import ShardStore
-
     prompt_format = _unescape(args.prompt_format)
     rows_in = read_jsonl(args.input)
     try:
@@ -154,8 +154,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = LabelSettings(**{**{f.name: getattr(args, f.name) for f in dataclasses.fields(LabelSettings)
                                    if f.name != "source"}, "delimiter": _unescape(args.delimiter),
                                 "source": args.prover or args.policy})
-    from verl_prm.locking import DirectoryLock
-
     # one writer per output directory: a second run would label the same prompts into duplicate shards
     with DirectoryLock(args.output_dir, "verl-prm label"):
         return _label(args, settings)
@@ -163,12 +161,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _label(args: argparse.Namespace, settings: LabelSettings) -> int:
     from transformers import AutoTokenizer
-
-    from verl_prm.labeling.inputs import read_prompts, render_prompt
-    from verl_prm.labeling.monte_carlo import MonteCarloLabeler
-    from verl_prm.labeling.runner import run_labeling
-    from verl_prm.labeling.scoring import OutcomeScorer, load_reward_function
-    from verl_prm.labeling.store import ShardStore
 
     delimiter, prover_path = settings.delimiter, settings.source
     settings.step_spans("a")  # a bad step rule (e.g. a regex that matches the empty string) fails before any load

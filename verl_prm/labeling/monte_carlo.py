@@ -29,8 +29,6 @@ from verl_prm.labeling.inputs import PromptItem
 from verl_prm.labeling.scoring import OutcomeScorer
 from verl_prm.monte_carlo import PrefixCounts, PrefixRequest, ResponseSteps, estimate_prefixes
 from verl_prm.settings import check_bounds, check_choices, setting
-from verl_prm.steps import step_char_spans
-from verl_prm.steps.code import code_step_char_spans
 
 __all__ = ["LabelSettings", "MonteCarloLabeler"]
 
@@ -72,8 +70,11 @@ class LabelSettings:
 
     def step_spans(self, text: str) -> list[tuple[int, int]]:
         """Character spans of the steps of ``text`` under these settings."""
+        # torch (verl_prm.steps): not at `verl-prm label --help`, whose flags come from these settings
+        from verl_prm.steps import code as code_steps, step_char_spans
+
         if self.code_rule is not None:
-            spans = code_step_char_spans(text, self.code_rule, depth=self.code_depth, max_steps=self.max_steps)
+            spans = code_steps.code_step_char_spans(text, self.code_rule, depth=self.code_depth, max_steps=self.max_steps)
         else:
             spans = step_char_spans(text, self.delimiter, regex=self.step_regex, max_steps=self.max_steps)
         return [tuple(span) for span in spans]

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from verl_prm.checkpoints import resolve_checkpoint
 from verl_prm.cli_types import add_dataclass_arguments, flag_of
+from verl_prm.labeling.inputs import read_prompts, render_prompt
+from verl_prm.labeling.scoring import OutcomeScorer, load_reward_function
 from verl_prm.search.config import COMMA_SEPARATED, SEARCH_METHODS, SearchConfig, SweepConfig
 
 if TYPE_CHECKING:
@@ -134,10 +136,8 @@ class SearchSetup:
 
 
 def _text_setup(config: SearchConfig) -> SearchSetup:
-    from verl_prm.critic import ProverCritic
-    from verl_prm.labeling.inputs import read_prompts, render_prompt
-    from verl_prm.labeling.scoring import OutcomeScorer, load_reward_function
-    from verl_prm.search.generation import HFStepSampler, TextCritic, VLLMStepSampler
+    # the models (torch, transformers): not at `verl-prm search --help`
+    from verl_prm.search.generation import HFStepSampler, VLLMStepSampler, text_critic_factory
 
     for flag, path in (("--policy", config.policy), ("--q-critic", config.q_critic), ("--prover", config.prover)):
         if path is not None:  # no such directory, no weights, pickle-only, offline hub id: before any model loads
@@ -165,15 +165,7 @@ def _text_setup(config: SearchConfig) -> SearchSetup:
         item = items[node.problem]
         return float(scorer.success(scorer.score(item.data_source, "".join(node.steps), item.ground_truth, item.extra_info)))
 
-    loaded: dict[str, Any] = {}
-
-    def critic(path: str, format: str):
-        def build():
-            if path not in loaded:
-                loaded[path] = ProverCritic.from_pretrained(path, format=format, device=config.device)
-            return TextCritic(loaded[path], prompts)
-        return build
-
+    critic = text_critic_factory(prompts, config.device)
     return SearchSetup(
         list(range(len(items))),
         sampler,
@@ -189,6 +181,7 @@ def run_sweep(settings: SweepConfig | argparse.Namespace, setup: SearchSetup,
     """Run every method at every N of ``settings`` (a :class:`SweepConfig`, or a parsed command line with its
     fields: :func:`sweep_config`); return one record per (method, N, problem). Critic caches are fresh per
     (method, N) run, so each run pays for its own critic calls."""
+    # the search methods (torch): not at `verl-prm search --help`
     from verl_prm.search import (BeamConfig, BestOfNConfig, CachedCritic, GreedyConfig, beam_search, best_of_n,
                                  greedy_step_search)
 

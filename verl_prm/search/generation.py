@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
+from verl_prm.checkpoints import from_pretrained_kwargs, resolve_checkpoint
+from verl_prm.critic import ProverCritic
 from verl_prm.generation import GenerationEngine, GenerationRequest
 from verl_prm.precision import resolve_dtype
 from verl_prm.search import Node, StepSample
 from verl_prm.special_tokens import ensure_pad_token, policy_eos_token_ids
+from verl_prm.steps import encode_with_step_ends, step_char_spans
 
 __all__ = [
     "HFStepSampler",
@@ -41,6 +44,7 @@ __all__ = [
     "first_step_end",
     "merge_shared_step_ends",
     "split_response",
+    "text_critic_factory",
 ]
 
 
@@ -65,8 +69,6 @@ def first_step_end(text: str, pattern: re.Pattern) -> int | None:
 
 def split_response(text: str, delimiter: str | None = "\n\n", regex: str | None = None) -> tuple[str, ...]:
     """Steps of a full response (``verl_prm.steps.step_char_spans``), as texts that tile the response."""
-    from verl_prm.steps import step_char_spans
-
     return tuple(text[start:end] for start, end in step_char_spans(text, delimiter, regex=regex))
 
 
@@ -137,8 +139,6 @@ class HFStepSampler:
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = resolve_dtype(precision, device)
-        from verl_prm.checkpoints import from_pretrained_kwargs, resolve_checkpoint
-
         path = resolve_checkpoint(path, "policy")  # no such directory / no weights / pickle-only: named errors
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **from_pretrained_kwargs()).to(device)
@@ -361,8 +361,6 @@ class TextCritic:
         self._warned = False
 
     def score_nodes(self, nodes: Sequence[Node]) -> tuple[list[list[float]], list[int]]:
-        from verl_prm.steps import encode_with_step_ends
-
         input_ids, prompt_ends, reads, read_of_step = [], [], [], []
         for node in nodes:
             spans, position = [], 0
@@ -404,3 +402,19 @@ class TextCritic:
             distinct = scores.step_values[i, :h].tolist()
             values.append([float(scores.prompt_values[i])] + [distinct[r] for r in read_of_step[i]])
         return values, [len(ids) for ids in input_ids]
+
+
+def text_critic_factory(prompts: Sequence[str], device: str | None) -> Callable[[str, str], Callable[[], TextCritic]]:
+    """``factory(path, format)``: a builder of a :class:`TextCritic` over the ``ProverCritic`` at ``path`` (in
+    checkpoint ``format``, on ``device``), loaded at its first build; every builder of the same path shares it."""
+    loaded: dict[str, ProverCritic] = {}
+
+    def factory(path: str, format: str) -> Callable[[], TextCritic]:
+        def build() -> TextCritic:
+            if path not in loaded:
+                loaded[path] = ProverCritic.from_pretrained(path, format=format, device=device)
+            return TextCritic(loaded[path], prompts)
+
+        return build
+
+    return factory

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, Sequence
 
+from verl_prm.labeling.generators import derive_seed
+
 
 @dataclass(frozen=True)
 class StepSample:
@@ -132,6 +134,4 @@ class PrefixCritic(Protocol):
 
 def node_seed(*parts: object) -> int:
     """A 31-bit seed from (run seed, method, problem, round, ...), stable across runs and batchings."""
-    from verl_prm.labeling.generators import derive_seed
-
     return derive_seed(*parts)

@@ -29,7 +29,7 @@ def train_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = train_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    from verl_prm.training.trainer import train
+    from verl_prm.training.trainer import train  # torch: not at `verl-prm train --help`
 
     summary = train(TrainConfig(**vars(args)))
     print(json.dumps(summary, default=float))

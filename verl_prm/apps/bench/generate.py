@@ -193,7 +193,7 @@ def labelled_steps(path: str, args) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verl_prm.labeling.generators import HFGenerator
+    from verl_prm.labeling.hf_generator import HFGenerator
 
     from verl_prm.apps.word_problems.pipeline import MAX_STEPS, SCORE_FUNCTION
     from verl_prm.apps.word_problems.score import DATA_SOURCE
@@ -253,11 +253,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)  # before torch: `--help` stays fast
     import torch
 
     from verl_prm.precision import cpu_bf16_flags, native_bf16_instructions, resolve_dtype
 
-    args = _parser().parse_args(argv)
     if args.label_problems < 0:
         _parser().error(f"argument --label-problems: must be >= 0, got {args.label_problems}")
     if args.threads:

@@ -24,7 +24,10 @@ from typing import Callable
 from verl_prm import SUPPORTED_VERL_VERSION
 from verl_prm.config.names import HOOK_TRAINER_NAME, REWARD_MANAGER_NAME, TREE_AGENT_LOOP_NAME
 from verl_prm.estimators import ESTIMATORS
+from verl_prm.integrations.verl.attention import register_attention_resolvers
 from verl_prm.integrations.verl.import_hooks import register_or_defer, register_when_imported
+from verl_prm.integrations.verl.platform import register_platform, register_rollout_when_imported
+from verl_prm.integrations.verl.trl_fix import install_trl_fix
 
 logger = logging.getLogger("verl_prm")
 
@@ -91,11 +94,6 @@ def register_all() -> None:
     # each estimator of ESTIMATORS, reading the trainer hook's step tensors when verl calls it (advantage.py)
     for name, estimator in VERL_ESTIMATORS.items():
         register_adv_est(name)(estimator)
-    from verl_prm.integrations.verl.platform import register_platform, register_rollout_when_imported
-    from verl_prm.integrations.verl.trl_fix import install_trl_fix
-
-    from verl_prm.integrations.verl.attention import register_attention_resolvers
-
     register_attention_resolvers()
     register_platform()
     register_rollout_when_imported()

@@ -26,6 +26,7 @@ ROLLOUT_REGISTRY_MODULE = "verl.workers.rollout.replica"
 def register_platform() -> None:
     """Register the ``cpu`` platform in verl's ``PlatformRegistry`` and attach its runtime fixes to the import
     of the verl modules they fix (they apply only where the CPU platform is selected). Idempotent."""
+    # kept inside on purpose: tests/unit/test_layers.py shows that the import reader sees imports in functions
     from verl_prm.integrations.verl.platform.fixes import install_cpu_fixes
 
     # a process that imports verl_prm.integrations.verl.platform.cpu before verl: it registers at the end of its

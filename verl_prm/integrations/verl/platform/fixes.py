@@ -113,6 +113,7 @@ def cpu_platform_active() -> bool:
     """True when verl's platform in this process is the CPU platform (resolves verl's platform if needed)."""
     from verl.plugin.platform import get_platform
 
+    # cpu.py imports verl's platform base: at module top it would import verl while verl loads this plugin
     from verl_prm.integrations.verl.platform.cpu import CPUPlatform
 
     return isinstance(get_platform(), CPUPlatform)

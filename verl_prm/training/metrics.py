@@ -1,11 +1,16 @@
 """Evaluation metrics of a value critic against value labels: MSE, AUROC, expected calibration error, and the
-reliability diagram (mean label against mean value per bin)."""
+reliability diagram (mean label against mean value per bin); AUROC with a bootstrap interval over groups
+(problems)."""
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import numpy as np
 
-__all__ = ["mse", "auroc", "expected_calibration_error", "plot_reliability", "reliability_bins", "value_metrics"]
+__all__ = ["mse", "auroc", "expected_calibration_error", "GroupedAUROC", "grouped_bootstrap_auroc", "plot_reliability",
+           "reliability_bins", "value_metrics"]
 
 
 def _flat(values) -> np.ndarray:
@@ -47,6 +52,109 @@ def auroc(scores, labels) -> float:
     ranks = average_rank[inverse]
     u = ranks[y].sum() - positives * (positives + 1) / 2.0
     return float(u / (positives * negatives))
+
+
+class GroupedAUROC(NamedTuple):
+    """The AUROC of all items, its bootstrap interval ``[low, high]``, and the resamples left out of the
+    interval because they held one class only (their AUROC is undefined)."""
+
+    auroc: float
+    low: float
+    high: float
+    skipped: int
+
+
+# groups x resamples of one chunk of the vectorised bootstrap (bounds its memory to ~ 100 MB)
+_BOOTSTRAP_CHUNK_CELLS = 4_000_000
+
+
+def grouped_bootstrap_auroc(scores, labels, groups, *, resamples: int = 2000, seed: int = 0, level: float = 0.95,
+                            min_valid_share: float = 0.5) -> GroupedAUROC:
+    """:func:`auroc` of all items with a percentile bootstrap interval that resamples whole groups (problems):
+    items of one group (the steps of one problem's rollouts) are not independent, so the group is the unit.
+
+    The G distinct groups in sorted order (``numpy.unique``) are drawn G times with replacement per resample:
+    resample b is row b of ``numpy.random.default_rng(seed).integers(0, G, size=(resamples, G))``. A group drawn
+    m times counts m times, so resample b's AUROC is the Mann-Whitney statistic with the multiplicities
+    ``w_i = m_b(group of i)`` as weights:
+
+        AUROC_b = sum_{i pos, j neg} w_i w_j ([s_i > s_j] + 1/2 [s_i = s_j]) / ((sum_{i pos} w_i) (sum_{j neg} w_j))
+
+    computed as ``sum_{g, h} m_g m_h W[g, h]`` over the pair wins of groups, ``W[g, h] = sum_{i pos in g, j neg
+    in h} ([s_i > s_j] + 1/2 [s_i = s_j])`` (:func:`_group_pair_wins`), over ``(sum_g m_g P_g) (sum_g m_g N_g)``
+    (``P_g``, ``N_g``: group g's positives and negatives). A resample with one class has no AUROC: it is skipped
+    and counted. The interval is the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles (numpy's linear
+    interpolation) of the others.
+
+    Args:
+        scores: [n] finite floats. labels: [n] booleans or 0/1. groups: [n] group keys (e.g. question texts).
+        resamples: integer >= 2. seed: integer. level: in (0, 1).
+        min_valid_share: the least share of resamples that must have both classes, in (0, 1].
+    Returns:
+        :class:`GroupedAUROC` (auroc, low, high, skipped).
+    Raises:
+        ValueError: bad arguments, one class in all items, or fewer than ``min_valid_share`` of the resamples
+        with both classes (naming the counts).
+    """
+    s, y = _flat(scores), np.asarray(labels).reshape(-1).astype(bool)
+    group_keys = np.asarray(groups).reshape(-1)
+    if not s.shape == y.shape == group_keys.shape:
+        raise ValueError(f"grouped_bootstrap_auroc: {s.size} scores, {y.size} labels, {group_keys.size} groups")
+    if not np.isfinite(s).all():
+        raise ValueError(f"grouped_bootstrap_auroc: score {int(np.flatnonzero(~np.isfinite(s))[0])} is "
+                         f"{s[~np.isfinite(s)][0]}; every score must be finite")
+    _check_bootstrap_knobs(resamples, seed, level, min_valid_share)
+    point = auroc(s, y)
+    if math.isnan(point):
+        raise ValueError(f"grouped_bootstrap_auroc: all {s.size} items are of one class ({int(y.sum())} positive): "
+                         "the AUROC needs both")
+    _, group = np.unique(group_keys, return_inverse=True)
+    num_groups = int(group.max()) + 1
+    pairs = _group_pair_wins(s, y, group, num_groups)
+    positives = np.bincount(group[y], minlength=num_groups).astype(np.float64)
+    negatives = np.bincount(group[~y], minlength=num_groups).astype(np.float64)
+    draws = np.random.default_rng(seed).integers(0, num_groups, size=(resamples, num_groups))
+    values = np.empty(resamples)
+    chunk = max(1, _BOOTSTRAP_CHUNK_CELLS // num_groups)
+    for begin in range(0, resamples, chunk):
+        rows = draws[begin : begin + chunk]
+        flat = (rows + num_groups * np.arange(len(rows))[:, None]).reshape(-1)
+        multiplicity = np.bincount(flat, minlength=len(rows) * num_groups).reshape(len(rows), num_groups)
+        multiplicity = multiplicity.astype(np.float64)
+        wins = ((multiplicity @ pairs) * multiplicity).sum(axis=1)  # sum_{g, h} m_g m_h W[g, h]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            values[begin : begin + len(rows)] = wins / ((multiplicity @ positives) * (multiplicity @ negatives))
+    valid = values[np.isfinite(values)]
+    if valid.size < max(2, math.ceil(min_valid_share * resamples)):
+        raise ValueError(f"grouped_bootstrap_auroc: only {valid.size} of {resamples} resamples of the {num_groups} "
+                         f"groups hold both classes (need {min_valid_share:g} of them): too few groups with "
+                         "positives or negatives for an interval; add groups (problems)")
+    low, high = np.quantile(valid, [(1.0 - level) / 2.0, (1.0 + level) / 2.0])
+    return GroupedAUROC(point, float(low), float(high), int(resamples - valid.size))
+
+
+def _group_pair_wins(s: np.ndarray, y: np.ndarray, group: np.ndarray, num_groups: int) -> np.ndarray:
+    """``W[g, h] = sum_{i pos in g, j neg in h} ([s_i > s_j] + 1/2 [s_i = s_j])``: [G, G], one column per group
+    of negatives (its sorted scores searched for every positive's)."""
+    wins = np.zeros((num_groups, num_groups))
+    positive_scores, positive_groups = s[y], group[y]
+    for h in range(num_groups):
+        negative_scores = np.sort(s[~y & (group == h)])
+        below = np.searchsorted(negative_scores, positive_scores, side="left")
+        at = np.searchsorted(negative_scores, positive_scores, side="right") - below
+        wins[:, h] = np.bincount(positive_groups, weights=below + 0.5 * at, minlength=num_groups)
+    return wins
+
+
+def _check_bootstrap_knobs(resamples, seed, level, min_valid_share) -> None:
+    if isinstance(resamples, bool) or not isinstance(resamples, (int, np.integer)) or resamples < 2:
+        raise ValueError(f"grouped_bootstrap_auroc: resamples must be an integer >= 2, got {resamples!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"grouped_bootstrap_auroc: seed must be an integer, got {seed!r}")
+    if not (isinstance(level, (int, float)) and 0.0 < level < 1.0):
+        raise ValueError(f"grouped_bootstrap_auroc: level must be in (0, 1), got {level!r}")
+    if not (isinstance(min_valid_share, (int, float)) and 0.0 < min_valid_share <= 1.0):
+        raise ValueError(f"grouped_bootstrap_auroc: min_valid_share must be in (0, 1], got {min_valid_share!r}")
 
 
 def expected_calibration_error(predictions, targets, num_bins: int = 10) -> float:

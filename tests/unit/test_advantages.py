@@ -20,6 +20,7 @@ import verl  # noqa: F401  (loads the plugin through the entry point)
 from verl.trainer.ppo import core_algos
 from verl_prm import advantages as adv
 from verl_prm.advantages import fused as fused_lookup
+from verl_prm.advantages import native as native_lookup
 from verl_prm.choices import AGGREGATIONS
 from verl_prm.config import PavConfig, read_pav_config
 from verl_prm.estimators import ESTIMATORS, TREE_ESTIMATORS
@@ -477,6 +478,8 @@ def test_failed_compilation_warns_once_then_stays_eager(monkeypatch, caplog):
     monkeypatch.setattr(fused_lookup, "_compile_failed", None)
     monkeypatch.setattr(torch, "compile", broken_compile)
     large = random_lookup_inputs(1024, adv.FUSED_MIN_TOKENS // 1024, 8, seed=2)
+    # a float64 table: the C kernel takes float32 only, so the CPU's fused lookup is torch.compile's
+    large["outcome_advantage"] = large["outcome_advantage"].double()
     eager = adv.process_advantage(**large, alpha=1.0, compile="never")
     # an input error is the input's own error, and does not switch compilation off
     bad = dict(large, response_mask=large["response_mask"][:, :-1])
@@ -492,6 +495,77 @@ def test_failed_compilation_warns_once_then_stays_eager(monkeypatch, caplog):
     monkeypatch.setattr(fused_lookup, "_compiled_lookups", {})
     with pytest.raises(RuntimeError, match="InvalidCxxCompiler"):
         adv.process_advantage(**large, alpha=1.0, compile="always")
+
+
+def test_failed_c_kernel_build_warns_once_then_stays_eager(monkeypatch, caplog, tmp_path):
+    """No working C compiler: compile=auto warns once (naming the fix) and runs eager; compile=always raises."""
+    monkeypatch.setattr(fused_lookup, "_compile_failed", None)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("VERL_PRM_CACHE", str(tmp_path / "cache"))
+    large = random_lookup_inputs(1024, adv.FUSED_MIN_TOKENS // 1024, 8, seed=4)
+    eager = adv.process_advantage(**large, alpha=1.0, compile="never")
+    with pytest.raises(native_lookup.NativeLookupError, match="no-such-cc"):
+        adv.process_advantage(**large, alpha=1.0, compile="always")
+    with caplog.at_level("WARNING", logger="verl_prm.advantages"):
+        assert torch.equal(adv.process_advantage(**large, alpha=1.0), eager)
+        assert torch.equal(adv.process_advantage(**large, alpha=1.0), eager)
+    warnings = [r.getMessage() for r in caplog.records if "C kernel" in r.getMessage()]
+    assert len(warnings) == 1 and "no-such-cc" in warnings[0] and "compile=never" in warnings[0]
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.so"))
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.int64, torch.int32, torch.bool])
+@pytest.mark.parametrize("steps", [1, 15, 31, 32, 50, 63, 64, 100])
+def test_c_kernel_equals_the_loop_for_every_table_width_and_dtype(steps, ids_dtype, mask_dtype):
+    """The C kernel's table paths (one, two and four registers, the gather past 64 columns), its vector loop and
+    scalar head and tail (a length that is no multiple of 16, rows that start off a cache line), out-of-range ids
+    (clamped into their own row, int64 ids far outside int32 saturated, never wrapped) and the flags, against a
+    Python loop over ``adv = (out_i + alpha * A[i, step]) * mask`` and the contract."""
+    if not native_lookup.native_lookup_supported(torch.zeros(1, 2), torch.zeros(1, 1, dtype=ids_dtype),
+                                                 torch.zeros(1, 1, dtype=mask_dtype)):
+        pytest.skip("not a C-kernel input")
+    generator = torch.Generator().manual_seed(steps)
+    batch, length = 9, 77
+    table = torch.randn(batch, steps + 1, generator=generator)
+    num_steps = torch.randint(0, steps + 1, (batch,), generator=generator)
+    ids = torch.randint(-3, steps + 3, (batch, length), generator=generator)
+    huge = 2**40 if ids_dtype == torch.int64 else 2**31 - 1
+    ids[1, 20], ids[2, 21], ids[3, 75] = huge, -huge, steps  # past the end, before the start, one past the last
+    mask = (torch.rand(batch, length, generator=generator) > 0.2).to(mask_dtype)
+    step_values = torch.rand(batch, steps, generator=generator)
+    prompt_values = torch.rand(batch, generator=generator)
+    outcome = torch.randn(batch, generator=generator)
+    out, bad = native_lookup.native_lookup(table, ids.to(ids_dtype), mask, num_steps,
+                                           (step_values, prompt_values, outcome))
+    for i in range(batch):
+        for t in range(length):
+            column = min(max(int(ids[i, t]), -1), steps - 1) + 1
+            assert float(out[i, t]) == float(table[i, column]) * float(mask[i, t]), (i, t)
+        ids_bad = any(int(x) < -1 or int(x) >= int(num_steps[i]) for x in ids[i])
+        assert bool(bad[i]) == ids_bad, i
+    # the small tensors' checks (bad_input_rows), on rows whose ids are all -1
+    ids = torch.full((batch, length), -1)
+    num_steps = torch.full((batch,), steps)
+    step_values[1, steps - 1], prompt_values[2], outcome[3], num_steps[4] = float("nan"), 1.5, float("inf"), steps + 1
+    num_steps[5], step_values[5, steps - 1] = steps - 1, float("nan")  # past row 5's last real step: no flag
+    _, bad = native_lookup.native_lookup(table, ids.to(ids_dtype), mask, num_steps,
+                                         (step_values, prompt_values, outcome))
+    assert bad.tolist() == [i in (1, 2, 3, 4) for i in range(batch)]
+
+
+def test_c_kernel_splits_rows_over_threads_with_the_same_result():
+    inputs = random_lookup_inputs(600, 700, 20, seed=5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = adv.process_advantage(**inputs, alpha=0.3, compile="always")
+        torch.set_num_threads(4)
+        four = adv.process_advantage(**inputs, alpha=0.3, compile="always")
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, four)
+    assert torch.equal(one, adv.process_advantage(**inputs, alpha=0.3, compile="never"))
 
 
 @pytest.mark.parametrize("compile", ["never", "always"])

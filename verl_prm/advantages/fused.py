@@ -1,6 +1,7 @@
-"""The per-token lookup of :func:`~verl_prm.advantages.progress.process_advantage`: eager PyTorch, or one kernel
-fused by ``torch.compile`` that also computes the contract's flags in the pass that reads the step ids.
-Shapes as in :mod:`verl_prm.advantages`.
+"""The per-token lookup of :func:`~verl_prm.advantages.progress.process_advantage`: eager PyTorch, or one fused
+kernel that also computes the contract's flags in the pass that reads the step ids: on the CPU the C kernel of
+:mod:`~verl_prm.advantages.native` (a vector permute or gather per 16 tokens), elsewhere (and for the CPU dtypes the
+C kernel does not take) the expression below compiled by ``torch.compile``. Shapes as in :mod:`verl_prm.advantages`.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from typing import Callable
 
 import torch
 
+from verl_prm.advantages import native
 from verl_prm.advantages.contract import bad_input_rows, bad_small_input_rows
 
 # compile="auto" fuses the per-token lookup for batches of at least this many tokens; below it an eager call
-# costs about a millisecond, and the one-time compilation (3-11 s on CPU) would not pay off.
+# costs about a millisecond, and the one-time build (about a second for the C kernel, 3-11 s for torch.compile
+# on CPU) would not pay off.
 FUSED_MIN_TOKENS = 1 << 20
 
 
@@ -42,8 +45,9 @@ def lookup(table: torch.Tensor, step_ids: torch.Tensor) -> torch.Tensor:
     # faults on every call).
     index_dtype = torch.int32 if batch * columns < 2**31 else torch.int64
     row_starts = torch.arange(batch, device=step_ids.device, dtype=index_dtype)[:, None] * columns + 1
-    # copy=True: int32 step_ids would otherwise be the same tensor, and add_ would change the caller's ids
-    flat_index = step_ids.to(index_dtype, copy=True).clamp_(-1, columns - 2).add_(row_starts)
+    # clamped before the conversion (an int64 id past the int32 range would wrap); the result is a new tensor,
+    # so add_ cannot change the caller's ids
+    flat_index = step_ids.clamp(-1, columns - 2).to(index_dtype).add_(row_starts)
     return table.reshape(-1).index_select(0, flat_index.reshape(-1)).view(step_ids.shape)
 
 
@@ -76,13 +80,25 @@ _compile_failed: str | None = None
 _compile_lock = threading.Lock()
 _log = logging.getLogger(__name__)
 
+_FALLBACK_WARNING = ("verl-prm: %s of the per-token advantage lookup failed (%s); using eager PyTorch, which is "
+                     "about 2-4x slower on large CPU batches. Set algorithm.pav.compile=never to skip the attempt.")
+
 
 def _fused_masked_lookup(table, step_ids, response_mask, checked, *, fall_back: bool):
-    """The compiled ``_checked_masked_lookup`` (``_masked_lookup`` without ``checked``); with ``fall_back``, a
-    failed compilation warns once and runs eager."""
+    """The fused lookup: the C kernel for the CPU inputs it takes, else the compiled ``_checked_masked_lookup``
+    (``_masked_lookup`` without ``checked``); with ``fall_back``, a failed build warns once and runs eager."""
     global _compile_failed
     if fall_back and _compile_failed is not None:
         return _eager_masked_lookup(table, step_ids, response_mask, checked)
+    if native.native_lookup_supported(table, step_ids, response_mask):
+        try:
+            return _native_masked_lookup(table, step_ids, response_mask, checked)
+        except native.NativeLookupError as error:
+            if not fall_back:
+                raise
+            _compile_failed = str(error).splitlines()[0][:300]
+            _log.warning(_FALLBACK_WARNING, "the C kernel build", _compile_failed)
+            return _eager_masked_lookup(table, step_ids, response_mask, checked)
     with _compile_lock:
         if (checked is not None) not in _compiled_lookups:
             # dynamic=True: one kernel for every batch size and response length (no recompiles as they change).
@@ -102,9 +118,24 @@ def _fused_masked_lookup(table, step_ids, response_mask, checked, *, fall_back: 
             raise
         eager = _eager_masked_lookup(table, step_ids, response_mask, checked)  # bad inputs raise their own error
         _compile_failed = f"{type(error).__name__}: {error}".splitlines()[0][:300]
-        _log.warning(
-            "verl-prm: torch.compile of the per-token advantage lookup failed (%s); using eager PyTorch, which "
-            "is about 1.5x slower on large CPU batches. Set algorithm.pav.compile=never to skip the attempt.",
-            _compile_failed,
-        )
+        _log.warning(_FALLBACK_WARNING, "torch.compile", _compile_failed)
         return eager
+
+
+def _native_masked_lookup(table, step_ids, response_mask, checked):
+    """``native.native_lookup`` with the flags of ``bad_input_rows`` (the small tensors' checks in the kernel when
+    they are float32 CPU tensors, else here)."""
+    if step_ids.dim() != 2 or step_ids.shape != response_mask.shape or table.shape[0] != step_ids.shape[0]:
+        # the eager path's own error for mismatched inputs (the kernel reads raw pointers)
+        return _eager_masked_lookup(table, step_ids, response_mask, checked)
+    if checked is None:
+        out, _ = native.native_lookup(table, step_ids, response_mask, torch.zeros(step_ids.shape[0]), None)
+        return out, None
+    step_values, prompt_values, num_steps, outcome_rewards = checked
+    small = (step_values, prompt_values, outcome_rewards)
+    in_kernel = all(x.device.type == "cpu" and x.dtype == torch.float32 for x in small) \
+        and step_values.shape == (table.shape[0], table.shape[1] - 1)
+    out, bad = native.native_lookup(table, step_ids, response_mask, num_steps, small if in_kernel else None)
+    if not in_kernel:
+        bad = bad | bad_small_input_rows(step_values, prompt_values, num_steps, outcome_rewards).to(bad.device)
+    return out, bad

@@ -1,7 +1,8 @@
 """`verl-prm bench advantages`: every estimator against verl's grpo and grpo_vectorized, in one process.
 
 Prints the median time of each and its ratio to verl's ``grpo_vectorized`` and ``grpo``. Target: ``pav_grpo``
-with its defaults (input checks on) <= 2x ``grpo_vectorized`` and faster than verl's ``grpo``.
+with its defaults (input checks on) <= 1.5x ``grpo_vectorized`` and faster than verl's ``grpo``, with the int64
+step ids of ``verl_prm.steps`` and with the int32 ids the verl trainer hook passes.
 """
 
 from __future__ import annotations
@@ -128,11 +129,19 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config(name, **options)
         return lambda: fn(**data, config=cfg)
 
+    data_int32 = dict(data, step_ids=data["step_ids"].to(torch.int32))
+
+    def ours_int32(name):
+        fn = get_adv_estimator_fn(name)
+        cfg = config(name)
+        return lambda: fn(**data_int32, config=cfg)
+
     cases = [
         ("grpo (verl, loop)", verl_call("grpo")),
         ("grpo_vectorized (verl)", verl_call("grpo_vectorized")),
         ("rloo_vectorized (verl)", verl_call("rloo_vectorized")),
         ("pav_grpo", ours("pav_grpo")),
+        ("pav_grpo, int32 ids (hook)", ours_int32("pav_grpo")),
         ("pav_rloo", ours("pav_rloo")),
         ("pav_reinforce", ours("pav_reinforce")),
         ("prm_aggregate (min)", ours("prm_aggregate")),
@@ -147,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         start = time.perf_counter()
         cases[3][1]()
-        print(f"first pav_grpo call, which compiles the fused lookup (once per process): "
+        print(f"first pav_grpo call, which builds or loads the fused lookup (once per process): "
               f"{time.perf_counter() - start:.1f} s")
         timings, cpu_timings, faults = interleaved_medians(dict(cases), args.repeats, args.device)
     reference = timings["grpo_vectorized (verl)"]
@@ -161,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pav_grpo / grpo_vectorized in this thread's CPU time: {cpu_timings['pav_grpo'] / cpu_reference:.2f} "
           "(the cpu columns: without the time other processes held the core; all of a case's work with --threads "
           "1 on a CPU device)")
-    ratio = timings["pav_grpo"] / reference
-    verdict = "meets" if ratio <= 2.0 and timings["pav_grpo"] < loop else "MISSES"
-    print(f"pav_grpo / grpo_vectorized = {ratio:.2f} (target <= 2), pav_grpo / grpo = "
-          f"{timings['pav_grpo'] / loop:.3f} (target < 1): {verdict} the target")
+    for label in ("pav_grpo", "pav_grpo, int32 ids (hook)"):
+        ratio = timings[label] / reference
+        verdict = "meets" if ratio <= 1.5 and timings[label] < loop else "MISSES"
+        print(f"{label} / grpo_vectorized = {ratio:.2f} (target <= 1.5), / grpo = {timings[label] / loop:.3f} "
+              f"(target < 1): {verdict} the target")
     return 0

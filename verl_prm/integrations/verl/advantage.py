@@ -46,7 +46,7 @@ class StepInputs:
 
     def estimator_kwargs(self, response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """The estimator's step keyword arguments for verl's padded batch of ``response_mask`` [B, T]:
-        ``step_ids`` padded with -1 (or cut) to T, as verl pads the responses to the longest."""
+        ``step_ids`` padded with -1 (or cut) to T, as verl pads the responses to the longest, as int32."""
         rows, width = response_mask.shape
         if self.step_ids.shape[0] != rows:
             raise ValueError(
@@ -59,8 +59,10 @@ class StepInputs:
         elif step_ids.shape[1] < width:
             pad = step_ids.new_full((rows, width - step_ids.shape[1]), -1)
             step_ids = torch.cat([step_ids, pad], dim=1)
-        kwargs = {"step_ids": step_ids.to(response_mask.device), "step_values": self.step_values,
-                  "prompt_values": self.prompt_values, "num_steps": self.num_steps, "truncated": self.truncated}
+        # int32 ids (the contract takes both): half the bytes of int64 in the estimator's one pass over [B, T]
+        kwargs = {"step_ids": step_ids.to(device=response_mask.device, dtype=torch.int32),
+                  "step_values": self.step_values, "prompt_values": self.prompt_values, "num_steps": self.num_steps,
+                  "truncated": self.truncated}
         for key in TREE_KEYS:
             if getattr(self, key) is not None:
                 kwargs[key] = getattr(self, key)

@@ -1,7 +1,7 @@
 """The per-token lookup of :func:`~verl_prm.advantages.progress.process_advantage`: eager PyTorch, or one fused
-kernel that also computes the contract's flags in the pass that reads the step ids: on the CPU the C kernel of
-:mod:`~verl_prm.advantages.native` (a vector permute or gather per 16 tokens), elsewhere (and for the CPU dtypes the
-C kernel does not take) the expression below compiled by ``torch.compile``. Shapes as in :mod:`verl_prm.advantages`.
+kernel that also computes the contract's flags in the pass that reads the step ids: on a CPU with AVX-512 the C
+kernel of :mod:`~verl_prm.advantages.native` (a vector permute or gather per 16 tokens), elsewhere (and for the CPU
+dtypes the C kernel does not take) the expression below compiled by ``torch.compile``. Shapes as in :mod:`verl_prm.advantages`.
 """
 
 from __future__ import annotations
@@ -92,7 +92,9 @@ def _fused_masked_lookup(table, step_ids, response_mask, checked, *, fall_back: 
         return _eager_masked_lookup(table, step_ids, response_mask, checked)
     if native.native_lookup_supported(table, step_ids, response_mask):
         try:
-            return _native_masked_lookup(table, step_ids, response_mask, checked)
+            # without AVX-512 the kernel's plain loop measured slower than torch.compile's: use that instead
+            if native.vectorised():
+                return _native_masked_lookup(table, step_ids, response_mask, checked)
         except native.NativeLookupError as error:
             if not fall_back:
                 raise

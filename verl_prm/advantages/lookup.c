@@ -9,7 +9,8 @@
    Why C: the lookup reads each token's table entry through its step id, and torch.compile's CPU code makes that a
    scalar load per token (inductor has no vector gather), about twice the time of the memory traffic. A row's table
    has S + 1 entries, so with AVX-512 up to 64 of them sit in four registers and a permute looks up 16 tokens in
-   one instruction; longer tables use the hardware gather. Without AVX-512 the plain loop is left to the compiler.
+   one instruction; longer tables use the hardware gather. Without AVX-512 the plain loop is left to the compiler
+   (it measured slower than torch.compile's kernel, which verl_prm.advantages.fused then uses).
    Built by verl_prm.advantages.native with the machine's C compiler (-O3 -march=native), called through ctypes
    (which releases the GIL, so row ranges run on several threads).
 

@@ -163,10 +163,11 @@ def process_advantage(
         step_scores: [B, S] process score of each step (``process_scores``).
         step_ids: [B, T]; response_mask: [B, T].
         alpha: weight of the process term.
-        compile: how the per-token lookup runs. ``"never"``: eager PyTorch (four passes over [B, T]).
-            ``"always"``: one fused kernel made by ``torch.compile`` (compiled once per process and input
-            dtypes; needs a C++ compiler on CPU, Triton on GPU). ``"auto"``: the fused kernel for batches of at
-            least ``verl_prm.advantages.fused.FUSED_MIN_TOKENS`` tokens, eager below; if compilation fails it
+        compile: how the per-token lookup runs. ``"never"``: eager PyTorch (five passes over [B, T]).
+            ``"always"``: one fused kernel: on a CPU with AVX-512 the C kernel of ``verl_prm.advantages.native``
+            (built once per machine; needs a C compiler), elsewhere ``torch.compile`` (compiled once per process
+            and input dtypes; a C++ compiler on CPU, Triton on GPU). ``"auto"``: the fused kernel for batches of
+            at least ``verl_prm.advantages.fused.FUSED_MIN_TOKENS`` tokens, eager below; if the build fails it
             warns once and stays eager.
             All three give the same numbers.
 

@@ -51,9 +51,10 @@ class PavConfig:
                                  "and no host read, so NaN or inf inputs reach the advantages; a step id outside "
                                  "[-1, S - 1] (S = step_values columns) is clamped into that range, so it reads its "
                                  "own response's row, never another response's value.")
-    compile: CompileMode = setting("auto", "How the per-token lookup runs: auto (one kernel made by torch.compile "
-                                   "for batches of >= 1M tokens, compiled once per process; eager below or if "
-                                   "compilation fails, with a warning), always, never.")
+    compile: CompileMode = setting("auto", "How the per-token lookup runs: auto (one fused kernel for batches of "
+                                   ">= 1M tokens: on CPUs with AVX-512 a C kernel built once per machine, elsewhere "
+                                   "torch.compile, compiled once per process; eager below or if the build fails, "
+                                   "with a warning), always, never.")
     aggregation: Aggregation = setting("min", "prm_aggregate only: how the step scores of a response become one "
                                        "score (Pan et al. 2023): their min, max, mean, sum or product, or the last "
                                        "step's score.")

@@ -350,6 +350,15 @@ def test_interrupted_training_resumes_to_the_same_weights(critic_setup):
     assert resumed["metrics"] == reference["metrics"]
 
 
+def test_runs_with_other_mixed_precisions_train_in_one_process(critic_setup):
+    """accelerate's process-wide AcceleratorState refuses a second Accelerator with another mixed precision; two
+    train() calls in one process (a study training critic variants) with "no" and then "bf16" both run."""
+    root, _, _ = critic_setup
+    first = train(_config(root, "precision_no", max_steps=1, warmup_steps=1, mixed_precision="no"))
+    second = train(_config(root, "precision_bf16", max_steps=1, warmup_steps=1, mixed_precision="bf16"))
+    assert first["checkpoint"] and second["checkpoint"]
+
+
 def test_freeze_backbone_trains_only_the_value_head(critic_setup):
     """--freeze-backbone: every backbone tensor keeps the --init weights bit for bit; the head moves."""
     root, _, _ = critic_setup

@@ -67,9 +67,14 @@ def train(config: TrainConfig, *, on_step: Callable[[int, dict], None] | None = 
 
 def _train(config: TrainConfig, on_step: Callable[[int, dict], None] | None) -> dict:
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from tqdm.auto import tqdm
 
     device = "cpu" if config.cpu or not torch.cuda.is_available() else "cuda"
+    # accelerate keeps one AcceleratorState per process and refuses a second Accelerator with another mixed
+    # precision; train() may run several times in one process (a study training critic variants, the tests) with
+    # different settings, so each run starts from a fresh one (the distributed state, PartialState, is kept).
+    AcceleratorState._reset_state(reset_partial_state=False)
     accelerator = Accelerator(mixed_precision=mixed_precision_for(config.mixed_precision, device), cpu=config.cpu)
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)

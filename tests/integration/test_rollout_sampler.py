@@ -416,13 +416,17 @@ class LocalCriticGroup:
 
 
 def _refresh_trainer(policy_dir, critic_dir, tokenizer, events, directory, global_steps, extra=()):
-    from verl_prm.integrations.verl.sources import critic_worker_kwargs
+    from unittest import mock
+
+    from verl_prm.integrations.verl import sources
     from verl_prm.integrations.verl.critic_worker import ProverCriticWorker
+    from verl_prm.integrations.verl.sources import critic_worker_kwargs
 
     from verl.trainer.ppo.v1 import get_trainer_cls
 
-    overrides = [o for o in ROLLOUT_OVERRIDES if not o.startswith("verl_prm.critic.format=")] + [
-        f"verl_prm.critic.path={critic_dir}", "verl_prm.critic.dtype=float32", "verl_prm.refresh.every=2",
+    # the refresh refits a checkpoint's value head: source checkpoint (format value_head), sampling settings kept
+    overrides = [o for o in ROLLOUT_OVERRIDES if not o.startswith("verl_prm.critic.source=")] + [
+        "verl_prm.critic.source=checkpoint", f"verl_prm.critic.path={critic_dir}", "verl_prm.critic.dtype=float32", "verl_prm.refresh.every=2",
         "verl_prm.refresh.window=2", f"verl_prm.refresh.directory={directory}",
         f"actor_rollout_ref.model.path={policy_dir}", *extra]
     trainer = get_trainer_cls("pav_sync")(compose_verl(PLUGIN_OVERRIDES + overrides))
@@ -431,8 +435,9 @@ def _refresh_trainer(policy_dir, critic_dir, tokenizer, events, directory, globa
     trainer.checkpoint_manager = CheckpointRecorder(events)
     worker = ProverCriticWorker(str(critic_dir), critic_worker_kwargs(trainer.hook_config))
     worker.init_model()
-    trainer._init_prover_critic = lambda: LocalCriticGroup(worker)
-    trainer.init_value_sources()
+    # the worker group on a verl resource pool (sources._critic_group) is this process's worker here
+    with mock.patch.object(sources, "_critic_group", lambda _trainer: LocalCriticGroup(worker)):
+        trainer.init_value_sources()
     trainer.global_steps = global_steps
     return trainer, worker
 

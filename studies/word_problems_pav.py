@@ -156,15 +156,23 @@ def interval(scores, labels, groups, args) -> dict:
             "skipped_resamples": result.skipped}
 
 
-def critic_metrics(steps: pd.DataFrame, values: np.ndarray, prompts: pd.DataFrame, prompt_values: np.ndarray,
-                   args) -> dict:
-    """The three AUROCs of one critic (module docstring)."""
+def step_metrics(steps: pd.DataFrame, values: np.ndarray, args) -> dict:
+    """The two step AUROCs of one critic's ``values`` (one per row of ``steps``): against ``prefix_correct`` on
+    every step, against the Monte-Carlo label (``q > MC_POSITIVE``) on the labelled steps."""
     labelled = steps["mc_label"].notna().to_numpy()
     mc = steps["mc_label"].to_numpy()
     return {
         "prefix_correct": interval(values, steps["prefix_correct"].to_numpy(), steps["problem"].to_numpy(), args),
         "mc_label": interval(values[labelled], mc[labelled] > MC_POSITIVE, steps["problem"].to_numpy()[labelled],
                              args),
+    }
+
+
+def critic_metrics(steps: pd.DataFrame, values: np.ndarray, prompts: pd.DataFrame, prompt_values: np.ndarray,
+                   args) -> dict:
+    """The three AUROCs of one critic (module docstring)."""
+    return {
+        **step_metrics(steps, values, args),
         "prompt_value": interval(prompt_values, prompts["prompt_value"].to_numpy() > MC_POSITIVE,
                                  prompts["problem"].to_numpy(), args),
     }
@@ -194,9 +202,10 @@ def json_safe(value):
     return None if isinstance(value, float) and math.isnan(value) else value
 
 
-def read_held_out(args) -> tuple[pd.DataFrame, list[str], list[str], dict[str, str]]:
-    """The held-out label rows, their questions, the training questions (in order of first appearance) and the
-    problems; refuses a held-out question that is a training question."""
+def read_splits(args) -> tuple[pd.DataFrame, pd.DataFrame, list[str], list[str], dict[str, str]]:
+    """The training label rows, the held-out label rows (both with their ``shard`` and ``shard_row``), the
+    held-out rows' questions, the training questions (in order of first appearance) and the problems; refuses a
+    held-out question that is a training question."""
     problems = read_problems(args.work_dir)
     train = with_origin(read_labels(args.labels), args.labels)
     train_questions = list(dict.fromkeys(match_questions(train, problems, "--labels")))
@@ -207,6 +216,12 @@ def read_held_out(args) -> tuple[pd.DataFrame, list[str], list[str], dict[str, s
         raise ValueError(f"{len(shared)} of the {len(set(questions))} held-out problems are also training problems "
                          f"(--labels), e.g. {shared[0]!r}: the test would be on training problems; label held-out "
                          "problems the critics never saw")
+    return train, held_out, questions, train_questions, problems
+
+
+def read_held_out(args) -> tuple[pd.DataFrame, list[str], list[str], dict[str, str]]:
+    """:func:`read_splits` without the training rows."""
+    _, held_out, questions, train_questions, problems = read_splits(args)
     return held_out, questions, train_questions, problems
 
 

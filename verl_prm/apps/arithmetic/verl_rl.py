@@ -51,8 +51,9 @@ import numpy as np
 from verl_prm.apps.arithmetic.task import STEP_REGEX
 from verl_prm.apps.cpu_loop import cpu_overrides, start_main_ppo
 
-__all__ = ["ARMS", "Arm", "CRITIC_STAGES", "LEARNED_ARMS", "MC_N", "DIAGNOSTIC_METRICS", "RLConfig", "RunPaths", "SCORE_FILE", "device_overrides", "main_ppo_command", "merge_final_policy", "read_run",
-           "run_arms", "start_run"]
+__all__ = ["ARMS", "Arm", "CRITIC_STAGES", "LEARNED_ARMS", "MC_N", "DIAGNOSTIC_METRICS", "RLConfig", "RunPaths",
+           "SCORE_FILE", "device_overrides", "learned_critic_overrides", "main_ppo_command", "merge_final_policy", "read_records", "read_run", "run_arms",
+           "run_curves", "start_run"]
 
 # the task's verl score function, in a file that verl (and the label stage) load by path
 SCORE_FILE = Path(__file__).with_name("score.py")
@@ -194,6 +195,18 @@ def device_overrides(scale, device: str) -> list[str]:
     raise ValueError(f"device must be cpu or cuda, got {device!r}")
 
 
+def learned_critic_overrides(checkpoint: str | Path, calibration: str = "none", mc_overrides: Sequence[str] = (),
+                             refresh_overrides: Sequence[str] = ()) -> list[str]:
+    """The ``verl_prm.critic`` overrides of a PAV that ``verl-prm train`` learnt (source ``checkpoint``, format
+    ``value_head``) at ``checkpoint``, with its ``calibration`` (``none``: the raw values; ``auto``: the
+    checkpoint's ``calibration.json``), the sampling settings ``mc_overrides`` (``verl_prm.critic.<key>=<value>``)
+    and a refresh's ``refresh_overrides`` (``verl_prm.refresh.<key>=<value>``)."""
+    return ["verl_prm.critic.source=checkpoint", f"verl_prm.critic.path={checkpoint}",
+            "verl_prm.critic.format=value_head", f"verl_prm.critic.calibration={calibration}",
+            *(f"verl_prm.critic.{override}" for override in mc_overrides),
+            *(f"verl_prm.refresh.{override}" for override in refresh_overrides)]
+
+
 def main_ppo_command(scale, arm_name: str, seed: int, paths: RunPaths, run_dir: Path, device: str = "cpu",
                      python: str = sys.executable) -> list[str]:
     """``python -m verl.trainer.main_ppo`` with every override of one run (see the module docstring)."""
@@ -209,10 +222,8 @@ def main_ppo_command(scale, arm_name: str, seed: int, paths: RunPaths, run_dir: 
         if arm.critic not in paths.learned_critics:
             raise ValueError(f"arm {arm_name} needs the learned PAV checkpoint of the recipe's "
                              f"{CRITIC_STAGES[arm.critic]} stage")
-        critic = [f"verl_prm.critic.path={paths.learned_critics[arm.critic]}", "verl_prm.critic.format=value_head",
-                  f"verl_prm.critic.calibration={arm.calibration}", *reference,
-                  *(f"verl_prm.critic.{override}" for override in arm.mc_overrides),
-                  *(f"verl_prm.refresh.{override}" for override in arm.refresh_overrides)]
+        critic = [*learned_critic_overrides(paths.learned_critics[arm.critic], arm.calibration, arm.mc_overrides,
+                                            arm.refresh_overrides), *reference]
     elif arm.critic == "rollout":
         critic = ["verl_prm.critic.source=sampled", "verl_prm.critic.path=null",
                   *(f"verl_prm.critic.{override}" for override in arm.mc_overrides), *reference]
@@ -351,21 +362,15 @@ def _metric(data: dict, key: str, missing: float = float("nan")) -> float:
     return float("nan") if value is None else float(value)
 
 
-def read_run(run_dir: Path, scale) -> dict:
-    """The run's curves from verl's file logger: held-out accuracy per evaluation step, and per training step
-    the batch accuracy, the share of groups with no outcome signal, the step's time, its generated tokens
-    (responses; continuations of source=sampled) and the PAV metrics (``DIAGNOSTIC_METRICS``; nan when not logged).
-
-    A resumed run reads the parts its earlier starts logged too (``metrics-<n>.jsonl``, kept by ``start_run``: verl
-    truncates the file when it starts). A torn last line of a part (its start was killed while writing) is skipped;
-    any other unreadable line is an error.
-    """
-    rl = scale.rl
+def read_records(run_dir: Path) -> list[dict]:
+    """verl's file-logger records of a run (``{"step": int, "data": {metric: value}}``), in the order they were
+    logged: the parts its earlier starts logged first (``metrics-<n>.jsonl``, kept by ``start_run``: verl truncates
+    the file when it starts), then ``metrics.jsonl``. A torn last line of a part (its start was killed while
+    writing) is skipped; any other unreadable line is an error naming it."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: was the run started with trainer.logger including 'file'?")
     records = []
-    # the parts of earlier starts first: a step logged again after a resume replaces the earlier record
     for part in [*_metric_parts(run_dir), path]:
         lines = part.read_text().splitlines()
         for number, line in enumerate(lines, 1):
@@ -375,16 +380,23 @@ def read_run(run_dir: Path, scale) -> dict:
                 if number == len(lines):  # torn by the kill that interrupted this start
                     continue
                 raise ValueError(f"{part}:{number} is not JSON") from None
-    key = _validation_key(rl.eval_samples)
-    per_step = rl.prompts_per_step * rl.group_size
+    return records
+
+
+def run_curves(records: Sequence[dict], validation_key: str, responses_per_step: int) -> dict:
+    """The curves of a run's records (:func:`read_records`; a step logged again, after a resume, replaces the
+    earlier record): ``curve``, (step, sampled responses = step x ``responses_per_step``, held-out accuracy) at each
+    step that logged ``validation_key``; ``training``, per training step the batch accuracy, the share of groups
+    with no outcome signal, the step's time, its generated tokens (responses; continuations of source=sampled)
+    and the PAV metrics (``DIAGNOSTIC_METRICS``; nan when not logged)."""
     evaluations: dict[int, float] = {}
     training: dict[int, dict] = {}
     for record in records:
         step, data = int(record["step"]), record["data"]
-        if key in data:
-            evaluations[step] = float(data[key])
+        if validation_key in data:
+            evaluations[step] = float(data[validation_key])
         if "critic/score/mean" in data:
-            responses = _metric(data, "response_length/mean") * per_step
+            responses = _metric(data, "response_length/mean") * responses_per_step
             training[step] = {
                 "batch_accuracy": float(data["critic/score/mean"]),
                 "zero_signal_groups": _metric(data, "pav/outcome_zero_signal_groups"),
@@ -398,11 +410,20 @@ def read_run(run_dir: Path, scale) -> dict:
                 "mc_tokens": _metric(data, "pav/mc_tokens", 0.0),
                 **{name: _metric(data, key) for name, key in DIAGNOSTIC_METRICS.items()},
             }
-    if not evaluations:
-        raise ValueError(f"{path} has no {key} metric: was the run started with trainer.test_freq and val_kwargs.n="
-                         f"{rl.eval_samples}?")
-    curve = [(step, step * per_step, evaluations[step]) for step in sorted(evaluations)]
+    curve = [(step, step * responses_per_step, evaluations[step]) for step in sorted(evaluations)]
     return {"curve": curve, "training": [dict(step=s, **training[s]) for s in sorted(training)]}
+
+
+def read_run(run_dir: Path, scale) -> dict:
+    """The run's curves (:func:`run_curves`) from verl's file logger (:func:`read_records`, every part of a resumed
+    run), with the recipe's validation key and batch; a run that logged no held-out accuracy is an error."""
+    rl = scale.rl
+    key = _validation_key(rl.eval_samples)
+    curves = run_curves(read_records(run_dir), key, rl.prompts_per_step * rl.group_size)
+    if not curves["curve"]:
+        raise ValueError(f"{run_dir / 'metrics.jsonl'} has no {key} metric: was the run started with "
+                         f"trainer.test_freq and val_kwargs.n={rl.eval_samples}?")
+    return curves
 
 
 def run_arms(scale, runs: Sequence[tuple[str, int, Path]], paths: RunPaths, *, parallel: int = 1,

@@ -26,6 +26,10 @@ newton`` weighs it (``verl_prm.training.data.class_balanced_weights`` over the r
 ``cum_logprob``, ``logprob+cum_logprob``, ``hidden+cum_logprob``; training-free scores (:data:`TRAINING_FREE`):
 ``cum_min_result_logprob``, ``cum_min_token_logprob``.
 
+The statistics are those of the ``token_logprob`` critic format (``verl_prm.critic.token_logprob``), whose
+``verl-prm train --format token_logprob --result-regex`` fit with :data:`RESULT_REGEX` (:func:`result_spans`' rule
+as one regex) is the ``logprob+cum_logprob`` variant as a loadable checkpoint.
+
 Judged on the held-out steps as ``studies.word_problems_pav`` judges a critic (its functions): AUROC against
 ``prefix_correct`` (every held-out step) and against the Monte-Carlo label (``q > 0.5``, labelled steps), each with
 a bootstrap interval over problems, and the fitted critics' MSE against ``q`` (beside a constant's: the training
@@ -57,9 +61,13 @@ from studies.word_problems_pav import (MC_POSITIVE, at_least_two, json_safe, rea
 from verl_prm.apps.word_problems.check import ANSWER, EQUATION
 from verl_prm.apps.word_problems.task import STEP_DELIMITER
 from verl_prm.cli_types import finite_float
+# the statistics are the token_logprob critic's (verl-prm train --format token_logprob fits and scores with them)
+from verl_prm.critic.token_logprob import (cumulative_min, overlapping_tokens, statistic_names, step_logprob_stats,
+                                           step_token_ranges)
+from verl_prm.training.token_logprob import step_weights
 
 FEATURE_VERSION = 1  # bump when what a cached feature means changes
-LOGPROB_STATS = ("min_logprob", "mean_logprob", "result_logprob")
+LOGPROB_STATS = statistic_names(result=True)  # min, mean, result
 # fitted variants: name -> the feature groups it reads (hidden, logprob: the step's stats, cum_logprob: the prefix's)
 FITTED = {
     "hidden": ("hidden",),
@@ -73,6 +81,14 @@ TRAINING_FREE = {"cum_min_result_logprob": 2, "cum_min_token_logprob": 0}
 
 
 # ------------------------------------------------------------------------------------------ per-step statistics
+
+
+# result_spans' rule as one regex, for the token_logprob critic's result statistic (`verl-prm train --format
+# token_logprob --result-regex`; its result is the first capture group that takes part): per line, N of a line
+# ending "The answer is N", else c of a line "... a op b = c" with no other "=" (horizontal spaces only, so that
+# no match runs into the next line)
+RESULT_REGEX = (r"(?m)(?i:The answer is)[^\S\n]*\$?[^\S\n]*(-?\d[\d,]*)[^\S\n]*\.?[^\S\n]*$"
+                r"|^[^=\n]*?-?\d+[^\S\n]*[-+*x×][^\S\n]*-?\d+[^\S\n]*=[^\S\n]*(-?\d+)[^\S\n]*\.?[^\S\n]*$")
 
 
 def result_spans(step_text: str) -> list[tuple[int, int]]:
@@ -90,51 +106,6 @@ def result_spans(step_text: str) -> list[tuple[int, int]]:
             spans.append((offset + equation.start(4), offset + equation.end(4)))
         offset += len(line) + len(STEP_DELIMITER)
     return spans
-
-
-def overlapping_tokens(offsets: np.ndarray, start: int, end: int) -> np.ndarray:
-    """Indices of the tokens whose character range ``[a, b)`` (``offsets``: [T, 2]) shares a character with
-    ``[start, end)``: ``a < end and b > start and a < b`` (a token with an empty range holds no character)."""
-    a, b = offsets[:, 0], offsets[:, 1]
-    return np.flatnonzero((a < end) & (b > start) & (a < b))
-
-
-def step_token_ranges(step_end_tokens: Sequence[int]) -> list[tuple[int, int]]:
-    """The response tokens ``[lo, hi)`` of each step: the tokens after the previous step's end token up to and
-    including its own (``step_end_tokens``: the token holding each step's last character, response-relative,
-    non-decreasing; the first step starts at token 0). A step whose end token is the previous one's (one token
-    holds the last characters of both) has that token alone."""
-    ranges, previous = [], -1
-    for end in step_end_tokens:
-        ranges.append((min(previous + 1, end), end + 1))
-        previous = end
-    return ranges
-
-
-def step_logprob_stats(token_logprobs: np.ndarray, ranges: Sequence[tuple[int, int]],
-                       results: Sequence[Sequence[np.ndarray]]) -> np.ndarray:
-    """[S, 3] statistics of a response's steps from its token log-probs ``l_t`` (response tokens):
-
-        min_h = min_{t in T_h} l_t,    mean_h = mean_{t in T_h} l_t,
-        result_h = min_k sum_{t in R_hk} l_t   (min_h where step h claims no result)
-
-    ``T_h``: step h's tokens ``[lo, hi)`` (``ranges``); ``R_hk``: the tokens of the k-th result step h claims
-    (``results[h]``: one index array per claim; the log-probability of the claimed number, the weakest claim of
-    a merged step). A step that claims nothing (neither an equation nor the answer line) scores its weakest token.
-    """
-    out = np.empty((len(ranges), len(LOGPROB_STATS)), dtype=np.float64)
-    for h, ((lo, hi), claims) in enumerate(zip(ranges, results)):
-        values = token_logprobs[lo:hi]
-        out[h, 0], out[h, 1] = values.min(), values.mean()
-        out[h, 2] = min((token_logprobs[tokens].sum() for tokens in claims), default=out[h, 0])
-    return out
-
-
-def cumulative_min(values: np.ndarray, rollout: np.ndarray) -> np.ndarray:
-    """``c[i] = min over j <= i with rollout[j] == rollout[i] of values[j]``, per column: the prefix's statistic
-    (steps 1..h) from the steps', rows in rollout and step order. [N, k] -> [N, k]."""
-    frame = pd.DataFrame(np.asarray(values, dtype=np.float64))
-    return frame.groupby(np.asarray(rollout), sort=False).cummin().to_numpy()
 
 
 # ------------------------------------------------------------------------------------------ the policy's features
@@ -260,21 +231,6 @@ def variant_features(features: dict[str, np.ndarray], groups: Sequence[str]) -> 
     """The columns of a fitted variant: its feature groups side by side."""
     source = {"hidden": features["hidden"], "logprob": features["stats"], "cum_logprob": features["cum_stats"]}
     return np.concatenate([source[group] for group in groups], axis=1)
-
-
-def step_weights(q: np.ndarray, rollout: np.ndarray, balance: bool) -> np.ndarray:
-    """The weight of each labelled step (``q`` not NaN, in order): its rollout's class-balancing weight over the
-    rollouts' labelled steps (``class_balanced_weights``, as ``verl-prm train`` weighs a head fit's steps), or 1."""
-    from verl_prm.training.data import EncodedRollout, class_balanced_weights
-
-    labelled = ~np.isnan(q)
-    if not balance:
-        return np.ones(int(labelled.sum()))
-    kept = rollout[labelled]
-    owners = list(dict.fromkeys(kept.tolist()))
-    examples = [EncodedRollout([], [], q[labelled][kept == r].tolist()) for r in owners]
-    per_rollout = dict(zip(owners, class_balanced_weights(examples)))
-    return np.asarray([per_rollout[r] for r in kept.tolist()], dtype=np.float64)
 
 
 def fit_variant(train_x: np.ndarray, train_q: np.ndarray, weights: np.ndarray, test_x: np.ndarray, args) -> dict:

@@ -10,7 +10,7 @@ import math
 import re
 from typing import Any, Optional
 
-__all__ = ["check_number", "empty_match_problem", "range_text"]
+__all__ = ["check_number", "compile_result_regex", "empty_match_problem", "range_text"]
 
 
 def range_text(low: Optional[float] = None, high: Optional[float] = None, *, low_open: bool = False,
@@ -65,6 +65,19 @@ def empty_match_problem(pattern: re.Pattern) -> Optional[str]:
         return (f"has a zero-width match inside plain words (at {zero_width} of {_PLAIN_TEXT!r}), so it makes "
                 "every word a step")
     return None
+
+
+def compile_result_regex(key: str, regex: Any) -> re.Pattern:
+    """``regex`` compiled, a regular expression with at least one capture group (the result a match claims is a
+    group of it: ``verl_prm.critic.token_logprob.result_span``); else a ValueError naming ``key``."""
+    try:
+        pattern = re.compile(regex)
+    except (re.error, TypeError) as error:
+        raise ValueError(f"{key}: {regex!r} is no regular expression ({error})") from None
+    if pattern.groups < 1:
+        raise ValueError(f"{key}: {regex!r} has no capture group; put the claimed result in one, e.g. "
+                         r"'= *(-?\d+)\.?$' for the c of 'a + b = c.'")
+    return pattern
 
 
 def is_class_path(text: object) -> bool:

@@ -15,11 +15,11 @@ __all__ = [
     "AGGREGATIONS", "CALIBRATION_METHODS", "CHECKPOINT_FORMATS", "CODE_SPLIT_RULES", "CODE_STEP_RULES", "COMPILE_MODES", "CRITIC_DTYPES",
     "GENERATOR_BACKENDS", "HEAD_FITS", "LABEL_STRATEGIES", "MIN_FORM_BASELINES",
     "MIXED_PRECISIONS", "OFFLOAD_MODES", "PRECISIONS", "Precision", "PLACEMENT_POOLS", "PREFIX_RULES", "PRIME_REWARD_MASKS", "PROCESS_TERMS",
-    "SHARDABLE_FORMATS", "BRANCH_RULES", "SHARD_MODES", "SUCCESS_LABELS", "TRUNCATIONS",
+    "SHARDABLE_FORMATS", "BRANCH_RULES", "SHARD_MODES", "SUCCESS_LABELS", "TRAINED_FORMATS", "TRUNCATIONS",
     "Aggregation", "BranchRule", "CalibrationMethod", "CheckpointFormat", "CodeSplitRule", "CodeStepRule", "CompileMode", "CriticDtype",
     "GeneratorBackend", "HeadFit", "LabelStrategy", "MinFormBaseline", "MixedPrecision",
     "OffloadMode", "PlacementPool", "PrefixRule", "PrimeRewardMask", "ProcessTerm", "ShardMode", "ShardableFormat",
-    "SuccessLabels", "Truncation",
+    "SuccessLabels", "TrainedFormat", "Truncation",
     "TREE_RL_SCALES", "TREE_SEGMENT_WEIGHTS", "TreeRlScale", "TreeSegmentWeight",
     "VALUE_SOURCES", "ValueSourceName",
 ]
@@ -40,7 +40,8 @@ TreeSegmentWeight = Literal["per_leaf", "once"]
 # prover, Monte-Carlo samples from the rollout replicas, or the node values of tree-shaped groups.
 ValueSourceName = Literal["checkpoint", "exact", "sampled", "tree"]
 # The prover critic's checkpoint formats (verl_prm.critic.format; the keys of verl_prm.critic.formats.FORMATS).
-CheckpointFormat = Literal["value_head", "qwen_prm", "pure_prm", "math_shepherd", "rlhflow", "value_head_lm"]
+CheckpointFormat = Literal["value_head", "qwen_prm", "pure_prm", "math_shepherd", "rlhflow", "value_head_lm",
+                           "token_logprob"]
 ShardableFormat = Literal["value_head"]
 CriticDtype = Literal["auto", "bfloat16", "float16", "float32"]
 Truncation = Literal["error", "left_prompt"]
@@ -63,6 +64,8 @@ ShardMode = Literal["none", "fsdp"]
 # `verl-prm train` and `verl-prm label`.
 CalibrationMethod = Literal["platt", "isotonic", "none"]
 HeadFit = Literal["adam", "newton"]
+# the critic checkpoint format `verl-prm train` writes (verl_prm.critic.formats: value_head, token_logprob)
+TrainedFormat = Literal["value_head", "token_logprob"]
 MixedPrecision = Literal["auto", "no", "bf16", "fp16"]
 # the compute precision of the generation engine and the CPU loop (verl_prm.precision: "auto" reads the CPU's flags)
 Precision = Literal["auto", "bfloat16", "float32"]
@@ -91,6 +94,7 @@ OFFLOAD_MODES = get_args(OffloadMode)
 SHARD_MODES = get_args(ShardMode)
 CALIBRATION_METHODS = get_args(CalibrationMethod)
 HEAD_FITS = get_args(HeadFit)
+TRAINED_FORMATS = get_args(TrainedFormat)
 MIXED_PRECISIONS = get_args(MixedPrecision)
 PRECISIONS = get_args(Precision)
 GENERATOR_BACKENDS = get_args(GeneratorBackend)

@@ -98,10 +98,12 @@ class CriticSection:
                                   "Required with source checkpoint; null with the other sources.")
     format: CheckpointFormat = setting("value_head", "Source checkpoint: the checkpoint's format (docs/critic.md): "
                                        "value_head (the native one: token-classification head, num_labels=1, as "
-                                       "`verl-prm train` writes), qwen_prm (separator token with a two-class head, "
-                                       "Qwen2.5-Math-PRM style), pure_prm, math_shepherd (+/- logits of the LM "
-                                       "head at a tag token), rlhflow (a verdict turn per step), value_head_lm "
-                                       "(Skywork-style value head).")
+                                       "`verl-prm train` writes by default), qwen_prm (separator token with a "
+                                       "two-class head, Qwen2.5-Math-PRM style), pure_prm, math_shepherd (+/- logits "
+                                       "of the LM head at a tag token), rlhflow (a verdict turn per step), "
+                                       "value_head_lm (Skywork-style value head), token_logprob (a causal LM and a "
+                                       "logistic head on its token log-probs over each step, as `verl-prm train "
+                                       "--format token_logprob` writes; shard none only).")
     options: dict[str, Any] = setting(factory=dict, doc="Options of the format, e.g. {separator: '<extra_0>'} "
                                       "(qwen_prm), {tag: 'ки'} (math_shepherd); with source exact {prover: "
                                       "'module:Class', <the prover's options>} (e.g. "

@@ -27,6 +27,9 @@ Formats (``ProverCritic.from_pretrained(path, format=NAME)``; the table with com
   each answer.
 - ``value_head_lm`` (Skywork-o1-Open-PRM): ids = encode(bos + prompt + "\n") + per piece encode(piece) + the
   "\n" token; ``v = sigmoid(head(h))`` at each "\n" token (head ``v_head.summary`` from safetensors).
+- ``token_logprob`` (native; ``verl-prm train --format token_logprob`` writes it): a causal LM and a logistic
+  head on the statistics of its own token log-probs over each step and their prefix minima
+  (:mod:`verl_prm.critic.token_logprob_format`); v_0 a fitted constant.
 
 A format's required tokens are checked at load against the documented pieces (``RequiredToken``): a token that
 resolves to another piece or to the unknown token is an error naming the token, the id found and the id expected.
@@ -45,17 +48,18 @@ text, not as a forged turn), and the format's separator text in it (qwen_prm's "
 is removed before encoding (``remove_separator_text``), so a step never adds a scored position. Both are reported
 per sample (``TextInput.special_text``, ``TextInput.separator_text``); nothing raises for the batch.
 
-Loading (tokenizer, dtype, complete weights, heads from safetensors) is :mod:`verl_prm.critic.loading`; building
-the input from the policy's text (required tokens, pieces, separator text) is :mod:`verl_prm.critic.text_input`.
+The adapters' interface is :class:`verl_prm.critic.format_base.CriticFormat`. Loading (tokenizer, dtype, complete
+weights, heads from safetensors) is :mod:`verl_prm.critic.loading`; building the input from the policy's text
+(required tokens, pieces, separator text) is :mod:`verl_prm.critic.text_input`.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Sequence
+from typing import ClassVar
 
 import torch
-from torch import nn
 
+from verl_prm.critic.format_base import CriticFormat, no_options
 from verl_prm.critic.loading import (
     base_model,
     candidate_rows_head,
@@ -67,7 +71,7 @@ from verl_prm.critic.loading import (
     require_head_weights,
     token_classification_head,
 )
-from verl_prm.critic.packing import insert_markers
+from verl_prm.critic.token_logprob_format import TokenLogprobFormat
 from verl_prm.critic.text_input import (
     RequiredToken,
     TextInput,
@@ -92,71 +96,9 @@ __all__ = [
     "ValueHeadLMFormat",
     "RlhflowFormat",
     "PurePrmFormat",
+    "TokenLogprobFormat",
     "FORMATS",
 ]
-
-
-class CriticFormat:
-    """Base adapter. Subclasses set ``name`` and implement ``load`` and ``logits_to_values``; text formats set
-    ``text_input = True`` and implement ``build_text_input``.
-
-    Attributes:
-        backbone: module called as ``backbone(input_ids=, attention_mask=, position_ids=, use_cache=False)``
-            returning ``.last_hidden_state`` [b, L, H].
-        head: fp32 module mapping hidden states [n, H] to logits [n, C], applied only at read positions.
-        marker_id: token inserted after every step by ``build_token_input`` (None: read at the last tokens).
-        prompt_marker: whether a marker also follows the prompt (only a format whose authors put one there).
-        model: the loaded transformers model (kept for its config and for ``.to``).
-    """
-
-    name: ClassVar[str] = ""
-    text_input: ClassVar[bool] = False
-    prompt_marker: ClassVar[bool] = False
-
-    def __init__(self, model: nn.Module, backbone: nn.Module, head: nn.Module, marker_id: int | None = None):
-        self.model = model
-        self.backbone = backbone
-        self.head = head
-        self.marker_id = marker_id
-
-    @classmethod
-    def load(cls, path: str, tokenizer, *, dtype: torch.dtype, attn_implementation: str, device: torch.device,
-             allow_pickle: bool = False, **options: Any) -> "CriticFormat":
-        """Load the checkpoint directory ``path`` (safetensors only unless ``allow_pickle``)."""
-        raise NotImplementedError
-
-    def build_token_input(self, ids: Sequence[int], prompt_end: int, step_ends: Sequence[int]
-                          ) -> tuple[list[int], list[int], int]:
-        """(critic ids, H + 1 read positions, position of the prompt's last token) from token ids."""
-        marked, reads = insert_markers(ids, prompt_end, step_ends, self.marker_id, prompt_marker=self.prompt_marker)
-        return marked, reads, prompt_end
-
-    def build_text_input(self, tokenizer, prompt: str, steps: Sequence[str]) -> TextInput:
-        """Text formats: the authors' input for ``prompt`` and our ``steps`` (texts with their delimiters). The
-        step texts are the policy's: they never become special tokens, separators or turns of the input."""
-        raise NotImplementedError
-
-    def prompt_from_ids(self, tokenizer, prompt: str) -> str:
-        """Text formats, token-id path: the prompt text the format builds its input from, given the text decoded
-        from the prompt ids (``decode_segments``). Default: that text."""
-        return prompt
-
-    def logits_to_values(self, logits: torch.Tensor) -> torch.Tensor:
-        """Values [n] from head logits [n, C] (fp32)."""
-        raise NotImplementedError
-
-    def to(self, device: torch.device) -> "CriticFormat":
-        self.model.to(device)
-        self.backbone.to(device)
-        self.head.to(device)
-        return self
-
-    @property
-    def config(self):
-        return self.model.config
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(model={type(self.model).__name__}, marker_id={self.marker_id})"
 
 
 class ValueHeadFormat(CriticFormat):
@@ -168,7 +110,7 @@ class ValueHeadFormat(CriticFormat):
     def load(cls, path, tokenizer, *, dtype, attn_implementation, device, allow_pickle=False, **options):
         from transformers import AutoModelForTokenClassification
 
-        _no_options(cls.name, options)
+        no_options(cls.name, options)
         model = load_complete(AutoModelForTokenClassification, path, dtype, attn_implementation, allow_pickle, device)
         if model.config.num_labels != 1:
             raise ValueError(
@@ -235,7 +177,7 @@ class QwenPrmFormat(CriticFormat):
     def load(cls, path, tokenizer, *, dtype, attn_implementation, device, separator: str | int = "<extra_0>",
              positive_label: int = 1, head_prefix: str | None = None, step_delimiter: str = "\n\n",
              allow_pickle=False, **options):
-        _no_options(cls.name, options)
+        no_options(cls.name, options)
         marker_id = resolve_token_id(tokenizer, separator, "qwen_prm separator")
         if separator == "<extra_0>":
             check_required_token(cls.name, tokenizer, marker_id, QWEN_SEPARATOR)
@@ -299,7 +241,7 @@ class PurePrmFormat(CriticFormat):
     @classmethod
     def load(cls, path, tokenizer, *, dtype, attn_implementation, device, score: str = "p_positive",
              step_separator: str = "\n\n", head_prefix: str | None = None, allow_pickle=False, **options):
-        _no_options(cls.name, options)
+        no_options(cls.name, options)
         if score not in cls.SCORES:
             raise ValueError(f"pure_prm: score must be one of {list(cls.SCORES)}, got {score!r}")
         encoded = encode_plain(tokenizer, "\n", add_special_tokens=False)
@@ -363,7 +305,7 @@ class MathShepherdFormat(CriticFormat):
              allow_pickle=False, **options):
         from transformers import AutoModelForCausalLM
 
-        _no_options(cls.name, options)
+        no_options(cls.name, options)
         # The authors' resolution: the last pieces of encode("+ -") and encode("ки") ("▁"-prefixed pieces).
         marker_id, tag_text = shepherd_tag(tokenizer, tag)
         if tag == "ки":
@@ -438,7 +380,7 @@ class RlhflowFormat(CriticFormat):
              allow_pickle=False, **options):
         from transformers import AutoModelForCausalLM
 
-        _no_options(cls.name, options)
+        no_options(cls.name, options)
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"format 'rlhflow': the tokenizer of {str(path)!r} has no chat template")
         candidates = [
@@ -501,7 +443,7 @@ class ValueHeadLMFormat(CriticFormat):
              step_delimiter: str = "\n", allow_pickle=False, **options):
         from transformers import AutoModel
 
-        _no_options(cls.name, options)
+        no_options(cls.name, options)
         delimiter = check_delimiter(step_delimiter)
         marker_id = encode_plain(tokenizer, delimiter)[-1]
         if delimiter == "\n":
@@ -549,12 +491,8 @@ class ValueHeadLMFormat(CriticFormat):
         return torch.sigmoid(logits[:, 0])
 
 
-def _no_options(name: str, options: dict[str, Any]) -> None:
-    if options:
-        raise TypeError(f"format {name!r} takes no options {sorted(options)}")
-
-
 FORMATS: dict[str, type[CriticFormat]] = {
     cls.name: cls
-    for cls in (ValueHeadFormat, QwenPrmFormat, PurePrmFormat, MathShepherdFormat, RlhflowFormat, ValueHeadLMFormat)
+    for cls in (ValueHeadFormat, QwenPrmFormat, PurePrmFormat, MathShepherdFormat, RlhflowFormat, ValueHeadLMFormat,
+                TokenLogprobFormat)
 }

@@ -6,8 +6,9 @@ the format's adapter inserts its markers (``packing.insert_markers``) -> context
 micro-batches by a token budget, longest first -> one forward pass per micro-batch under
 ``torch.inference_mode()`` (one packed row with restarting ``position_ids`` = varlen attention, its boundaries
 given once for flash attention; or right-padded rows with minimal padding), the next micro-batch's host tensors
-prepared in a background thread meanwhile -> the head applied only at the read positions -> values back in
-input order.
+prepared in a background thread meanwhile -> the format's ``read_values`` (the head applied only at the read
+positions; ``token_logprob``: its statistics of the LM's token log-probs between them) -> values back in input
+order.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class CriticScores:
         step_values: [B, S] v_1..v_H per response; entries at h >= num_steps[b] are 0 and must be ignored.
         num_steps: [B] int64, H per response (0 allowed).
         features: [B, S + 1, d] fp32 or None: what the value head read at the prompt (position 0) and after each
-            step (positions 1..H; zeros beyond), only when asked for (``with_features=True``).
+            step (positions 1..H; zeros beyond), only when asked for (``with_features=True``); ``token_logprob``:
+            each step's log-prob features, zeros at the prompt.
         separator_text: [B] bool or None: the response's step text held the format's separator text (qwen_prm's
             "<extra_0>", math_shepherd's "ки"), removed before scoring (``verl_prm.critic.formats``); False for
             formats that read token ids.
@@ -185,7 +187,7 @@ class ProverCritic:
                 file, a directory without weights and, in offline mode (``HF_HUB_OFFLINE``), a hub id that is not
                 in the local cache are errors before anything is loaded (``verl_prm.checkpoints``).
             format: one of ``value_head`` (default), ``qwen_prm``, ``pure_prm``, ``math_shepherd``, ``rlhflow``,
-                ``value_head_lm`` (see ``verl_prm.critic.formats`` and docs/critic.md).
+                ``value_head_lm``, ``token_logprob`` (see ``verl_prm.critic.formats`` and docs/critic.md).
             best_of_k: K >= 1; K > 1 returns Best-of-K values ``1 - (1 - v)^K``.
             device: default CUDA when available, else CPU. An accelerator is the load target
                 (``device_map={"": device}``): the weights go from the mapped safetensors to the device tensor by
@@ -494,10 +496,8 @@ class ProverCritic:
             pending = ahead(1) if len(batches) > 1 else None
             for k, batch in enumerate(batches):
                 hidden = self.adapter.backbone(**current.model_kwargs()).last_hidden_state
-                gathered = hidden.reshape(-1, hidden.shape[-1]).index_select(0, current.flat_read).float()
-                logits = self.adapter.head(gathered)
-                values = self.adapter.logits_to_values(logits)
-                finite = torch.isfinite(gathered).all(-1) & torch.isfinite(logits).all(-1) & torch.isfinite(values)
+                counts = [len(inputs[i].read_positions) for i in batch.indices]
+                values, finite, gathered = self.adapter.read_values(hidden, current, counts)
                 if pending is not None:  # queued behind micro-batch k's kernels, before its values are read
                     current = pending().to(self.device, non_blocking=non_blocking)
                     pending = ahead(k + 2) if k + 2 < len(batches) else None

@@ -1,6 +1,7 @@
 """`verl-prm train`: train a PAV on step labels (label shards of `verl-prm label` or of a converter).
 
     verl-prm train --labels labels/ --init PATH_TO_CAUSAL_LM --output-dir pav/ [options]
+    verl-prm train --labels labels/ --init POLICY --output-dir critic/ --format token_logprob [--head-l2 1]
     accelerate launch --num_processes 8 -m verl_prm.apps.cli train ...     (several GPUs, DDP)
 
 Every flag is a field of ``verl_prm.training.config.TrainConfig`` (its default and doc are the flag's).
@@ -21,7 +22,9 @@ __all__ = ["main", "train_parser"]
 
 def train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="verl-prm train", description="train a process advantage verifier (PAV): "
-                                "soft-label cross-entropy at each step's last token")
+                                "soft-label cross-entropy at each step's last token; or, with --format "
+                                "token_logprob, fit a logistic head on the --init model's own token log-probs "
+                                "over each step (docs/critic.md)")
     init = p.add_mutually_exclusive_group(required=True)  # exactly one of a checkpoint and a new model's config
     add_dataclass_arguments(p, TrainConfig, groups={"init": init, "init_config": init})
     return p

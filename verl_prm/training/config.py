@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from verl_prm.choices import CalibrationMethod, HeadFit, MixedPrecision
+from verl_prm.checks import compile_result_regex
+from verl_prm.choices import CalibrationMethod, HeadFit, MixedPrecision, TrainedFormat
 from verl_prm.settings import check_bounds, check_choices, setting
 from verl_prm.training.calibration import MIN_CALIBRATION_LABELS
 
@@ -29,7 +30,20 @@ class TrainConfig:
 
     labels: list[str] = setting(doc="Label shards or directories of shards (`verl-prm label` or `verl-prm label "
                                 "convert` writes them).")
-    output_dir: str = setting(doc="Checkpoints and metrics; rerun the same command to resume.")
+    output_dir: str = setting(doc="Checkpoints and metrics; rerun the same command to resume. With --format "
+                              "token_logprob: the checkpoint directory itself.")
+    format: TrainedFormat = setting("value_head", "The critic checkpoint format written (docs/critic.md): value_head "
+                                    "(a PAV: the model trained with a one-logit head, the options below) or "
+                                    "token_logprob (the --init causal LM kept as it is, with a logistic head fitted "
+                                    "by Newton's method on the statistics of its own token log-probs over each step "
+                                    "and their prefix minima; --head-l2, --result-regex; the Adam and checkpoint "
+                                    "options do not apply).")
+    result_regex: Optional[str] = setting(None, "With --format token_logprob: a regex whose matches in a step's "
+                                          "text are the results the step claims (the first capture group that "
+                                          "takes part; e.g. '= *(-?\\d+)\\.?$'); adds the result's summed token "
+                                          "log-prob (the weakest claim of the step) to the features. Default: none.")
+    overwrite: bool = setting(False, "With --format token_logprob: replace the checkpoint that --output-dir holds "
+                              "(default: refused).")
     init: Optional[str] = setting(None, "HF checkpoint: a causal LM (the backbone; a new one-logit head) or a PAV. "
                                   "Exactly one of init and init_config.")
     init_config: Optional[str] = setting(None, "config.json (file or directory) of a new model with random "
@@ -95,13 +109,14 @@ class TrainConfig:
                              "on a random backbone that never learns: pass --init with a trained model, or drop "
                              "--freeze-backbone")
         check_choices(self, flag_key)
+        self._check_format()
         if self.head_fit == "newton" and not self.freeze_backbone:
             raise ValueError("head_fit newton (--head-fit newton) fits the value head on frozen features: it needs "
                              "--freeze-backbone (a whole model trains with --head-fit adam)")
         if self.head_fit == "newton" and self.weight_decay != 0:
             raise ValueError(f"weight_decay (--weight-decay {self.weight_decay}) is AdamW's; --head-fit newton fits the "
                              "head without it: pass --weight-decay 0, or --head-fit adam")
-        if self.head_l2 and self.head_fit != "newton":
+        if self.head_l2 and self.head_fit != "newton" and self.format != "token_logprob":
             raise ValueError(f"head_l2 (--head-l2 {self.head_l2}) is the penalty of --head-fit newton; AdamW's is "
                              "--weight-decay: pass --head-fit newton, or --head-l2 0")
         if self.eval_labels and self.eval_fraction is not None:
@@ -117,6 +132,26 @@ class TrainConfig:
             raise ValueError(f"calibration (--calibration {self.calibration}) is fitted on held-out labels, but "
                              "--eval-fraction 0 holds none out: pass --eval-labels or a positive --eval-fraction, "
                              "or --calibration none")
+
+    def _check_format(self) -> None:
+        """The settings of --format token_logprob, and those that only it takes."""
+        if self.format != "token_logprob":
+            for name in ("result_regex", "overwrite"):
+                if getattr(self, name):
+                    raise ValueError(f"{flag_key(name)} is a setting of --format token_logprob; --format "
+                                     f"{self.format} does not take it")
+            return
+        if self.init is None:
+            raise ValueError("format token_logprob (--format token_logprob) keeps the --init causal LM and fits a head "
+                             "on its token log-probs: pass --init (a policy checkpoint), not --init-config")
+        if self.head_fit != "adam" or self.freeze_backbone:  # the value head's options, named so as not to mislead
+            raise ValueError("--head-fit and --freeze-backbone are options of --format value_head; --format "
+                             "token_logprob always fits its head by Newton's method on the frozen LM: drop them")
+        if self.weight_decay != 0:
+            raise ValueError(f"weight_decay (--weight-decay {self.weight_decay}) is AdamW's; --format token_logprob "
+                             "fits its head by Newton's method (ridge: --head-l2): pass --weight-decay 0")
+        if self.result_regex is not None:
+            compile_result_regex(flag_key("result_regex"), self.result_regex)
 
     @property
     def held_out_fraction(self) -> float:

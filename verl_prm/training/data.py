@@ -27,6 +27,8 @@ from verl_prm.training.config import TrainConfig
 __all__ = [
     "EncodedRollout",
     "read_examples",
+    "read_frames",
+    "label_row_name",
     "encode_labels",
     "prompt_value_carriers",
     "split_by_prompt",
@@ -112,8 +114,8 @@ def prompt_value_carriers(frame: pd.DataFrame) -> np.ndarray:
     if bad.size:
         row, carrier = (next(frame.iloc[[i]].itertuples(index=False)) for i in (bad[0], first[bad[0]]))
         row_value, carrier_value = (dict(zip(_PROMPT_VALUE_COLUMNS, values[i].tolist())) for i in (bad[0], first[bad[0]]))
-        raise ValueError(f"{_row_name(row)} has the prompt of {_row_name(carrier)} but another prompt value "
-                         f"({row_value} vs {carrier_value}); the rollouts of one prompt in a label shard share one "
+        raise ValueError(f"{label_row_name(row)} has the prompt of {label_row_name(carrier)} but another prompt "
+                         f"value ({row_value} vs {carrier_value}); the rollouts of one prompt in a label shard share one "
                          "V(prompt): fix or relabel the shard (see verl_prm.labeling.format)")
     return first == order
 
@@ -146,7 +148,7 @@ def encode_labels(
         try:
             encoded = encode_with_step_ends(tokenizer, row.prompt, row.response, spans)
         except ValueError as error:  # it names "sample 0", the one-row batch: name the label row instead
-            raise ValueError(f"{_row_name(row)}: {str(error).removeprefix('sample 0: ')}") from None
+            raise ValueError(f"{label_row_name(row)}: {str(error).removeprefix('sample 0: ')}") from None
         positions, targets, counts = [], [], []
         prompt_value = float(row.prompt_value)
         if use_prompt_value and not carries and not math.isnan(prompt_value):
@@ -186,7 +188,7 @@ def encode_labels(
     return examples, stats
 
 
-def _row_name(row) -> str:
+def label_row_name(row) -> str:
     """"label shard S row R (prompt_index=..., rollout_index=...)" when the frame has the ``shard`` and
     ``shard_row`` columns of the trainer, else the rollout's indices."""
     where = f"label shard {row.shard} row {row.shard_row} " if hasattr(row, "shard") else "label row "
@@ -274,14 +276,20 @@ def check_held_out(train_frame, eval_frame, note: Callable[[str], None]) -> None
              "training rollouts (their step prefixes overlap); the held-out metrics are optimistic for them")
 
 
-def read_examples(config: TrainConfig, tokenizer, note: Callable[[str], None]) -> tuple[list, list]:
-    """The encoded training and held-out rollouts (held out: --eval-labels, else a split by prompt)."""
+def read_frames(config: TrainConfig, note: Callable[[str], None]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The training and held-out label rows (held out: --eval-labels, else a split by prompt), each with the
+    ``shard`` and ``shard_row`` of its rows."""
     frame = with_origin(read_labels(config.labels), config.labels)
     if config.eval_labels:
         train_frame, eval_frame = frame, with_origin(read_labels(config.eval_labels), config.eval_labels)
         check_held_out(train_frame, eval_frame, note)
-    else:
-        train_frame, eval_frame = split_by_prompt(frame, config.held_out_fraction, config.seed)
+        return train_frame, eval_frame
+    return split_by_prompt(frame, config.held_out_fraction, config.seed)
+
+
+def read_examples(config: TrainConfig, tokenizer, note: Callable[[str], None]) -> tuple[list, list]:
+    """The encoded training and held-out rollouts (held out: --eval-labels, else a split by prompt)."""
+    train_frame, eval_frame = read_frames(config, note)
     encode = dict(max_length=config.max_length, best_of_k=config.best_of_k, use_prompt_value=config.use_prompt_value)
     train_examples, train_stats = encode_labels(train_frame, tokenizer, **encode)
     eval_examples = encode_labels(eval_frame, tokenizer, **encode)[0] if len(eval_frame) else []

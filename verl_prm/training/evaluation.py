@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -27,7 +28,10 @@ from verl_prm.training.losses import gather_step_logits
 from verl_prm.training.metrics import expected_calibration_error, mse, plot_reliability, value_metrics
 from verl_prm.training.run import TrainingRun, log_record
 
-__all__ = ["evaluate_examples", "auroc_note"]
+__all__ = ["evaluate_examples", "auroc_note", "calibrate_held_out", "check_calibration_labels"]
+
+REFIT_CALIBRATION = ("the checkpoint is written: rerun the same command with another --calibration (isotonic, none) "
+                     "to refit without training")
 
 
 @torch.inference_mode()
@@ -116,18 +120,28 @@ def finish_run(run: TrainingRun, last_checkpoint: Path | None, metrics: dict) ->
 
 def calibrate(run: TrainingRun, checkpoint: Path) -> tuple[dict, Path]:
     """Fit ``config.calibration`` on the final held-out values, write ``checkpoint/calibration.json`` and
-    ``reliability.png``; the held-out metrics of the calibrated values ("eval/calibrated_*": on the labels the
-    map was fitted on, and cross-fitted by prompt, :func:`~verl_prm.training.calibration.cross_fitted_values`)."""
-    method = run.config.calibration
-    predictions, targets = run.eval_values
-    weights = label_weights(np.concatenate([e.counts for e in run.eval_examples]))
-    prompts = np.concatenate([[e.prompt] * len(e.targets) for e in run.eval_examples])
+    ``reliability.png`` (:func:`calibrate_held_out`)."""
+    return calibrate_held_out(run.config.calibration, run.eval_values, run.eval_examples, checkpoint,
+                              run.output_dir, run.accelerator.print)
+
+
+def calibrate_held_out(method: str, eval_values: tuple[np.ndarray, np.ndarray], eval_examples: list[EncodedRollout],
+                       checkpoint: Path, plot_dir: Path, note: Callable[[str], None],
+                       refit: str = REFIT_CALIBRATION) -> tuple[dict, Path]:
+    """Fit calibration ``method`` on held-out ``(predictions, targets)`` (the labels of ``eval_examples``, in
+    order: their counts weigh them, their prompts group them), write ``checkpoint/calibration.json`` and
+    ``plot_dir/reliability.png``; the held-out metrics of the calibrated values ("eval/calibrated_*": on the
+    labels the map was fitted on, and cross-fitted by prompt,
+    :func:`~verl_prm.training.calibration.cross_fitted_values`). A map that cannot be fitted is a
+    CalibrationError ending with ``refit`` (what to do)."""
+    predictions, targets = eval_values
+    weights = label_weights(np.concatenate([e.counts for e in eval_examples]))
+    prompts = np.concatenate([[e.prompt] * len(e.targets) for e in eval_examples])
     try:
         calibration = fit_calibration(method, predictions, targets, weights, weights_digest(checkpoint))
     except CalibrationError as error:
         raise CalibrationError(f"verl-prm train: fitting the {method} calibration of {checkpoint} on the held-out "
-                               f"labels failed ({error}); the checkpoint is written: rerun the same command with "
-                               "another --calibration (isotonic, none) to refit without training") from None
+                               f"labels failed ({error}); {refit}") from None
     calibrated = calibration(predictions)
     metrics: dict = {"eval/calibration": method, "eval/calibration_labels": float(targets.size),
                      "eval/calibrated_ece": expected_calibration_error(calibrated, targets),
@@ -138,16 +152,15 @@ def calibrate(run: TrainingRun, checkpoint: Path) -> tuple[dict, Path]:
         metrics["eval/calibrated_mse_cross_fitted"] = mse(cross, targets)
     except CalibrationError as error:  # the map itself was fitted; only its out-of-sample estimate is missing
         metrics["eval/calibration_note"] = f"no cross-fitted estimate: {error}"
-        run.accelerator.print(f"verl-prm train: {metrics['eval/calibration_note']}")
+        note(f"verl-prm train: {metrics['eval/calibration_note']}")
     measured = {k.removeprefix("eval/"): v for k, v in metrics.items() if k != "eval/calibration"}
     calibration = replace(calibration, metrics={"ece": expected_calibration_error(predictions, targets), **measured})
     path = write_calibration(calibration, checkpoint)
-    plot = run.output_dir / "reliability.png"
+    plot = plot_dir / "reliability.png"
     plot_reliability(plot, {"raw": (predictions, targets), method: (calibrated, targets)},
                      title=f"held-out labels, {checkpoint.name}")
     cross_text = (f", cross-fitted {metrics['eval/calibrated_ece_cross_fitted']:.4f}"
                   if "eval/calibrated_ece_cross_fitted" in metrics else "")
-    run.accelerator.print(f"verl-prm train: {calibration.describe()}: held-out ECE "
-                          f"{calibration.metrics['ece']:.4f} -> {metrics['eval/calibrated_ece']:.4f}{cross_text}; "
-                          f"wrote {path} and {plot}")
+    note(f"verl-prm train: {calibration.describe()}: held-out ECE {calibration.metrics['ece']:.4f} -> "
+         f"{metrics['eval/calibrated_ece']:.4f}{cross_text}; wrote {path} and {plot}")
     return metrics, path

@@ -35,6 +35,9 @@ _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 _RESUME_FREE_KEYS = ("output_dir", "resume", "progress", "log_every", "eval_every", "eval_batch_size", "save_every",
                      "keep_checkpoints", "gradient_checkpointing", "calibration")
 
+# settings that checkpoints written before them lack, with the value those runs had
+_SETTINGS_ADDED_LATER = {"format": "value_head", "result_regex": None, "overwrite": False}
+
 
 def checkpoint_dirs(output_dir: Path) -> list[tuple[int, Path]]:
     """(step, path) of the ``checkpoint-<step>`` directories at the top of ``output_dir``, by step."""
@@ -201,7 +204,9 @@ def resume_point(config: TrainConfig, output_dir: Path, inputs: dict,
             raise ValueError(f"{output_dir} holds only damaged checkpoints ({', '.join(damaged)}; see the notes above): "
                              "rerun with --no-resume to set them aside and start over, or use a new --output-dir")
         return None, None
-    check_same_settings(state["config"], asdict(config), source=checkpoint, what="a checkpoint",
+    # a checkpoint written before these settings existed holds a value_head run, which has their defaults
+    saved = {**_SETTINGS_ADDED_LATER, **state["config"]}
+    check_same_settings(saved, asdict(config), source=checkpoint, what="a checkpoint",
                         fix="start over with --no-resume or a new --output-dir", ignore=_RESUME_FREE_KEYS)
     changes = _changed_inputs(state.get("inputs", {}), inputs)
     if changes:

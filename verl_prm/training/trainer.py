@@ -48,6 +48,7 @@ from verl_prm.training.model import tokenizer_and_model
 from verl_prm.training.optimisation import fit_head, make_optimizer, optimizer_step
 from verl_prm.training.resume import input_digests, resume_point, save_checkpoint, set_aside_earlier_run, trim_log
 from verl_prm.training.run import TrainingRun, log_record
+from verl_prm.training.token_logprob import fit_token_logprob_critic
 
 __all__ = ["train"]
 
@@ -57,8 +58,12 @@ def train(config: TrainConfig, *, on_step: Callable[[int, dict], None] | None = 
 
     ``on_step(step, record)`` is called after every optimizer step (tests use it to simulate a crash).
     The output directory is locked against a second writer (:mod:`verl_prm.locking`) by the main process
-    (``RANK`` 0 or unset under ``accelerate launch``/``torchrun``).
+    (``RANK`` 0 or unset under ``accelerate launch``/``torchrun``). ``config.format == "token_logprob"`` fits that
+    critic instead (:func:`~verl_prm.training.token_logprob.fit_token_logprob_critic`; one process, no lock: its
+    checkpoint directory is renamed into place whole).
     """
+    if config.format == "token_logprob":
+        return fit_token_logprob_critic(config)
     if os.environ.get("RANK", "0") != "0":
         return _train(config, on_step)
     with DirectoryLock(config.output_dir, "verl-prm train"):

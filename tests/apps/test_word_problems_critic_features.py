@@ -34,6 +34,26 @@ def test_result_spans_of_hand_written_steps(step, results):
         assert step[b:].split("\n")[0].strip() in ("", ".")
 
 
+@pytest.mark.parametrize("step", [
+    "He buys 15 more cards: 10 + 15 = 125.\n", "She loses 3 cookies: 3 - 3 = 0", "The answer is 1,250.",
+    "So the answer is 7\n", "He returns 20 back to the original 10.\n", "5 * 2 = 10 = 10.\n",
+    "7 - 2 = 5.\n5 * 2 = 10.\nThe answer is 10.", "3 + 4 =\n7.\n", "the ANSWER is $ 5 .  \n",
+    "The answer is 3 + 4 = 7", "He has 4 x 3 = 12 eggs.\n", "-2 + 5 = 3 .\t\nThe answer is -3",
+])
+def test_the_result_regex_claims_what_result_spans_claims(step):
+    """RESULT_REGEX (the token_logprob critic's --result-regex for the recipe) is result_spans' rule: the first
+    capture group that takes part in each match is a claimed result."""
+    import re
+
+    from studies.word_problems_critic_features import RESULT_REGEX, result_spans
+    from verl_prm.critic.token_logprob import result_span
+
+    assert [result_span(m) for m in re.finditer(RESULT_REGEX, step)] == result_spans(step)
+    for problem in PROBLEMS:  # every line of the reference solutions claims its result
+        solution = problem.solution()
+        assert [result_span(m) for m in re.finditer(RESULT_REGEX, solution)] == result_spans(solution) != []
+
+
 def test_overlapping_tokens_is_the_tokens_sharing_a_character():
     from studies.word_problems_critic_features import overlapping_tokens
 

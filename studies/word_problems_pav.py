@@ -16,7 +16,7 @@ prompt contains (none or several is an error naming the row). A held-out questio
 questions is an error: the test would be on training problems.
 
 Every held-out step (the labels' spans; the prompt value is no step) is scored by each ``--critic`` (a ``verl-prm
-train`` checkpoint, value_head format, or its output directory: the newest checkpoint) through
+train`` checkpoint, value_head or token_logprob format, or its output directory: the newest checkpoint) through
 ``verl_prm.critic.ProverCritic`` (``score_sequences`` on ``encode_with_step_ends`` of the labels' spans, as
 ``verl-prm train`` encodes them), raw values (no calibration map). Reported per critic, each AUROC with its
 bootstrap interval over problems (``verl_prm.training.metrics.grouped_bootstrap_auroc``):
@@ -123,13 +123,22 @@ def resolve_critic(path: Path) -> Path:
     return checkpoint
 
 
+def checkpoint_format(path: Path) -> str:
+    """The format of a ``verl-prm train`` checkpoint: ``token_logprob`` where its head file is there, else
+    ``value_head``."""
+    from verl_prm.critic.token_logprob_head import HEAD_JSON
+
+    return "token_logprob" if (path / HEAD_JSON).is_file() else "value_head"
+
+
 def critic_values(path: Path, frame: pd.DataFrame, device: str | None) -> tuple[np.ndarray, np.ndarray]:
     """The critic's raw values after every step of every row (flat, in row and step order) and of every row's
     bare prompt, read at the labels' spans (``encode_with_step_ends``, as ``verl-prm train`` encodes them)."""
     from verl_prm.critic import ProverCritic
     from verl_prm.steps import encode_with_step_ends
 
-    critic = ProverCritic.from_pretrained(str(path), format="value_head", device=device, calibration="none")
+    critic = ProverCritic.from_pretrained(str(path), format=checkpoint_format(path), device=device,
+                                          calibration="none")
     ids, prompt_ends, step_ends = [], [], []
     for row in frame.itertuples(index=False):
         encoded = encode_with_step_ends(critic.tokenizer, row.prompt, row.response,

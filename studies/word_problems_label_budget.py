@@ -16,8 +16,9 @@ problems and records the process CPU seconds per problem (``resource.getrusage``
 not the time other processes held the cores) and the sequences generated. ``compare`` fixes a budget, the CPU time
 of ``--budget-problems`` problems at the largest ``n_mc``, and for each ``n_mc`` takes as many problems as that
 budget pays for (``budget / cost(n_mc)``), their labels drawn from the ``n_mc = 4`` run's counts
-(``verl_prm.labeling.subsample``: the law of fresh continuations), trains the recipe's PAV on them (a value head
-on the policy's frozen backbone, Newton's method) and reports the held-out AUROC against ``prefix_correct`` and the
+(``verl_prm.labeling.subsample``: the law of fresh continuations), trains a PAV on them (format ``token_logprob``:
+a logistic head on the policy's own token log-probs, the critic that ranks these steps; docs/real_model.md) and
+reports the held-out AUROC against ``prefix_correct`` and the
 Monte-Carlo label with bootstrap intervals over problems (``studies.word_problems_pav``).
 """
 
@@ -34,6 +35,7 @@ from typing import Sequence
 import pyarrow.parquet as pq
 
 from studies import word_problems_pav as heldout
+from verl_prm.cli_types import finite_float
 
 SCORE_FUNCTION = "pkg://verl_prm.apps.word_problems.score:compute_score"
 
@@ -41,6 +43,21 @@ SCORE_FUNCTION = "pkg://verl_prm.apps.word_problems.score:compute_score"
 def cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def at_least(low: int):
+    """An argparse ``type``: an integer >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        return value
+
+    return parse
 
 
 def n_mc_list(text: str) -> list[int]:
@@ -143,10 +160,10 @@ def compare(args) -> dict:
         pq.write_table(rows_to_table(frame.drop(columns=[c for c in frame.columns if c.startswith("_")])
                                      .to_dict("records")), shard_dir / "shard-00000.parquet")
         critic_dir = out / f"pav_n{m}_p{problems}_s{args.seed}"
-        train(TrainConfig(labels=[str(shard_dir)], output_dir=str(critic_dir), init=str(Path(args.work_dir) / "policy"),
-                          freeze_backbone=True, head_fit="newton", max_steps=args.pav_steps, batch_size=16,
-                          eval_fraction=0.0, head_l2=args.l2, cpu=True, progress=False, calibration="none",
-                          seed=args.seed))
+        if not (critic_dir / "config.json").is_file():
+            train(TrainConfig(labels=[str(shard_dir)], output_dir=str(critic_dir),
+                              init=str(Path(args.work_dir) / "policy"), format="token_logprob", eval_fraction=0.0,
+                              head_l2=args.l2, cpu=True, progress=False, calibration="none", seed=args.seed))
         judged = heldout.run(argparse.Namespace(
             critic=[f"pav={critic_dir}"], export_critic=None, work_dir=Path(args.work_dir), labels=[shard_dir],
             eval_labels=args.eval_labels, out=out / f"heldout_n{m}_p{problems}_s{args.seed}", export_heldout=None,
@@ -167,20 +184,19 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     cost = sub.add_parser("cost", help="CPU seconds per labelled problem at each n_mc")
     cost.add_argument("--work-dir", required=True)
-    cost.add_argument("--problems", type=int, default=8)
+    cost.add_argument("--problems", type=at_least(1), default=8)
     cost.add_argument("--n-mc", type=n_mc_list, default=[1, 2, 4])
     cost.add_argument("--out", required=True)
     comp = sub.add_parser("compare", help="PAVs trained on label sets of equal CPU cost, judged on held-out problems")
     comp.add_argument("--work-dir", required=True)
     comp.add_argument("--labels", nargs="+", required=True)
     comp.add_argument("--eval-labels", nargs="+", required=True)
-    comp.add_argument("--budget-problems", type=int, required=True)
+    comp.add_argument("--budget-problems", type=at_least(1), required=True)
     comp.add_argument("--n-mc", type=n_mc_list, default=[1, 2, 4])
-    comp.add_argument("--pav-steps", type=int, default=50)
-    comp.add_argument("--l2", type=float, default=1.0)
-    comp.add_argument("--seed", type=int, default=0)
-    comp.add_argument("--resamples", type=int, default=2000)
-    comp.add_argument("--level", type=float, default=0.95)
+    comp.add_argument("--l2", type=finite_float(0.0), default=1.0, help="the head's ridge penalty (--head-l2)")
+    comp.add_argument("--seed", type=at_least(0), default=0)
+    comp.add_argument("--resamples", type=at_least(1), default=2000)
+    comp.add_argument("--level", type=finite_float(0.0, 1.0, low_open=True, high_open=True), default=0.95)
     comp.add_argument("--device", default="cpu")
     comp.add_argument("--out", required=True)
     return p

@@ -184,11 +184,13 @@ def test_hostile_programs_are_contained_and_scored_with_their_reason(tmp_path, m
     names = list(programs)
     try:
         for mode, column in (("bwrap", 1), ("basic", 2)):
-            # 5 s: four programs at a time, one a fork bomb (unconfined in basic mode), on a loaded 2-core machine
-            # pushed a quick program (parent_environ) past a 2 s limit; the sleep still outlasts 5 s
-            config = dataclasses.replace(HOSTILE, mode=mode, timeout_s=5.0)
+            config = dataclasses.replace(HOSTILE, mode=mode)
             started = time.perf_counter()
-            results = dict(zip(names, run_many([programs[n][0] for n in names], config, max_workers=4)))
+            # basic mode does not confine a fork bomb (no namespaces; RLIMIT_NPROC does not bind root): beside it the
+            # other programs starve past their 2 s limit on a loaded 2-core machine, so there it runs alone, after
+            together = [n for n in names if mode == "bwrap" or n != "fork_bomb"]
+            results = dict(zip(together, run_many([programs[n][0] for n in together], config, max_workers=4)))
+            results.update({n: run_program(programs[n][0], config) for n in names if n not in together})
             elapsed = time.perf_counter() - started
             for name in names:
                 result = results[name]

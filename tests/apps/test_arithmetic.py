@@ -201,16 +201,9 @@ def test_rl_stage_is_complete_only_when_every_run_is(tmp_path):
 
 
 def _compose(overrides):
-    import verl
-    from hydra import compose, initialize_config_dir
-    from verl.trainer.ppo.utils import need_critic, need_reference_policy
-    from verl.utils.config import validate_config
+    from verl_support import compose_validated
 
-    config_dir = str(Path(verl.__file__).resolve().parent / "trainer" / "config")
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        config = compose("ppo_trainer", overrides=overrides)
-    validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
-    return config
+    return compose_validated(overrides)
 
 
 @pytest.mark.parametrize("device,scale_name", [("cpu", "cpu"), ("cuda", "gpu")])

@@ -23,6 +23,17 @@ def compose_verl(overrides: list[str]):
         return compose("ppo_trainer", overrides=list(overrides))
 
 
+def compose_validated(overrides: list[str]):
+    """``compose_verl(overrides)`` checked by verl's own ``validate_config``, as main_ppo checks it before it
+    starts."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    config = compose_verl(overrides)
+    validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    return config
+
+
 def load_example(name: str):
     path = EXAMPLES / "data_preprocess" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"example_{name}", path)

@@ -217,3 +217,67 @@ def test_a_bad_request_is_refused_naming_it_before_any_generation(tiny_lm, bad, 
     with pytest.raises(ValueError, match=f"generation request 1: {message}"):
         engine.generate([good, GenerationRequest(**fields)])
     assert engine.stats.generated_tokens == 0
+
+
+# ---------------------------------------------------------------- fused projections and bf16 attention
+def _fresh_tiny_lm(seed: int = 1):
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         eos_token_id=EOS, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def test_fused_projections_compute_what_the_separate_modules_compute_and_follow_in_place_weight_updates():
+    from verl_prm.generation.fused_projections import fuse_projections
+
+    separate, fused = _fresh_tiny_lm(), _fresh_tiny_lm()
+    keys = {name: tensor.clone() for name, tensor in fused.state_dict().items()}
+    assert fuse_projections(fused) == 4  # q/k/v (with Qwen2's biases) and gate/up in each of 2 layers
+    assert {name: tensor for name, tensor in fused.state_dict().items()}.keys() == keys.keys()
+    assert all(torch.equal(fused.state_dict()[name], tensor) for name, tensor in keys.items())
+    ids = torch.tensor(prompts(3, seed=21)[0])[None]
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids).logits, separate(ids).logits, rtol=1e-5, atol=1e-5)
+        # the hf rollout's weight load: copy_ into the state dict's tensors, in place
+        other = _fresh_tiny_lm(seed=2)
+        for name, tensor in other.state_dict().items():
+            fused.state_dict()[name].copy_(tensor)
+        torch.testing.assert_close(fused(ids).logits, other(ids).logits, rtol=1e-5, atol=1e-5)
+    # with gradients on, each module computes with its own parameters: the same gradients as unfused
+    fused(ids).logits.square().mean().backward()
+    other(ids).logits.square().mean().backward()
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight",
+                 "model.layers.0.self_attn.v_proj.bias"):
+        torch.testing.assert_close(fused.get_parameter(name).grad, other.get_parameter(name).grad)
+    # weights replaced rather than written in place: fuse_projections restacks them
+    with torch.no_grad():
+        fused.model.layers[0].mlp.gate_proj.weight = torch.nn.Parameter(torch.zeros_like(
+            fused.model.layers[0].mlp.gate_proj.weight))
+        other.model.layers[0].mlp.gate_proj.weight.zero_()
+        assert fuse_projections(fused) == 4
+        torch.testing.assert_close(fused(ids).logits, other(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_attention_equals_transformers_eager_attention_with_padding_and_grouped_heads():
+    """The bf16 path (PyTorch's SDPA on the cache's views) against transformers' own ``eager_attention_forward``
+    (``repeat_kv``, float32 softmax) on the same bf16 inputs; keys and values are views of a longer buffer, as the
+    engine's cache hands them over, and the mask pads the first positions of one row."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    from verl_prm.generation.attention import grouped_query_attention
+
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, dim, length = 3, 6, 2, 16, 11
+    buffer = torch.randn(2, batch, kv_heads, length + 5, dim, generator=generator).to(torch.bfloat16)
+    key, value = buffer[0, :, :, :length], buffer[1, :, :, :length]
+    for queries in (1, 4):
+        query = torch.randn(batch, heads, queries, dim, generator=generator).to(torch.bfloat16)
+        mask = torch.zeros(batch, 1, queries, length + 5, dtype=torch.bfloat16)
+        mask[1, :, :, :4] = torch.finfo(torch.bfloat16).min  # row 1: four padding positions
+        module = torch.nn.Module()
+        module.num_key_value_groups, module.training = heads // kv_heads, False
+        expected, _ = eager_attention_forward(module, query, key, value, mask[..., :length], scaling=dim ** -0.5)
+        out, _ = grouped_query_attention(module, query, key, value, mask, scaling=dim ** -0.5)
+        assert out.shape == expected.shape == (batch, queries, heads, dim) and out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)

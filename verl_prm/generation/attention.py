@@ -9,13 +9,19 @@ group::
     out = p v -> [B, q, H, D]                                                    (G = H / H_kv)
 
 which is exactly eager attention (query head h reads key/value head h // G, as ``repeat_kv`` lays them out),
-softmax in float32 included. Registered in transformers' ``AttentionInterface`` as ``"verl_prm_gqa"`` with
+softmax in float32 included. That is the float32 path. In bfloat16 the CPU's batched matrix product copies the
+cache's keys and values (views of a longer buffer) into contiguous memory at every layer and step, which cost more
+than the attention itself; PyTorch's fused SDPA kernel reads the views in place and stacks the query heads of a
+group the same way (``enable_gqa``), with its softmax accumulated in float32 (SmolLM2-135M, 32 rows, 180 cached
+tokens, one thread of an AMX Xeon, a layer's attention: bf16 0.73 ms against 2.3 ms; float32 1.2 against 1.1 ms,
+hence the grouped product there). Registered in transformers' ``AttentionInterface`` as ``"verl_prm_gqa"`` with
 eager attention's additive mask.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
@@ -29,6 +35,11 @@ def grouped_query_attention(module, query: torch.Tensor, key: torch.Tensor, valu
     """transformers' attention signature (module docstring); returns ``(out [B, q, H, D], None)``."""
     batch, heads, queries, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
+    if query.dtype != torch.float32:
+        mask = None if attention_mask is None else attention_mask[:, :, :, :length]
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                             enable_gqa=heads != kv_heads)
+        return out.transpose(1, 2).contiguous(), None
     group = heads // kv_heads
     stacked = query.reshape(batch, kv_heads, group * queries, dim)
     scores = torch.matmul(stacked, key.transpose(2, 3)) * scaling                 # [B, H_kv, G*q, L]

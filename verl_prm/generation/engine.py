@@ -11,6 +11,8 @@ What it adds over calling ``model.generate`` per batch:
   token, PyTorch's CPU SDPA kernel is the slowest part of a decode step (SmolLM2-135M, 32 rows: a step 152 ms
   with SDPA, 105 ms with transformers' eager attention, which still copies every key/value head per query
   head); compiling the decode step did not pay (51 s to compile, no faster step).
+- **Same-input projections as one product** (:mod:`verl_prm.generation.fused_projections`): a Llama-style layer's
+  q/k/v and gate/up projections, whose thin decode-step products run far below the CPU's peak one by one.
 - **Prompts of different lengths in one batch.** Distinct prompts are prefilled together in groups of similar
   length (padding at most a quarter of a group's tokens), then placed right-aligned in the batch's cache; decode
   steps run the whole batch with each row's own positions and a padding mask. Rows that finish leave the batch
@@ -37,6 +39,7 @@ from transformers import AutoModelForCausalLM
 
 from verl_prm.checkpoints import from_pretrained_kwargs, resolve_checkpoint
 from verl_prm.generation.attention import register_attention
+from verl_prm.generation.fused_projections import fuse_projections
 from verl_prm.generation.kv_cache import preallocated_cache
 from verl_prm.generation.prefix_cache import PrefixCache
 from verl_prm.generation.sampling import sample_next_tokens, sampled_log_probs
@@ -145,6 +148,7 @@ class GenerationEngine:
         self.model = model.eval()
         if next(model.parameters()).device.type == "cpu":
             model.set_attn_implementation(register_attention())  # faster than CPU SDPA (module docstring)
+            fuse_projections(model)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_batch_size = max_batch_size
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
@@ -163,8 +167,11 @@ class GenerationEngine:
         return cls(model, **kwargs)
 
     def weights_changed(self) -> None:
-        """Forget cached prefixes: they were computed with the old weights."""
+        """Forget cached prefixes: they were computed with the old weights (and restack projections whose weights
+        were replaced rather than written in place)."""
         self.prefix_cache.clear()
+        if self.device.type == "cpu":
+            fuse_projections(self.model)
 
     # ------------------------------------------------------------------ public
     @torch.inference_mode()

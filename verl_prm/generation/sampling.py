@@ -8,10 +8,12 @@ of transformers' ``TemperatureLogitsWarper`` -> ``TopKLogitsWarper`` -> ``TopPLo
 - top-p p < 1: sort ascending, drop the tokens whose cumulative probability is <= 1 - p, always keep the most
   probable one; p = 1 is off.
 
-A token is then drawn from softmax(warped logits) with the exponential race ("Gumbel-max" in its exponential
-form): ``argmax_v p_v / E_v`` with ``E_v ~ Exp(1)`` i.i.d. is distributed as ``Categorical(p)``. The noise of each
-row comes from that row's own ``torch.Generator`` when it has one, so a seeded request draws the same tokens
-whichever batch it shares.
+A token is then drawn from ``p = softmax(warped logits)`` by inversion: with ``C_v = p_1 + ... + p_v`` (float64)
+and one ``U ~ U[0, 1)`` per row, the token is the first ``v`` with ``C_v > U * C_V``, which is ``v`` with
+probability ``p_v`` exactly (up to float32 ``p``), and never a removed token (``p_v = 0`` adds nothing to ``C``). The
+exponential race (``argmax_v p_v / E_v``) is exact too but needs a random number per vocabulary entry: 49,152 of them
+per row and step for SmolLM2, a fifth of a bf16 decode step on the CPU. ``U`` comes from the row's own
+``torch.Generator`` when it has one, so a seeded request draws the same tokens whichever batch it shares.
 """
 
 from __future__ import annotations
@@ -54,17 +56,22 @@ def sample_next_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
     """One token per row ``[B]`` (long) from raw logits ``[B, V]`` under each row's settings (module docstring)."""
     logits = logits.float()
     greedy = temperature <= 0
+    if bool(greedy.all()):
+        return torch.argmax(logits, dim=-1)
     warped = warp_logits(logits, temperature, top_k, top_p)
-    uniform = torch.empty_like(warped)
+    uniform = torch.empty(warped.shape[0], dtype=torch.float64, device=warped.device)
     unseeded = [row for row, generator in enumerate(generators) if generator is None]
     if unseeded:
-        uniform[unseeded] = torch.rand((len(unseeded), warped.shape[-1]), dtype=warped.dtype, device=warped.device)
+        uniform[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, device=warped.device)
     for row, generator in enumerate(generators):
         if generator is not None:
-            uniform[row] = torch.rand(warped.shape[-1], generator=generator, dtype=warped.dtype, device=warped.device)
-    exponential = -torch.log1p(-uniform)  # E = -log(1 - U) ~ Exp(1) for U ~ U[0, 1) (rand is 6x faster than exponential_)
-    # argmax p/E = argmax (log p - log E); the softmax's normaliser is shared by a row and drops out
-    sampled = torch.argmax(warped - exponential.log(), dim=-1)
+            uniform[row] = torch.rand(1, generator=generator, dtype=torch.float64, device=warped.device)[0]
+    cumulative = torch.softmax(warped, dim=-1).double().cumsum_(dim=-1)           # C_v, [B, V]
+    threshold = uniform * cumulative[:, -1]
+    sampled = torch.searchsorted(cumulative, threshold[:, None], right=True).squeeze(-1)
+    sampled = sampled.clamp_(max=warped.shape[-1] - 1)  # U * C_V < C_V: only rounding could reach past the end
+    if not bool(greedy.any()):
+        return sampled
     return torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
 
 

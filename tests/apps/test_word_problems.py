@@ -336,3 +336,48 @@ def test_count_problems_is_every_question_the_generator_can_draw():
     with pytest.raises(ValueError, match="could not draw 2401 distinct problems .* it has only 2400 distinct"):
         generate_problems(2401, TaskConfig(min_steps=1, max_steps=1, max_start=5, max_amount=2, operations=("add",)),
                           seed=0)
+
+
+def test_search_study_on_the_tiny_run_reports_the_tokens_to_reach_majority_vote_and_resumes(tiny_run, tmp_path):
+    from dataclasses import replace
+
+    from studies import word_problems_search as study
+
+    _, config, work, records, _ = tiny_run
+    config = replace(config, best_of_n=(1, 2, 8), beam_widths=(1,))
+    pav, orm = records["pav"]["outputs"]["checkpoint"], records["orm"]["outputs"]["checkpoint"]
+    export = tmp_path / "docs" / "search.json"
+    result = study.run(config, work, pav, orm, tmp_path / "out", export=export, log=lambda line: None)
+    rows = result["rows"]
+    assert [(r["method"], r["n"]) for r in rows] == [
+        (m, n) for n in (1, 2, 8) for m in ("majority_vote", "best_of_n_orm", "best_of_n_pav")] + [("beam_pav", 1)]
+    vote = next(r for r in rows if (r["method"], r["n"]) == ("majority_vote", 8))
+    assert result["target"]["accuracy"] == vote["accuracy"]
+    assert result["tokens_to_reach_target"]["majority_vote"] == study.tokens_to_reach(
+        rows, "majority_vote", vote["accuracy"]) <= vote["tokens_per_problem"]
+    assert json.loads(export.read_text()) == json.loads((tmp_path / "out" / "results.json").read_text())
+    assert (tmp_path / "out" / "search.png").stat().st_size > 0
+    # a rerun keeps every row; other settings are refused naming the file
+    (tmp_path / "out" / "rows.partial.json").write_text(json.dumps({"settings": result["settings"], "rows": rows}))
+    lines: list[str] = []
+    assert study.run(config, work, pav, orm, tmp_path / "out", log=lines.append)["rows"] == rows
+    assert all(line.endswith("(kept)") for line in lines if "N=" in line)
+    (tmp_path / "out" / "rows.partial.json").write_text(json.dumps({"settings": result["settings"], "rows": rows}))
+    with pytest.raises(ValueError, match="rows.partial.json holds search rows made with other settings"):
+        study.run(replace(config, alpha=0.25), work, pav, orm, tmp_path / "out", log=lambda line: None)
+    with pytest.raises(ValueError, match="needs 8 among them"):
+        study.run(replace(config, best_of_n=(1, 2)), work, pav, orm, tmp_path / "out")
+    with pytest.raises(FileNotFoundError, match="the recipe's data stage is not complete"):
+        study.run(config, tmp_path / "empty", pav, orm, tmp_path / "out2")
+
+
+def test_tokens_to_reach_interpolates_between_the_budgets_around_the_target():
+    from studies.word_problems_search import summary, tokens_to_reach
+
+    rows = [{"method": "beam_pav", "n": n, "accuracy": a, "tokens_per_problem": t, "stderr": 0.0, "problems": 9}
+            for n, a, t in ((1, 0.2, 50.0), (2, 0.4, 100.0), (4, 0.6, 300.0))]
+    assert tokens_to_reach(rows, "beam_pav", 0.5) == pytest.approx(200.0)  # halfway from 100 to 300 tokens
+    assert tokens_to_reach(rows, "beam_pav", 0.1) == 50.0                   # the smallest budget already there
+    assert tokens_to_reach(rows, "beam_pav", 0.7) is None
+    with pytest.raises(ValueError, match="no majority_vote row at N = 8"):
+        summary(rows)

@@ -326,25 +326,40 @@ def stage_orm(stage: Stage, config: RecipeConfig, root: Path, progress: bool) ->
     return stage_value_head(stage, config, root, labels, progress)
 
 
-def stage_search(stage: Stage, config: RecipeConfig, root: Path, pav: str, orm: str, log) -> dict:
-    """Majority vote, best-of-N by the ORM and by the PAV, and PAV beam search on the first ``search_problems``
-    test problems (:func:`.search.compare_at_budgets`)."""
-    from verl_prm.apps.word_problems.search import compare_at_budgets, markdown_table
-    from verl_prm.critic import ProverCritic
+def search_sampler(config: RecipeConfig, root: Path, problems: Sequence[Problem], shots: Sequence[Problem]):
+    """The policy's step sampler over ``problems`` (the search stage's settings: temperature 1, steps of at most
+    ``max_new_tokens``), its prompts rendered as the label stage renders them."""
     from verl_prm.labeling.inputs import render_prompt
-    from verl_prm.search import CachedCritic
-    from verl_prm.resume import write_settings
-    from verl_prm.search.generation import HFStepSampler, TextCritic
+    from verl_prm.search.generation import HFStepSampler
 
-    splits = split_problems(config)
-    problems = splits["test"][: config.search_problems]
     sampler = HFStepSampler.from_pretrained(policy_path(config, root), [], device="cpu", delimiter=STEP_DELIMITER,
                                             max_step_tokens=config.max_new_tokens,
                                             max_response_tokens=config.max_new_tokens, temperature=1.0,
                                             batch_size=config.generation_batch_size)
-    sampler.prompts = [render_prompt(prompt_messages(p, splits["shots"]), sampler.tokenizer) for p in problems]
-    critics = {name: CachedCritic(TextCritic(ProverCritic.from_pretrained(path, device="cpu"), sampler.prompts), name)
-               for name, path in (("pav", pav), ("orm", orm))}
+    sampler.prompts = [render_prompt(prompt_messages(p, shots), sampler.tokenizer) for p in problems]
+    return sampler
+
+
+def search_critic(path: str, sampler, name: str, format: str = "value_head"):
+    """A critic checkpoint reading the sampler's prompts and step texts, its values cached per prefix."""
+    from verl_prm.critic import ProverCritic
+    from verl_prm.search import CachedCritic
+    from verl_prm.search.generation import TextCritic
+
+    return CachedCritic(TextCritic(ProverCritic.from_pretrained(path, device="cpu", format=format),
+                                   sampler.prompts), name)
+
+
+def stage_search(stage: Stage, config: RecipeConfig, root: Path, pav: str, orm: str, log) -> dict:
+    """Majority vote, best-of-N by the ORM and by the PAV, and PAV beam search on the first ``search_problems``
+    test problems (:func:`.search.compare_at_budgets`)."""
+    from verl_prm.apps.word_problems.search import compare_at_budgets, markdown_table
+    from verl_prm.resume import write_settings
+
+    splits = split_problems(config)
+    problems = splits["test"][: config.search_problems]
+    sampler = search_sampler(config, root, problems, splits["shots"])
+    critics = {name: search_critic(path, sampler, name) for name, path in (("pav", pav), ("orm", orm))}
     stage.path.mkdir(parents=True, exist_ok=True)
     partial = stage.path / "rows.partial.json"
     finished = read_partial_rows(partial, stage.settings)

@@ -112,16 +112,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--alpha", type=finite_float(0.0), default=0.5)
     p.add_argument("--best-of-k", type=int, default=4)
     p.add_argument("--pav-rank", default="min")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--export", type=Path, default=None, help="also write the rows and the summary here (JSON)")
     return p
 
 
-def run(config, work_dir: Path, pav: Path, orm: Path, out: Path, *, export: Optional[Path] = None,
-        log=print) -> dict:
-    """The study on the recipe ``config``'s work directory (its data and SFT stages complete), searching its first
-    ``config.search_problems`` test problems with the search settings of ``config``; returns what results.json
-    holds."""
+def run(config, work_dir: Path, pav: Path, orm: Path, out: Path, *, threads: int = 1,
+        export: Optional[Path] = None, log=print) -> dict:
+    """The study on the recipe ``config``'s work directory (its data and SFT stages complete, made with ``config``'s
+    settings), searching its first ``config.search_problems`` test problems with the search settings of ``config``
+    on ``threads`` torch threads (not a setting of the results); returns what results.json holds."""
     import torch
 
     from studies.word_problems_pav import checkpoint_format, resolve_critic
@@ -146,7 +146,7 @@ def run(config, work_dir: Path, pav: Path, orm: Path, out: Path, *, export: Opti
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     previous = torch.get_num_threads()
-    torch.set_num_threads(config.threads)
+    torch.set_num_threads(threads)
     try:
         with DirectoryLock(out, "word-problem search study"):
             partial = out / "rows.partial.json"
@@ -182,8 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = replace(SCALES["cpu"], test_problems=args.test_problems, search_problems=args.problems,
                      best_of_n=tuple(args.best_of_n), beam_widths=tuple(args.beam_widths),
                      samples_per_beam=args.samples_per_beam, alpha=args.alpha, best_of_k=args.best_of_k,
-                     pav_rank=args.pav_rank, threads=args.threads)  # the config checks every bound
-    result = run(config, args.work_dir, args.pav, args.orm, args.out, export=args.export,
+                     pav_rank=args.pav_rank)  # the config checks every bound
+    result = run(config, args.work_dir, args.pav, args.orm, args.out, threads=args.threads, export=args.export,
                  log=lambda message: print(message, flush=True))
     print(report(result["rows"], result))
     return 0

@@ -1037,3 +1037,21 @@ def test_a_critic_tokenizes_as_its_saved_tokenizer_not_as_its_model_type_says(tm
     with caplog.at_level("WARNING"):
         again = ProverCritic.from_pretrained(str(consistent), device="cpu")
     assert "differ from the saved tokenizer.json" not in caplog.text and type(again.tokenizer) is type(reloaded)
+
+
+def test_score_texts_gives_steps_that_end_in_one_critic_token_the_value_read_there(checkpoints):
+    """With the delimiter " ", the steps "x " and "the" of "x the" both end in the critic token " the" (the space of
+    the first is inside it): score_texts reads that token once and both steps get its value, with a warning, where
+    it used to raise `step_ends[1]=k must lie in (k, k + 1)` (a sampled response can hold such steps)."""
+    critic = load_critic("value_head", checkpoints["value_head"])
+    tokenizer = critic.tokenizer
+    word = next(w for w in ("the", "he", "in", "an", "is", "of", "to", "and")
+                if tokenizer.convert_ids_to_tokens(tokenizer.encode("x " + w, add_special_tokens=False)) == ["x", "Ġ" + w])
+    with pytest.warns(UserWarning, match=rf"score_texts: sample 0: step 1 \('{word}'\) ends in the critic token that "
+                                         r"also ends step 0; both get the value read there"):
+        merged = critic.score_texts(["Question?\n", "Question?\n"], ["x " + word, "x"], delimiter=" ")
+    one_step = critic.score_texts(["Question?\n", "Question?\n"], ["x " + word, "x"], delimiter="\n")
+    assert merged.num_steps.tolist() == [2, 1] and one_step.num_steps.tolist() == [1, 1]
+    assert merged.step_values[0, 0] == merged.step_values[0, 1]
+    torch.testing.assert_close(merged.step_values[:, :1], one_step.step_values[:, :1])  # read at " the" and "x"
+    torch.testing.assert_close(merged.prompt_values, one_step.prompt_values)

@@ -285,7 +285,7 @@ def test_cache_scores_only_the_longest_of_nested_prefixes():
 
 # ------------------------------------------------------------------------------------------------ steps sharing a critic token
 def test_merge_shared_step_ends_by_hand():
-    from verl_prm.search.generation import merge_shared_step_ends
+    from verl_prm.steps import merge_shared_step_ends
 
     assert merge_shared_step_ends([5, 7, 7, 9, 9, 9, 12]) == ([5, 7, 9, 12], [0, 1, 1, 2, 2, 2, 3])
     assert merge_shared_step_ends([3, 4]) == ([3, 4], [0, 1])

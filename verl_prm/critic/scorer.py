@@ -14,9 +14,11 @@ order.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import functools
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
@@ -42,7 +44,8 @@ from verl_prm.critic.packing import (
 )
 from verl_prm.critic.sequences import aligned_sequences, decode_prompts, decode_segments, policy_sequences
 from verl_prm.critic.text_input import TextInput, text_flags
-from verl_prm.steps import align_to_critic, encode_with_step_ends, same_tokenizer, step_char_spans
+from verl_prm.steps import (align_to_critic, encode_with_step_ends, merge_shared_step_ends, same_tokenizer,
+                            step_char_spans)
 from verl_prm.training.calibration import Calibration, checkpoint_calibration
 
 logger = logging.getLogger(__name__)
@@ -258,7 +261,8 @@ class ProverCritic:
         Steps are split with ``verl_prm.steps.step_char_spans`` (``delimiter`` or ``regex``). A text format (the
         public PRMs) builds its authors' input from the prompt and the step texts; the others tokenise prompt
         and response separately and concatenate them (``encode_with_step_ends``); v_h is read at the token that
-        holds step h's last character (or at the marker after it).
+        holds step h's last character (or at the marker after it). Steps that end in the same critic token (a step
+        inside the token that ends the one before it) both get the value read there, with a warning.
 
         Returns:
             CriticScores with prompt_values [B], step_values [B, max H], num_steps [B].
@@ -269,14 +273,31 @@ class ProverCritic:
             step_texts = [[response[a:e] for a, e in step_char_spans(response, delimiter, regex=regex,
                                                                      max_steps=max_steps)] for response in responses]
             return self._score_step_texts(list(prompts), step_texts, None, 0)
-        input_ids, prompt_ends, step_ends = [], [], []
-        for prompt, response in zip(prompts, responses):
+        input_ids, prompt_ends, reads, read_of_step = [], [], [], []
+        for sample, (prompt, response) in enumerate(zip(prompts, responses)):
             spans = step_char_spans(response, delimiter, regex=regex, max_steps=max_steps)
-            encoded = encode_with_step_ends(self.tokenizer, prompt, response, spans)
+            encoded = encode_with_step_ends(self.tokenizer, prompt, response, spans, sample=sample)
+            sample_reads, sample_read_of_step = merge_shared_step_ends([int(e) for e in encoded.step_ends])
+            if len(sample_reads) < len(sample_read_of_step):
+                h = next(h for h in range(1, len(spans)) if sample_read_of_step[h] == sample_read_of_step[h - 1])
+                warnings.warn(f"score_texts: sample {sample}: step {h} ({response[spans[h][0]:spans[h][1]]!r}) ends in "
+                              f"the critic token that also ends step {h - 1}; both get the value read there. Use a "
+                              "delimiter that the critic's tokenizer keeps apart from the next step's text to avoid "
+                              "it", stacklevel=2)
             input_ids.append(list(encoded.input_ids))
             prompt_ends.append(int(encoded.prompt_end))
-            step_ends.append([int(e) for e in encoded.step_ends])
-        return self.score_sequences(input_ids, prompt_ends, step_ends)
+            reads.append(sample_reads)
+            read_of_step.append(sample_read_of_step)
+        scores = self.score_sequences(input_ids, prompt_ends, reads)
+        if all(len(r) == len(s) for r, s in zip(reads, read_of_step)):
+            return scores
+        # steps that share a critic token: each step gets the value read at its token
+        width = max(len(s) for s in read_of_step)
+        step_values = torch.zeros((len(read_of_step), width), dtype=scores.step_values.dtype)
+        for b, steps in enumerate(read_of_step):
+            step_values[b, : len(steps)] = scores.step_values[b, steps]
+        num_steps = torch.tensor([len(s) for s in read_of_step], dtype=scores.num_steps.dtype)
+        return dataclasses.replace(scores, step_values=step_values, num_steps=num_steps)
 
     def score_sequences(
         self,

@@ -34,7 +34,7 @@ from verl_prm.generation import GenerationEngine, GenerationRequest
 from verl_prm.precision import resolve_dtype
 from verl_prm.search import Node, StepSample
 from verl_prm.special_tokens import ensure_pad_token, policy_eos_token_ids
-from verl_prm.steps import encode_with_step_ends, step_char_spans
+from verl_prm.steps import encode_with_step_ends, merge_shared_step_ends, step_char_spans
 
 __all__ = [
     "HFStepSampler",
@@ -42,7 +42,6 @@ __all__ = [
     "VLLMStepSampler",
     "delimiter_regex",
     "first_step_end",
-    "merge_shared_step_ends",
     "split_response",
     "text_critic_factory",
 ]
@@ -311,33 +310,6 @@ class VLLMStepSampler:
                   num_tokens=len(out.token_ids)) for out in request.outputs]
             for p, request in zip(problems, outputs)
         ]
-
-
-def merge_shared_step_ends(step_ends: Sequence[int]) -> tuple[list[int], list[int]]:
-    """Distinct critic read positions of a node's steps, and which one each step reads.
-
-    Step ends come from ``encode_with_step_ends`` and never decrease; two consecutive steps share an end when
-    every character of the later one lies in the critic token that holds the earlier one's last character
-    (``--delimiter ' '``: the step "y" after "x " inside the critic token " y"; or a step cut by
-    ``--max-step-tokens`` inside a critic token). Such steps are merged, as ``verl_prm.steps`` merges them: the
-    critic reads one value at the shared token and both steps get it (the later step's progress is 0).
-
-    Returns:
-        ``(reads, read_of_step)``: strictly increasing positions, and for step h the index into ``reads``
-        (``step_ends[h] == reads[read_of_step[h]]``).
-
-    Raises:
-        ValueError: decreasing step ends (not an output of ``encode_with_step_ends``).
-    """
-    reads: list[int] = []
-    read_of_step: list[int] = []
-    for h, end in enumerate(step_ends):
-        if reads and end < reads[-1]:
-            raise ValueError(f"step_ends[{h}]={end} is before step_ends[{h - 1}]={reads[-1]}: step ends must not decrease")
-        if not reads or end > reads[-1]:
-            reads.append(int(end))
-        read_of_step.append(len(reads) - 1)
-    return reads, read_of_step
 
 
 class TextCritic:

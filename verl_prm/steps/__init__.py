@@ -66,10 +66,11 @@ Modules (everything below is importable from ``verl_prm.steps`` itself):
 * ``tables``: per-tokenizer tables (special ids; the id->bytes table of byte-level tokenizers);
 * ``decoding``: `decode_with_char_ends` (token -> text with the character end of every token);
 * ``tokens``: the step tensors (`split_steps`, `steps_at_char_ends`, fixed-size steps);
-* ``alignment``: the critic side (`encode_with_step_ends`, `same_tokenizer`, `align_to_critic`).
+* ``alignment``: the critic side (`encode_with_step_ends`, `merge_shared_step_ends`, `same_tokenizer`,
+  `align_to_critic`).
 """
 
-from verl_prm.steps.alignment import align_to_critic, encode_with_step_ends, same_tokenizer
+from verl_prm.steps.alignment import align_to_critic, encode_with_step_ends, merge_shared_step_ends, same_tokenizer
 from verl_prm.steps.decoding import decode_with_char_ends
 from verl_prm.steps.results import DEFAULT_DELIMITER, DecodedResponses, EncodedSteps, StepSplit
 from verl_prm.steps.text import step_char_spans
@@ -83,6 +84,7 @@ __all__ = [
     "align_to_critic",
     "decode_with_char_ends",
     "encode_with_step_ends",
+    "merge_shared_step_ends",
     "same_tokenizer",
     "split_steps",
     "step_char_spans",

@@ -312,17 +312,10 @@ def stage_value_head(stage: Stage, config: RecipeConfig, root: Path, labels: Pat
 def stage_orm(stage: Stage, config: RecipeConfig, root: Path, progress: bool) -> dict:
     """The outcome verifier: :func:`stage_value_head` on the label rollouts with every step labelled by the
     rollout's outcome (:func:`.search.outcome_labels`)."""
-    import pyarrow.parquet as pq
-
-    from verl_prm.apps.word_problems.search import outcome_labels
-    from verl_prm.labeling.format import read_labels, rows_to_table
-    from verl_prm.labeling.inputs import plain_python
+    from verl_prm.apps.word_problems.search import write_outcome_labels
 
     labels = stage.path / "outcome_labels"
-    labels.mkdir(parents=True, exist_ok=True)
-    frame = outcome_labels(read_labels(root / "labels"))
-    pq.write_table(rows_to_table([plain_python(r) for r in frame.to_dict(orient="records")]),
-                   labels / "outcome.parquet")
+    write_outcome_labels(root / "labels", labels)
     return stage_value_head(stage, config, root, labels, progress)
 
 

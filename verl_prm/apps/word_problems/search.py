@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 import pandas as pd
 
-__all__ = ["accuracy_summary", "majority_vote", "outcome_labels"]
+__all__ = ["accuracy_summary", "majority_vote", "outcome_labels", "write_outcome_labels"]
 
 
 def majority_vote(answers: Sequence[Optional[int]]) -> Optional[int]:
@@ -63,6 +64,22 @@ def outcome_labels(frame: pd.DataFrame) -> pd.DataFrame:
     out["prompt_n_mc"] = 0
     out["source"] = "outcome"
     return out
+
+
+def write_outcome_labels(labels: str | Path, out: str | Path) -> Path:
+    """:func:`outcome_labels` of the label shards in ``labels`` written as one shard, ``out/outcome.parquet`` (the
+    training data of an outcome verifier: ``verl-prm train --labels out``); returns its path."""
+    import pyarrow.parquet as pq
+
+    from verl_prm.labeling.format import read_labels, rows_to_table
+    from verl_prm.labeling.inputs import plain_python
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    frame = outcome_labels(read_labels(labels))
+    path = out / "outcome.parquet"
+    pq.write_table(rows_to_table([plain_python(r) for r in frame.to_dict(orient="records")]), path)
+    return path
 
 
 def sampled_answers(problems, sampler, n: int, seed: int) -> tuple[list[list], list[list[Optional[int]]]]:

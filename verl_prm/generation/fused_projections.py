@@ -2,7 +2,8 @@
 
 A decode step multiplies a few rows (one token per sequence) by every weight matrix of the model; on the CPU such
 thin products run far below the machine's peak, and the fewer and wider they are, the better (SmolLM2-135M, 32
-rows, bf16 on an AMX Xeon, one thread: a layer's seven projections 2.4 ms, the same work as four products 1.3-1.5 ms).
+rows, bf16 on an AMX Xeon, one thread: a layer's seven projections 2.4 ms, the same work as four products
+1.3-1.5 ms).
 Llama-style layers compute ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)`` and ``gate_proj(x)``, ``up_proj(x)`` from one
 ``x`` each, so each group is computed as one product with the group's weights stacked::
 

@@ -154,6 +154,8 @@ def compare_at_budgets(problems, sampler, pav, orm, *, best_of_n: Sequence[int],
         for key in best_of_n_keys:
             add(kept[key], new=False)
     else:
+        log(f"[word-problems] search: sampling {max(best_of_n)} responses for each of {len(problems)} problems, "
+            "then ranking them")
         nodes, answers = sampled_answers(problems, sampler, max(best_of_n), seed)
         for n in sorted(best_of_n):
             tokens = [sum(node.num_tokens for node in group[:n]) for group in nodes]
@@ -168,6 +170,7 @@ def compare_at_budgets(problems, sampler, pav, orm, *, best_of_n: Sequence[int],
         if ("beam_pav", width) in kept:
             add(kept[("beam_pav", width)], new=False)
             continue
+        log(f"[word-problems] search: beam search of width {width} on {len(problems)} problems")
         config = BeamConfig(beam_width=width, samples_per_beam=samples_per_beam, alpha=alpha, best_of_k=best_of_k,
                             max_steps=max_steps, seed=seed)
         results = beam_search(list(range(len(problems))), sampler, pav, None, config)

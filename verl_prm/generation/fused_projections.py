@@ -11,10 +11,10 @@ Llama-style layers compute ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)`` and ``gat
 
 The modules stay as they are (their names, parameters and state dict): each one's weight becomes a view of the
 stacked matrix, so an in-place weight update (``copy_`` into the state dict, as the ``hf`` rollout loads the actor's
-weights) updates the stacked matrix too, and each module's ``forward`` returns its slice of the group's product. A
-module called with another input than its group's first (or a group whose weights were replaced rather than
-written in place: :func:`fuse_projections` again restacks) computes its own product as before, and so does every
-call with gradients on (the stacked product is for inference).
+weights) updates the stacked matrix too, and each module's ``forward`` returns its slice of the group's product,
+computed at the first member's call and again whenever a member is called with another input or a second time.
+Weights replaced rather than written in place are restacked by calling :func:`fuse_projections` again; a call with
+gradients on computes the module's own product (the stacked product is for inference).
 """
 
 from __future__ import annotations

@@ -58,3 +58,8 @@ def test_bench_generate_runs_every_measurement_and_reports_ratios(tmp_path, bpe_
     assert int(reuse[1]) < int(none[1]) <= int(plain[1]) and int(reuse[2]) > 0
     assert int(reuse[1]) + int(reuse[2]) == int(none[1]) + int(none[2]) == int(plain[1])  # every prompt token once
     assert re.search(r"\| HFGenerator on the engine \(after\) \| \d+ \| \d+ \| \d+ \| \d+\.\d\d \|", out)
+    # the same trees in waves and with continuous batching: the same tokens generated (tests/unit/test_generation.py
+    # checks that branches join the running batch)
+    waves = re.search(r"\| waves \(every root, then every branch\) \| (\d+) \| (\d+) \|", out)
+    continuous = re.search(r"\| continuous batching \(branches join as their root ends\) \| (\d+) \| (\d+) \|", out)
+    assert int(continuous[1]) > 0 and int(waves[1]) > 0 and continuous[2] == waves[2], out

@@ -187,6 +187,85 @@ def test_a_stop_rule_ends_a_request_and_rows_finish_independently(tiny_lm):
     assert stopped[2].token_ids == free[2].token_ids
 
 
+# ---------------------------------------------------------------- continuous batching
+def _tree_through_the_batcher(batcher, roots, long_prompt, seed=None):
+    """A long request decoding while short roots end and their branches (root prompt + 4 of its tokens) are
+    sent as each root ends; returns the outputs in order of completion as (name, output)."""
+    import asyncio
+
+    done = []
+
+    async def run(name, request):
+        output = await batcher.generate(request)
+        done.append((name, output))
+        return output
+
+    async def root_then_branch(i, ids):
+        root = await run(f"root{i}", GenerationRequest(ids, max_tokens=8, temperature=0))
+        await run(f"branch{i}", GenerationRequest(ids + root.token_ids[:4], max_tokens=6, temperature=1.0,
+                                                  top_p=0.9, seed=None if seed is None else seed + i))
+
+    async def main():
+        await asyncio.gather(run("long", GenerationRequest(long_prompt, max_tokens=300, temperature=0)),
+                             *(root_then_branch(i, ids) for i, ids in enumerate(roots)))
+
+    asyncio.run(main())
+    return done
+
+
+def test_requests_join_the_running_batch_and_decode_as_they_would_alone(tiny_lm):
+    """Branches sent when their roots end join the batch while a long request still decodes (they end before
+    it), reuse their root's keys and values, and give what each request gives alone: greedy rows the same
+    tokens, seeded sampled rows the same draws."""
+    from verl_prm.generation import ContinuousBatcher
+
+    no_eos = [VOCAB + 1]  # never sampled: every request runs to its max_tokens
+    batcher = ContinuousBatcher(GenerationEngine(tiny_lm, eos_token_ids=no_eos), gather_seconds=0.05)
+    roots = [ids + [2] * 16 for ids in prompts(3, seed=21)]  # >= 16 tokens: long enough to be cached
+    long_prompt = prompts(1, seed=22)[0]
+    done = _tree_through_the_batcher(batcher, roots, long_prompt, seed=500)
+    names = [name for name, _ in done]
+    assert names[-1] == "long" and len(names) == 7, names  # every branch ended while the long request decoded
+    outputs = dict(done)
+    assert all(outputs[f"branch{i}"].reused_tokens == len(roots[i]) + 3 for i in range(3))  # root's prompt + 3
+    assert batcher.engine.stats.batches >= 2 and not batcher.busy
+
+    alone = GenerationEngine(tiny_lm, eos_token_ids=no_eos, prefix_cache_tokens=0)
+    assert outputs["long"].token_ids == alone.generate([GenerationRequest(long_prompt, max_tokens=300,
+                                                                          temperature=0)])[0].token_ids
+    for i, ids in enumerate(roots):
+        root = alone.generate([GenerationRequest(ids, max_tokens=8, temperature=0)])[0]
+        assert outputs[f"root{i}"].token_ids == root.token_ids
+        branch = alone.generate([GenerationRequest(ids + root.token_ids[:4], max_tokens=6, temperature=1.0,
+                                                   top_p=0.9, seed=500 + i)])[0]
+        assert outputs[f"branch{i}"].token_ids == branch.token_ids
+
+
+def test_a_failing_request_fails_its_batch_and_the_batcher_serves_the_next_ones(tiny_lm):
+    import asyncio
+
+    from verl_prm.generation import ContinuousBatcher
+
+    batcher = ContinuousBatcher(GenerationEngine(tiny_lm, eos_token_ids=[EOS]))
+
+    def broken(ids):
+        raise RuntimeError("stop rule failed")
+
+    async def failing():
+        return await asyncio.gather(
+            batcher.generate(GenerationRequest([5, 6, 7], max_tokens=5, stop=broken)),
+            batcher.generate(GenerationRequest([8, 9], max_tokens=5)), return_exceptions=True)
+
+    results = asyncio.run(failing())
+    assert all(isinstance(r, RuntimeError) and "stop rule failed" in str(r) for r in results), results
+    assert not batcher.busy
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
+        asyncio.run(batcher.generate(GenerationRequest([5], max_tokens=0)))
+    output = asyncio.run(batcher.generate(GenerationRequest([5, 6, 7], max_tokens=4, temperature=0)))
+    assert output.token_ids == GenerationEngine(tiny_lm, eos_token_ids=[EOS]).generate(
+        [GenerationRequest([5, 6, 7], max_tokens=4, temperature=0)])[0].token_ids
+
+
 def test_prefix_cache_finds_the_longest_shared_prefix_and_evicts_the_oldest():
     cache = PrefixCache(capacity_tokens=64)
     tensors = lambda n: ([torch.zeros(1, n, 2)], [torch.zeros(1, n, 2)])  # noqa: E731

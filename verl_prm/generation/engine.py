@@ -112,8 +112,7 @@ class EngineStats:
                 "seconds": self.seconds, "batches": self.batches}
 
 
-def _check_request(index: int, request: GenerationRequest, vocabulary: int) -> None:
-    where = f"generation request {index}"
+def _check_request(where: str, request: GenerationRequest, vocabulary: int) -> None:
     if len(request.prompt_ids) == 0:
         raise ValueError(f"{where}: empty prompt_ids (the model needs at least one token to continue)")
     if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) or request.max_tokens < 1:
@@ -177,7 +176,7 @@ class GenerationEngine:
     @torch.inference_mode()
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
         for index, request in enumerate(requests):
-            _check_request(index, request, self.vocabulary)
+            _check_request(f"generation request {index}", request, self.vocabulary)
         outputs: list[GenerationOutput] = []
         for begin in range(0, len(requests), self.max_batch_size):
             start = time.perf_counter()
@@ -245,89 +244,55 @@ class GenerationEngine:
                 group.append(prompt)
         return out
 
-    # ------------------------------------------------------------------ one batch
-    def _batch_cache(self, prompts: list[tuple[int, ...]], prefilled: dict, width: int, length: int):
-        """The batch's cache with each prompt's keys and values right-aligned at column ``width``, and the
-        padding mask ``[rows, length]`` (True where a row has a token)."""
-        cache = preallocated_cache(self.model.config, len(prompts), length, dtype=self.dtype, device=self.device)
-        mask = torch.zeros((len(prompts), length), dtype=torch.bool, device=self.device)
-        for row, prompt in enumerate(prompts):
-            keys, values = prefilled[prompt][0], prefilled[prompt][1]
-            begin = width - len(prompt)
-            for layer, k, v in zip(cache.layers, keys, values):
-                layer.write(row, begin, k, v)
-            mask[row, begin:width] = True
-        for layer in cache.layers:
-            layer.set_length(width)
-        return cache, mask
+    # ------------------------------------------------------------------ decoding
+    def _rows(self, requests: Sequence[GenerationRequest]) -> list["_Row"]:
+        return [_Row(r, tuple(int(t) for t in r.prompt_ids),
+                     GenerationOutput(token_ids=[], stop_reason="length", log_probs=[] if r.logprobs else None),
+                     torch.Generator(device=self.device).manual_seed(int(r.seed)) if r.seed is not None else None,
+                     None)
+                for r in requests]
 
     def _generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
-        prompts = [tuple(int(t) for t in r.prompt_ids) for r in requests]
-        outputs = [GenerationOutput(token_ids=[], stop_reason="length", log_probs=[] if r.logprobs else None)
-                   for r in requests]
-        prefilled = self._prefill(set(prompts))
-        seen: set[tuple[int, ...]] = set()
-        for output, prompt in zip(outputs, prompts):
-            self.stats.prompt_tokens += len(prompt)
-            if prompt in seen:
-                self.stats.shared_tokens += len(prompt)
-                continue
-            seen.add(prompt)
-            output.reused_tokens = prefilled[prompt][3]
-            output.prefill_tokens = len(prompt) - output.reused_tokens
-            self.stats.reused_tokens += output.reused_tokens
-            self.stats.prefill_tokens += output.prefill_tokens
+        batch = _Batch(self)
+        rows = self._rows(requests)
+        batch.admit(rows)
+        while batch.rows:
+            batch.step()
+        return [row.output for row in rows]
 
-        rows = len(requests)
-        width = max(len(p) for p in prompts)
-        cache, mask = self._batch_cache(prompts, prefilled, width, width + max(r.max_tokens for r in requests))
-        logits = torch.stack([prefilled[p][2] for p in prompts])
-        del prefilled
+    def serve(self, take: Callable[[int, bool], list[tuple[GenerationRequest, Callable[[GenerationOutput], None]]]]
+              ) -> None:
+        """Continuous batching: decode while requests keep coming, new ones joining the running batch.
 
-        device = self.device
-        live = list(range(rows))                                   # request index of each batch row
-        positions = torch.tensor([len(p) for p in prompts], device=device)
-        temperature = torch.tensor([float(r.temperature) for r in requests], device=device)
-        top_k = torch.tensor([int(r.top_k) for r in requests], device=device)
-        top_p = torch.tensor([float(r.top_p) for r in requests], device=device)
-        generators = [torch.Generator(device=device).manual_seed(int(r.seed)) if r.seed is not None else None
-                      for r in requests]
-        column = width
-        while True:
-            tokens = sample_next_tokens(logits, temperature, top_k, top_p, [generators[i] for i in live])
-            wants_logprobs = [requests[i].logprobs for i in live]
-            token_log_probs = sampled_log_probs(logits, tokens).tolist() if any(wants_logprobs) else None
-            keep: list[int] = []
-            for row, (index, token) in enumerate(zip(live, tokens.tolist())):
-                output, request = outputs[index], requests[index]
-                output.token_ids.append(token)
-                if output.log_probs is not None:
-                    output.log_probs.append(token_log_probs[row])
-                if token in self.eos_token_ids:
-                    output.stop_reason = "eos"
-                elif request.stop is not None and request.stop(output.token_ids):
-                    output.stop_reason = "stop"
-                elif len(output.token_ids) >= request.max_tokens:
-                    output.stop_reason = "length"
-                else:
-                    keep.append(row)
-                    continue
-                self._remember(prompts[index], output.token_ids, cache, row, width - len(prompts[index]), column)
-            self.stats.generated_tokens += len(live)
-            if not keep:
-                break
-            if len(keep) < len(live):  # finished rows leave the batch
-                index = torch.tensor(keep, device=device)
-                for layer in cache.layers:
-                    layer.select_rows(index)
-                mask, positions, tokens = mask[index], positions[index], tokens[index]
-                temperature, top_k, top_p = temperature[index], top_k[index], top_p[index]
-                live = [live[row] for row in keep]
-            mask[:, column] = True
-            logits = self._forward(tokens[:, None], positions[:, None], mask[:, : column + 1], cache, last_only=False)
-            positions = positions + 1
-            column += 1
-        return outputs
+        Before every decode step, ``take(room, idle)`` hands over up to ``room`` new ``(request, deliver)`` pairs
+        (``idle``: no row is decoding); they are prefilled (reusing cached prefixes, e.g. a tree branch's root
+        that finished a step ago) and join the batch, whose cache is rebuilt around them. ``deliver(output)`` is
+        called as soon as a request ends, so its caller can send the requests that follow from it while the
+        others still decode. Returns when ``take`` hands over nothing while idle. The caller validates requests
+        (:meth:`check_request`): one that fails here fails the whole call.
+        """
+        batch = _Batch(self)
+        with torch.inference_mode():
+            while True:
+                new = take(self.max_batch_size - len(batch.rows), not batch.rows)
+                if new:
+                    start = time.perf_counter()
+                    batch.admit(self._rows([request for request, _ in new]))
+                    for row, (_, deliver) in zip(batch.rows[-len(new):], new):
+                        row.deliver = deliver
+                    self.stats.batches += 1
+                    self.stats.seconds += time.perf_counter() - start
+                elif not batch.rows:
+                    return
+                start = time.perf_counter()
+                finished = batch.step()
+                self.stats.seconds += time.perf_counter() - start
+                for row in finished:
+                    row.deliver(row.output)
+
+    def check_request(self, request: GenerationRequest, where: str = "generation request") -> None:
+        """Refuse a request the engine cannot run, naming it (``where``)."""
+        _check_request(where, request, self.vocabulary)
 
     def _remember(self, prompt: tuple[int, ...], generated: list[int], cache, row: int,
                   begin: int, column: int) -> None:
@@ -341,3 +306,125 @@ class GenerationEngine:
         keys = [layer.keys[row, :, begin:end].clone() for layer in cache.layers]  # views up to ``column``
         values = [layer.values[row, :, begin:end].clone() for layer in cache.layers]
         self.prefix_cache.add(tokens, keys, values)
+
+
+@dataclass
+class _Row:
+    """A request decoding in a :class:`_Batch`: its prompt, its output so far, its random stream and the call
+    that receives its output (``GenerationEngine.serve``)."""
+
+    request: GenerationRequest
+    prompt: tuple[int, ...]
+    output: GenerationOutput
+    generator: Optional[torch.Generator]
+    deliver: Optional[Callable[[GenerationOutput], None]]
+
+
+class _Batch:
+    """The rows decoding together: one preallocated cache with every row's tokens right-aligned at ``column``
+    (the next position to write), the padding mask, each row's next position id and sampling settings, and the
+    logits of each row's next token."""
+
+    def __init__(self, engine: GenerationEngine) -> None:
+        self.engine = engine
+        self.rows: list[_Row] = []
+        self.column = 0
+
+    def admit(self, rows: list[_Row]) -> None:
+        """Prefill ``rows`` and add them to the batch. The cache is rebuilt with the rows decoding so far moved
+        right so that every row's last token sits at the same column, and room for every row's remaining tokens
+        (a row's last token's keys are never computed)."""
+        engine = self.engine
+        prefilled = engine._prefill({row.prompt for row in rows})
+        seen: set[tuple[int, ...]] = set()
+        for row in rows:
+            engine.stats.prompt_tokens += len(row.prompt)
+            if row.prompt in seen:
+                engine.stats.shared_tokens += len(row.prompt)
+                continue
+            seen.add(row.prompt)
+            row.output.reused_tokens = prefilled[row.prompt][3]
+            row.output.prefill_tokens = len(row.prompt) - row.output.reused_tokens
+            engine.stats.reused_tokens += row.output.reused_tokens
+            engine.stats.prefill_tokens += row.output.prefill_tokens
+
+        old = len(self.rows)
+        width = max(self.column, max(len(row.prompt) for row in rows))
+        room = max([r.request.max_tokens - len(r.output.token_ids) for r in self.rows]
+                   + [row.request.max_tokens for row in rows])
+        cache = preallocated_cache(engine.model.config, old + len(rows), width + room, dtype=engine.dtype,
+                                   device=engine.device)
+        mask = torch.zeros((old + len(rows), width + room), dtype=torch.bool, device=engine.device)
+        if old:
+            shift = width - self.column
+            for layer, before in zip(cache.layers, self.cache.layers):
+                layer.write(slice(0, old), shift, before.keys, before.values)
+            mask[:old, shift:width] = self.mask[:, : self.column]
+        for index, row in enumerate(rows, start=old):
+            keys, values = prefilled[row.prompt][0], prefilled[row.prompt][1]
+            begin = width - len(row.prompt)
+            for layer, k, v in zip(cache.layers, keys, values):
+                layer.write(index, begin, k, v)
+            mask[index, begin:width] = True
+        for layer in cache.layers:
+            layer.set_length(width)
+        logits = torch.stack([prefilled[row.prompt][2] for row in rows])
+        device = engine.device
+        positions = torch.tensor([len(row.prompt) for row in rows], device=device)
+        temperature = torch.tensor([float(row.request.temperature) for row in rows], device=device)
+        top_k = torch.tensor([int(row.request.top_k) for row in rows], device=device)
+        top_p = torch.tensor([float(row.request.top_p) for row in rows], device=device)
+        if old:
+            logits = torch.cat([self.logits, logits])
+            positions = torch.cat([self.positions, positions])
+            temperature = torch.cat([self.temperature, temperature])
+            top_k, top_p = torch.cat([self.top_k, top_k]), torch.cat([self.top_p, top_p])
+        self.cache, self.mask, self.column, self.logits = cache, mask, width, logits
+        self.positions, self.temperature, self.top_k, self.top_p = positions, temperature, top_k, top_p
+        self.rows.extend(rows)
+
+    def step(self) -> list[_Row]:
+        """Sample every row's next token; rows that end leave the batch (returned), the others run one forward
+        step."""
+        engine = self.engine
+        tokens = sample_next_tokens(self.logits, self.temperature, self.top_k, self.top_p,
+                                    [row.generator for row in self.rows])
+        wants_logprobs = any(row.output.log_probs is not None for row in self.rows)
+        token_log_probs = sampled_log_probs(self.logits, tokens).tolist() if wants_logprobs else None
+        keep: list[int] = []
+        finished: list[_Row] = []
+        for index, (row, token) in enumerate(zip(self.rows, tokens.tolist())):
+            output, request = row.output, row.request
+            output.token_ids.append(token)
+            if output.log_probs is not None:
+                output.log_probs.append(token_log_probs[index])
+            if token in engine.eos_token_ids:
+                output.stop_reason = "eos"
+            elif request.stop is not None and request.stop(output.token_ids):
+                output.stop_reason = "stop"
+            elif len(output.token_ids) >= request.max_tokens:
+                output.stop_reason = "length"
+            else:
+                keep.append(index)
+                continue
+            begin = self.column - len(row.prompt) - (len(output.token_ids) - 1)
+            engine._remember(row.prompt, output.token_ids, self.cache, index, begin, self.column)
+            finished.append(row)
+        engine.stats.generated_tokens += len(self.rows)
+        if not keep:
+            self.rows, self.column = [], 0
+            self.cache = self.mask = self.logits = None
+            return finished
+        if len(keep) < len(self.rows):  # finished rows leave the batch
+            index = torch.tensor(keep, device=engine.device)
+            for layer in self.cache.layers:
+                layer.select_rows(index)
+            self.mask, self.positions, tokens = self.mask[index], self.positions[index], tokens[index]
+            self.temperature, self.top_k, self.top_p = self.temperature[index], self.top_k[index], self.top_p[index]
+            self.rows = [self.rows[i] for i in keep]
+        self.mask[:, self.column] = True
+        self.logits = engine._forward(tokens[:, None], self.positions[:, None], self.mask[:, : self.column + 1],
+                                      self.cache, last_only=False)
+        self.positions = self.positions + 1
+        self.column += 1
+        return finished

@@ -53,10 +53,11 @@ class PreallocatedLayer(DynamicLayer):
         self._views()
         return self.keys, self.values
 
-    def write(self, row: int, begin: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Place one row's keys and values ``[kv_heads, n, head_dim]`` at positions ``begin:begin + n``."""
-        self._keys[row, :, begin: begin + keys.shape[1]] = keys
-        self._values[row, :, begin: begin + values.shape[1]] = values
+    def write(self, row: int | slice, begin: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Place one row's keys and values ``[kv_heads, n, head_dim]`` (or a slice of rows' ``[rows, kv_heads, n,
+        head_dim]``) at positions ``begin:begin + n``."""
+        self._keys[row, :, begin: begin + keys.shape[-2]] = keys
+        self._values[row, :, begin: begin + values.shape[-2]] = values
 
     def set_length(self, length: int) -> None:
         self.length = int(length)

@@ -12,7 +12,10 @@ moment of load on a shared machine does not decide a ratio):
 2. **A tree group**: ``--trees`` prompts, 2 roots each, then 3 branches per root continuing from a point of the
    root's response, as tree-shaped groups sample them. Prefill tokens computed and seconds, engine with its prefix
    cache against the engine without it and against plain ``generate`` (which prefills each branch's prompt and
-   shared response prefix again).
+   shared response prefix again). Then the same trees with roots that end at different lengths (as they do at
+   EOS; a branch ends where its root ended), two ways: in waves (every root, then every branch: each prompt's branches wait for the longest root of
+   all) and with continuous batching (``ContinuousBatcher``, as the ``hf`` rollout serves tree groups: a root's
+   branches join the running batch as soon as it ends).
 3. **Labelled steps per CPU-hour**: ``verl-prm label``'s Monte-Carlo labeler on ``--label-problems`` word
    problems (``--n-cov`` rollouts, ``--n-mc`` continuations of every step prefix), with the former generator
    (plain float32 ``generate`` per batch) and with ``HFGenerator`` on the engine.
@@ -187,6 +190,74 @@ def tree_group(path: str, args) -> None:
         plain.append(seconds)
     computed = sum(len(r.prompt_ids) for r in roots) + sum(len(b.prompt_ids) for b in branches)
     print(f"| plain generate float32 | {computed} | 0 | {_best(plain):.1f} |")
+    tree_waves_or_continuous(model, prompts, args)
+
+
+def tree_waves_or_continuous(model, prompts: list[list[int]], args) -> None:
+    """Trees whose roots end at different lengths: every root then every branch (waves) against branches that
+    join the running batch as their root ends (continuous batching); seconds and decode steps of each."""
+    import asyncio
+
+    from verl_prm.generation import ContinuousBatcher, GenerationEngine, GenerationRequest
+
+    short = max(1, args.new_tokens // 4)
+    roots = [GenerationRequest(p, max_tokens=short + (7 * j) % (args.new_tokens - short + 1), seed=j)
+             for j, p in enumerate(p for p in prompts for _ in range(2))]
+
+    def branches(j: int, output) -> list:
+        """3 branches from points of root j's response, each ending where its root ended (as at EOS)."""
+        length = len(output.token_ids)
+        cuts = [1 + (j * 3 + b) * 7919 % max(1, length - 1) for b in range(3)]
+        return [GenerationRequest(list(roots[j].prompt_ids) + output.token_ids[:cut],
+                                  max_tokens=max(1, length - cut), seed=100 + 3 * j + b)
+                for b, cut in enumerate(cuts)]
+
+    def waves(engine) -> None:
+        outputs = engine.generate(roots)
+        engine.generate([b for j, output in enumerate(outputs) for b in branches(j, output)])
+
+    def continuous(engine) -> None:
+        batcher = ContinuousBatcher(engine, gather_seconds=0)
+
+        async def tree(j: int) -> None:
+            output = await batcher.generate(roots[j])
+            await asyncio.gather(*(batcher.generate(b) for b in branches(j, output)))
+
+        async def every_tree() -> None:
+            await asyncio.gather(*(tree(j) for j in range(len(roots))))
+
+        asyncio.run(every_tree())
+
+    lengths = sorted({r.max_tokens for r in roots})
+    print(f"\n2b. the same trees, roots of {lengths[0]}-{lengths[-1]} tokens (as if ended at EOS), each branch "
+          f"ending where its root ended, prefix reuse on (best of {args.repeats})")
+    print("| arm | decode steps | generated tokens | seconds |\n|---|---:|---:|---:|")
+    times: dict[str, list[float]] = {"waves (every root, then every branch)": [],
+                                     "continuous batching (branches join as their root ends)": []}
+    steps = {}
+    for repeat in range(args.repeats):
+        for name, run in zip(times, (waves, continuous)):
+            engine = GenerationEngine(model, eos_token_ids=NO_EOS, max_batch_size=64)
+            counted = _count_decode_steps(engine)
+            start = time.perf_counter()
+            run(engine)
+            times[name].append(time.perf_counter() - start)
+            steps[name] = (counted[0], engine.stats.generated_tokens)
+    for name, seconds in times.items():
+        print(f"| {name} | {steps[name][0]} | {steps[name][1]} | {_best(seconds):.1f} |")
+
+
+def _count_decode_steps(engine) -> list[int]:
+    """A counter of the engine's decode steps (its ``_forward`` calls for every row's next token, not prefills)."""
+    counter = [0]
+    forward = engine._forward
+
+    def counted(*args, last_only: bool = True):
+        counter[0] += int(not last_only)
+        return forward(*args, last_only=last_only)
+
+    engine._forward = counted
+    return counter
 
 
 def labelled_steps(path: str, args) -> None:

@@ -6,9 +6,10 @@ each training worker (``rollout.update_weights(named_tensors)``). vLLM and SGLan
 module provides both on CPU with transformers, through verl's own extension points:
 
 - ``HFRolloutServer``: a Ray actor holding the policy as a ``AutoModelForCausalLM`` (safetensors,
-  ``trust_remote_code=False``) behind ``verl_prm.generation.GenerationEngine``: requests that arrive together
-  are decoded as one batch whatever their lengths and sampling settings (temperature, top-p, top-k, length
-  limit, the model's EOS ids), in the precision ``rollout.dtype`` names (``auto``: bfloat16 where the CPU has
+  ``trust_remote_code=False``) behind ``verl_prm.generation.GenerationEngine``: requests are decoded as one
+  batch whatever their lengths and sampling settings (temperature, top-p, top-k, length limit, the model's EOS
+  ids), a request that arrives while others decode joins them before the next token (continuous batching, so a
+  tree branch starts as soon as its root ends, not when the root's whole batch does), in the precision ``rollout.dtype`` names (``auto``: bfloat16 where the CPU has
   native bf16 instructions), and a request that extends a sequence the server generated since the last weight
   update (a tree branch, its root's response prefix) copies that prefix's keys and values instead of computing
   them again. Log-probabilities, when asked for, are those of the sampled tokens under the raw logits (float32);
@@ -37,7 +38,7 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
 
-from verl_prm.generation import GenerationEngine, GenerationRequest
+from verl_prm.generation import ContinuousBatcher, GenerationEngine, GenerationRequest
 from verl_prm.precision import resolve_dtype
 from verl_prm.integrations.verl.import_hooks import run_deferred_registration
 from verl_prm.special_tokens import policy_eos_token_ids
@@ -64,9 +65,7 @@ class HFRolloutServer:
         self.global_steps: Optional[int] = None
         self.model = None
         self.engine: Optional[GenerationEngine] = None
-        self._pending: list[tuple[dict[str, Any], asyncio.Future]] = []
-        self._batcher: Optional[asyncio.Task] = None
-        self._lock = asyncio.Lock()
+        self.batcher: Optional[ContinuousBatcher] = None
 
     def load(self) -> dict[str, Any]:
         """Load the policy from ``model_config.path``; returns a description."""
@@ -96,6 +95,7 @@ class HFRolloutServer:
             torch.manual_seed(int(self.config.seed) + self.replica_rank)
         self.engine = GenerationEngine(self.model, eos_token_ids=self.eos_token_ids,
                                        max_batch_size=self.max_batch_size)
+        self.batcher = ContinuousBatcher(self.engine)
         return {"replica_rank": self.replica_rank, "parameters": sum(p.numel() for p in self.model.parameters()),
                 "dtype": str(dtype), "eos_token_ids": self.eos_token_ids}
 
@@ -133,42 +133,12 @@ class HFRolloutServer:
         request = self._request(prompt_ids, sampling_params)
         if request["repetition_penalty"] != 1.0:
             raise NotImplementedError("the hf rollout does not apply repetition_penalty; set it to 1.0")
-        future = asyncio.get_running_loop().create_future()
-        self._pending.append((request, future))
-        if self._batcher is None or self._batcher.done():
-            self._batcher = asyncio.create_task(self._run_batches())
-        return await future
-
-    async def _run_batches(self) -> None:
-        while self._pending:
-            # let the requests of one agent-loop wave arrive before the batch is cut
-            await asyncio.sleep(0.02)
-            batch, self._pending = self._pending[: self.max_batch_size], self._pending[self.max_batch_size :]
-            requests = [request for request, _ in batch]
-            try:
-                async with self._lock:
-                    outputs = await asyncio.to_thread(self._generate_batch, requests)
-            except Exception as error:  # every waiting request fails with the cause
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(error)
-                continue
-            for (_, future), output in zip(batch, outputs, strict=True):
-                if not future.done():
-                    future.set_result(output)
-
-    def _generate_batch(self, requests: list[dict[str, Any]]) -> list[TokenOutput]:
-        outputs = self.engine.generate([
-            GenerationRequest(r["prompt_ids"], max_tokens=r["max_tokens"], temperature=r["temperature"],
-                              top_p=r["top_p"], top_k=r["top_k"], logprobs=r["logprobs"])
-            for r in requests
-        ])
-        return [
-            TokenOutput(token_ids=out.token_ids, log_probs=out.log_probs, stop_reason="completed",
-                        extra_fields={"global_steps": self.global_steps, "prefill_tokens": out.prefill_tokens,
-                                      "prefill_tokens_saved": len(r["prompt_ids"]) - out.prefill_tokens})
-            for r, out in zip(requests, outputs)
-        ]
+        output = await self.batcher.generate(GenerationRequest(
+            request["prompt_ids"], max_tokens=request["max_tokens"], temperature=request["temperature"],
+            top_p=request["top_p"], top_k=request["top_k"], logprobs=request["logprobs"]))
+        return TokenOutput(token_ids=output.token_ids, log_probs=output.log_probs, stop_reason="completed",
+                           extra_fields={"global_steps": self.global_steps, "prefill_tokens": output.prefill_tokens,
+                                         "prefill_tokens_saved": len(request["prompt_ids"]) - output.prefill_tokens})
 
     def engine_stats(self) -> dict[str, float]:
         """The engine's running totals (prompt, computed, reused and shared prefill tokens; generated tokens)."""
@@ -210,7 +180,7 @@ class HFRolloutServer:
         return None
 
     async def wait_for_requests_to_drain(self) -> None:
-        while self._pending or (self._batcher is not None and not self._batcher.done()):
+        while self.batcher.busy:
             await asyncio.sleep(0.05)
 
     async def abort_all_requests(self, reject_request: bool = False, **kwargs) -> dict[str, Any]:

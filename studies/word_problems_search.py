@@ -14,9 +14,11 @@ was run with), through the recipe's own sampler and search code (``compare_at_bu
 vote read the first N of one draw of ``max(N)`` samples per problem, beam search generates its own. A method's
 budget is its mean generated tokens per problem; accuracy's standard error is over problems.
 
-Besides the rows, the study reports the tokens each method needs to reach majority vote's accuracy at N = 8
-(linear interpolation between the two budgets around it on the method's accuracy-by-tokens curve; "not reached"
-when its largest budget stays below), and plots accuracy against tokens. Rows are saved as they finish
+Besides the rows (each with every problem's outcome), the study reports the tokens each method needs to reach
+majority vote's accuracy at N = 8 (linear interpolation between the two budgets around it on the method's
+accuracy-by-tokens curve; "not reached" when its largest budget stays below), each beam width against majority
+vote and best-of-N by the ORM at the nearest budget on the same problems (the difference, a bootstrap interval
+over problems, McNemar's exact p), and plots accuracy against tokens. Rows are saved as they finish
 (``rows.partial.json``, with the settings): rerunning the same command resumes; other settings are an error.
 """
 
@@ -48,8 +50,28 @@ def tokens_to_reach(rows: Sequence[dict], method: str, target: float) -> Optiona
     return None
 
 
+def paired_at_equal_tokens(rows: Sequence[dict]) -> list[dict]:
+    """Each PAV beam search row against majority vote and best-of-N by the ORM at the N whose tokens per problem
+    are nearest to the beam's, on the same problems (``paired_difference``: the accuracy difference, its bootstrap
+    interval over problems and McNemar's exact p)."""
+    from verl_prm.apps.word_problems.search import paired_difference
+
+    out = []
+    for beam in sorted((r for r in rows if r["method"] == "beam_pav"), key=lambda r: r["n"]):
+        for method in ("majority_vote", "best_of_n_orm"):
+            candidates = [r for r in rows if r["method"] == method]
+            if not candidates:
+                continue
+            other = min(candidates, key=lambda r: abs(r["tokens_per_problem"] - beam["tokens_per_problem"]))
+            out.append({"beam_width": beam["n"], "beam_tokens": beam["tokens_per_problem"], "against": method,
+                        "n": other["n"], "tokens": other["tokens_per_problem"],
+                        **paired_difference(beam["correct"], other["correct"])})
+    return out
+
+
 def summary(rows: Sequence[dict]) -> dict:
-    """Majority vote's accuracy at N = 8 and the tokens each method needs to reach it."""
+    """Majority vote's accuracy at N = 8, the tokens each method needs to reach it, and the paired comparisons of
+    beam search with the other methods at equal tokens."""
     reference = [r for r in rows if (r["method"], r["n"]) == REFERENCE]
     if not reference:
         raise ValueError(f"no {REFERENCE[0]} row at N = {REFERENCE[1]}: run with 8 among --best-of-n")
@@ -57,7 +79,8 @@ def summary(rows: Sequence[dict]) -> dict:
     methods = sorted({r["method"] for r in rows})
     return {"target": {"method": REFERENCE[0], "n": REFERENCE[1], "accuracy": target,
                        "tokens_per_problem": reference[0]["tokens_per_problem"]},
-            "tokens_to_reach_target": {m: tokens_to_reach(rows, m, target) for m in methods}}
+            "tokens_to_reach_target": {m: tokens_to_reach(rows, m, target) for m in methods},
+            "paired": paired_at_equal_tokens(rows)}
 
 
 def report(rows: Sequence[dict], facts: dict) -> str:
@@ -69,6 +92,15 @@ def report(rows: Sequence[dict], facts: dict) -> str:
              "| method | tokens per problem |", "|---|---|"]
     for method, tokens in facts["tokens_to_reach_target"].items():
         lines.append(f"| {method} | {'not reached' if tokens is None else f'{tokens:.0f}'} |")
+    if facts["paired"]:
+        lines += ["", "PAV beam search against the other methods at the nearest budget, on the same problems "
+                  "(difference in accuracy, 95% bootstrap interval over problems, McNemar's exact p):", "",
+                  "| beam width (tokens) | against, N (tokens) | difference | 95% interval | solved by beam only / "
+                  "other only | McNemar p |", "|---|---|---|---|---|---|"]
+        for c in facts["paired"]:
+            lines.append(f"| {c['beam_width']} ({c['beam_tokens']:.0f}) | {c['against']}, {c['n']} ({c['tokens']:.0f}) "
+                         f"| {c['difference']:+.3f} | [{c['interval'][0]:+.3f}, {c['interval'][1]:+.3f}] | "
+                         f"{c['only_first']} / {c['only_second']} | {c['mcnemar_p']:.3g} |")
     return "\n".join(lines)
 
 

@@ -113,6 +113,31 @@ def test_majority_vote_and_accuracy_summary():
     mean = 0.75
     assert summary["accuracy"] == mean and summary["tokens_per_problem"] == 25
     assert math.isclose(summary["stderr"], math.sqrt(sum((x - mean) ** 2 for x in correct) / 3 / 4))
+    assert summary["correct"] == [1, 0, 1, 1]
+    with pytest.raises(ValueError, match="0 or 1 per problem"):
+        accuracy_summary([0.5, 1.0], [1, 2])
+
+
+def test_paired_difference_is_mcnemars_exact_test_with_a_bootstrap_interval():
+    from verl_prm.apps.word_problems.search import paired_difference
+
+    # 10 problems only the first solves, 2 only the second, 8 both, 20 neither. McNemar's exact test (Fagerland,
+    # Lydersen & Laake 2013, BMC Med Res Methodol 13:91): p = 2 * P(Binomial(12, 1/2) <= 2) = 2 * 79 / 4096
+    first = [1] * 10 + [0] * 2 + [1] * 8 + [0] * 20
+    second = [0] * 10 + [1] * 2 + [1] * 8 + [0] * 20
+    result = paired_difference(first, second, resamples=4000, seed=1)
+    assert (result["only_first"], result["only_second"]) == (10, 2)
+    assert result["mcnemar_p"] == pytest.approx(2 * 79 / 4096)
+    assert result["difference"] == pytest.approx(8 / 40)
+    # the bootstrap interval of a mean difference of paired outcomes covers the difference, about +- 2 s.e.
+    d = [a - b for a, b in zip(first, second)]
+    mean = sum(d) / len(d)
+    se = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d))
+    low, high = result["interval"]
+    assert low < mean < high and high - low == pytest.approx(2 * 1.96 * se, rel=0.15)
+    assert paired_difference([1, 0], [1, 0])["mcnemar_p"] == 1.0
+    with pytest.raises(ValueError, match="two equal, non-empty lists"):
+        paired_difference([1, 0], [1])
 
 
 def test_outcome_labels_put_the_outcome_on_every_step():
@@ -356,6 +381,15 @@ def test_search_study_on_the_tiny_run_reports_the_tokens_to_reach_majority_vote_
     assert result["tokens_to_reach_target"]["majority_vote"] == study.tokens_to_reach(
         rows, "majority_vote", vote["accuracy"]) <= vote["tokens_per_problem"]
     assert json.loads(export.read_text()) == json.loads((tmp_path / "out" / "results.json").read_text())
+    # beam width 1 against majority vote and the ORM at the N nearest its tokens, problem by problem
+    [vs_vote, vs_orm] = result["paired"]
+    beam = rows[-1]
+    for paired, method in ((vs_vote, "majority_vote"), (vs_orm, "best_of_n_orm")):
+        other = min((r for r in rows if r["method"] == method),
+                    key=lambda r: abs(r["tokens_per_problem"] - beam["tokens_per_problem"]))
+        assert (paired["against"], paired["n"]) == (method, other["n"])
+        assert paired["difference"] == pytest.approx(beam["accuracy"] - other["accuracy"])
+        assert paired["only_first"] == sum(b and not o for b, o in zip(beam["correct"], other["correct"]))
     assert (tmp_path / "out" / "search.png").stat().st_size > 0
     # a rerun keeps every row; other settings are refused naming the file
     (tmp_path / "out" / "rows.partial.json").write_text(json.dumps({"settings": result["settings"], "rows": rows}))
@@ -374,7 +408,8 @@ def test_search_study_on_the_tiny_run_reports_the_tokens_to_reach_majority_vote_
 def test_tokens_to_reach_interpolates_between_the_budgets_around_the_target():
     from studies.word_problems_search import summary, tokens_to_reach
 
-    rows = [{"method": "beam_pav", "n": n, "accuracy": a, "tokens_per_problem": t, "stderr": 0.0, "problems": 9}
+    rows = [{"method": "beam_pav", "n": n, "accuracy": a, "tokens_per_problem": t, "stderr": 0.0, "problems": 5,
+             "correct": [1] * round(5 * a) + [0] * (5 - round(5 * a))}
             for n, a, t in ((1, 0.2, 50.0), (2, 0.4, 100.0), (4, 0.6, 300.0))]
     assert tokens_to_reach(rows, "beam_pav", 0.5) == pytest.approx(200.0)  # halfway from 100 to 300 tokens
     assert tokens_to_reach(rows, "beam_pav", 0.1) == 50.0                   # the smallest budget already there

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import numpy as np
 import pandas as pd
 
-__all__ = ["accuracy_summary", "majority_vote", "outcome_labels", "write_outcome_labels"]
+__all__ = ["accuracy_summary", "majority_vote", "outcome_labels", "paired_difference", "write_outcome_labels"]
 
 
 def majority_vote(answers: Sequence[Optional[int]]) -> Optional[int]:
@@ -34,14 +34,45 @@ def majority_vote(answers: Sequence[Optional[int]]) -> Optional[int]:
 
 def accuracy_summary(correct: Sequence[float], tokens: Sequence[float]) -> dict:
     """Accuracy (the mean of ``correct`` over problems), its standard error ``sqrt(var / n)`` (sample variance,
-    ddof 1), and the mean generated tokens per problem."""
+    ddof 1), the mean generated tokens per problem, and each problem's outcome (``correct``, 0 or 1, in problem
+    order: what a paired comparison of two methods reads)."""
     values = np.asarray(correct, dtype=float)
     n = values.size
     if n == 0:
         raise ValueError("accuracy_summary: no problems")
+    if not np.isin(values, (0.0, 1.0)).all():
+        raise ValueError(f"accuracy_summary: correct must hold 0 or 1 per problem, got {sorted(set(values.tolist()))[:5]}")
     stderr = float(values.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
     return {"accuracy": float(values.mean()), "stderr": stderr, "problems": n,
-            "tokens_per_problem": float(np.mean(tokens))}
+            "tokens_per_problem": float(np.mean(tokens)), "correct": [int(v) for v in values]}
+
+
+def paired_difference(first: Sequence[int], second: Sequence[int], *, resamples: int = 10000, seed: int = 0,
+                      level: float = 0.95) -> dict:
+    """Two methods' outcomes on the same problems (0/1 each, problem order): the accuracy difference
+    ``mean(first) - mean(second)``, its percentile bootstrap interval at ``level`` (problems resampled with
+    replacement, ``resamples`` times), and McNemar's exact two-sided p-value: with b problems only ``first``
+    solves and c only ``second`` solves, ``p = min(1, 2 * P(X <= min(b, c)))`` for ``X ~ Binomial(b + c, 1/2)``
+    (1 when b + c = 0)."""
+    a, b_ = np.asarray(first, dtype=float), np.asarray(second, dtype=float)
+    if a.shape != b_.shape or a.ndim != 1 or a.size == 0:
+        raise ValueError(f"paired_difference: two equal, non-empty lists of outcomes needed, got {a.shape} and {b_.shape}")
+    if not (np.isin(a, (0.0, 1.0)).all() and np.isin(b_, (0.0, 1.0)).all()):
+        raise ValueError("paired_difference: outcomes must be 0 or 1")
+    if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
+        raise ValueError(f"paired_difference: resamples must be an integer >= 1, got {resamples!r}")
+    if not (isinstance(level, float) and 0 < level < 1):
+        raise ValueError(f"paired_difference: level must be a float in (0, 1), got {level!r}")
+    only_first, only_second = int(((a == 1) & (b_ == 0)).sum()), int(((a == 0) & (b_ == 1)).sum())
+    discordant = only_first + only_second
+    tail = sum(math.comb(discordant, k) for k in range(min(only_first, only_second) + 1)) / 2 ** discordant
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, a.size, size=(resamples, a.size))
+    differences = (a[picks] - b_[picks]).mean(axis=1)
+    low, high = np.quantile(differences, [(1 - level) / 2, (1 + level) / 2])
+    return {"difference": float(a.mean() - b_.mean()), "interval": [float(low), float(high)], "level": level,
+            "only_first": only_first, "only_second": only_second,
+            "mcnemar_p": 1.0 if discordant == 0 else float(min(1.0, 2 * tail))}
 
 
 def outcome_labels(frame: pd.DataFrame) -> pd.DataFrame:
@@ -108,7 +139,7 @@ def ranked_choices(nodes: Sequence[Sequence], critic, rank: str, n: int, best_of
 
 
 BEST_OF_N_METHODS = ("majority_vote", "best_of_n_orm", "best_of_n_pav")
-ROW_KEYS = ("method", "n", "accuracy", "stderr", "problems", "tokens_per_problem")
+ROW_KEYS = ("method", "n", "accuracy", "stderr", "problems", "tokens_per_problem", "correct")
 
 
 def check_rows(rows, *, source) -> list[dict]:
@@ -121,8 +152,13 @@ def check_rows(rows, *, source) -> list[dict]:
         if row["method"] not in BEST_OF_N_METHODS + ("beam_pav",) or not isinstance(row["n"], int) or row["n"] < 1:
             raise ValueError(f"{source}: row {i} has method {row['method']!r} and N {row['n']!r}: expected one of "
                              f"{list(BEST_OF_N_METHODS) + ['beam_pav']} and a positive integer")
-        if not all(isinstance(row[k], (int, float)) and math.isfinite(row[k]) for k in ROW_KEYS[2:]):
+        if not all(isinstance(row[k], (int, float)) and math.isfinite(row[k]) for k in ROW_KEYS[2:6]):
             raise ValueError(f"{source}: row {i} ({row['method']} N={row['n']}) has a non-finite number: {row!r}")
+        correct = row["correct"]
+        if (not isinstance(correct, list) or len(correct) != row["problems"]
+                or any(c not in (0, 1) or isinstance(c, bool) for c in correct)):
+            raise ValueError(f"{source}: row {i} ({row['method']} N={row['n']}): 'correct' must list 0 or 1 for each "
+                             f"of its {row['problems']} problems")
     return rows
 
 

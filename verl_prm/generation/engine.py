@@ -17,13 +17,17 @@ What it adds over calling ``model.generate`` per batch:
   length (padding at most a quarter of a group's tokens), then placed right-aligned in the batch's cache; decode
   steps run the whole batch with each row's own positions and a padding mask. Rows that finish leave the batch
   (the cache is compacted) so the others do not pay for them.
+- **Continuous batching** (:meth:`GenerationEngine.serve`; :class:`verl_prm.generation.ContinuousBatcher` for
+  asyncio callers): requests that arrive while a batch decodes join it before the next step, and each output
+  is handed back as its request ends.
 - **Shared prefixes computed once.** Identical prompts in a batch are prefilled once; a prompt that begins with a
   sequence the engine ran before copies those keys and values from :class:`PrefixCache` (tree branches from their
   root, ``n_mc`` continuations of one prefix, a rollout's step prefixes, search nodes from their parent).
 - **Per-request sampling settings** (temperature, top-k, top-p, seed, a stop rule) in one batch
   (:mod:`verl_prm.generation.sampling`).
 
-``generate(requests)`` returns one :class:`GenerationOutput` per :class:`GenerationRequest`, in order. Counters
+``generate(requests)`` returns one :class:`GenerationOutput` per :class:`GenerationRequest`, in order (requests
+beyond ``max_batch_size`` run in the batches after). Counters
 of computed and reused prefill tokens accumulate in ``engine.stats``.
 """
 

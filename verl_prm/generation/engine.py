@@ -249,12 +249,13 @@ class GenerationEngine:
         return out
 
     # ------------------------------------------------------------------ decoding
-    def _rows(self, requests: Sequence[GenerationRequest]) -> list["_Row"]:
+    def _rows(self, requests: Sequence[GenerationRequest], delivers: Optional[Sequence[Callable]] = None
+              ) -> list["_Row"]:
         return [_Row(r, tuple(int(t) for t in r.prompt_ids),
                      GenerationOutput(token_ids=[], stop_reason="length", log_probs=[] if r.logprobs else None),
                      torch.Generator(device=self.device).manual_seed(int(r.seed)) if r.seed is not None else None,
-                     None)
-                for r in requests]
+                     deliver)
+                for r, deliver in zip(requests, delivers or [None] * len(requests))]
 
     def _generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
         batch = _Batch(self)
@@ -281,9 +282,7 @@ class GenerationEngine:
                 new = take(self.max_batch_size - len(batch.rows), not batch.rows)
                 if new:
                     start = time.perf_counter()
-                    batch.admit(self._rows([request for request, _ in new]))
-                    for row, (_, deliver) in zip(batch.rows[-len(new):], new):
-                        row.deliver = deliver
+                    batch.admit(self._rows([request for request, _ in new], [deliver for _, deliver in new]))
                     self.stats.batches += 1
                     self.stats.seconds += time.perf_counter() - start
                 elif not batch.rows:

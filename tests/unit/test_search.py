@@ -295,15 +295,22 @@ def test_merge_shared_step_ends_by_hand():
 
 
 class PositionCritic:
-    """A critic whose value at a read position is position / 1000, checking its inputs as ProverCritic does."""
+    """A critic whose value at a read position is position / 1000, checking its inputs as ProverCritic does
+    (ProverCritic's own ``score_step_spans`` over this ``score_sequences``)."""
+
+    from verl_prm.critic import ProverCritic
+
+    score_step_spans = ProverCritic.score_step_spans
 
     def __init__(self, tokenizer) -> None:
+        from types import SimpleNamespace
+
         self.tokenizer = tokenizer
+        self.adapter = SimpleNamespace(text_input=False)
         self.calls: list[list[list[int]]] = []
 
     def score_sequences(self, input_ids, prompt_ends, step_ends):
-        from types import SimpleNamespace
-
+        from verl_prm.critic import CriticScores
         from verl_prm.critic.packing import check_step_positions
 
         for i, (ids, prompt_end, ends) in enumerate(zip(input_ids, prompt_ends, step_ends)):
@@ -313,8 +320,8 @@ class PositionCritic:
         values = torch.zeros(len(step_ends), width)
         for i, ends in enumerate(step_ends):
             values[i, : len(ends)] = torch.tensor(ends, dtype=torch.float32) / 1000
-        return SimpleNamespace(prompt_values=torch.tensor(prompt_ends, dtype=torch.float32) / 1000,
-                               step_values=values, num_steps=torch.tensor([len(e) for e in step_ends]))
+        return CriticScores(prompt_values=torch.tensor(prompt_ends, dtype=torch.float32) / 1000,
+                            step_values=values, num_steps=torch.tensor([len(e) for e in step_ends]))
 
 
 def test_text_critic_merges_steps_that_end_in_one_critic_token(bpe_large):

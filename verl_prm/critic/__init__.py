@@ -11,6 +11,6 @@ The verl Ray worker that holds a critic in a training run is verl glue:
 from __future__ import annotations
 
 from verl_prm.critic.formats import FORMATS, CriticFormat
-from verl_prm.critic.scorer import CriticScores, ProverCritic
+from verl_prm.critic.scorer import CriticScores, ProverCritic, SpanScores
 
-__all__ = ["ProverCritic", "CriticScores", "CriticFormat", "FORMATS"]
+__all__ = ["ProverCritic", "CriticScores", "CriticFormat", "FORMATS", "SpanScores"]

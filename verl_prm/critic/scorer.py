@@ -21,7 +21,7 @@ import functools
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import torch
 
@@ -95,6 +95,16 @@ class CriticScores:
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out
+
+
+class SpanScores(NamedTuple):
+    """``ProverCritic.score_step_spans``'s result: the scores (one value per step), per sample the steps that
+    repeat the value of the step before them (their last characters share its critic token), and each sample's
+    critic tokens."""
+
+    scores: CriticScores
+    merged_steps: list[list[int]]
+    sequence_tokens: list[int]
 
 
 class ProverCritic:
@@ -273,31 +283,56 @@ class ProverCritic:
             step_texts = [[response[a:e] for a, e in step_char_spans(response, delimiter, regex=regex,
                                                                      max_steps=max_steps)] for response in responses]
             return self._score_step_texts(list(prompts), step_texts, None, 0)
+        spans = [step_char_spans(response, delimiter, regex=regex, max_steps=max_steps) for response in responses]
+        scored = self.score_step_spans(prompts, responses, spans)
+        for sample, merged in enumerate(scored.merged_steps):
+            if merged:
+                h, response = merged[0], responses[sample]
+                warnings.warn(f"score_texts: sample {sample}: step {h} ({response[spans[sample][h][0]:spans[sample][h][1]]!r}) "
+                              f"ends in the critic token that also ends step {h - 1}; both get the value read there. "
+                              "Use a delimiter that the critic's tokenizer keeps apart from the next step's text to "
+                              "avoid it", stacklevel=2)
+        return scored.scores
+
+    def score_step_spans(self, prompts: Sequence[str], responses: Sequence[str],
+                         spans: Sequence[Sequence[tuple[int, int]]], samples: Sequence[int] | None = None
+                         ) -> "SpanScores":
+        """Values of responses whose steps are given as character spans (``(start, end)`` per step, in order),
+        read as ``score_texts`` reads them: the prompt and the response tokenised apart and concatenated
+        (``encode_with_step_ends``), v_h at the token holding step h's last character. Steps that end in the same
+        critic token (``merge_shared_step_ends``) are read once and both get that value: ``merged_steps`` lists,
+        per sample, each step that repeats the value of the step before it. ``samples`` names the samples in
+        errors (default: their positions). Not for text formats (the public PRMs build their own input)."""
+        if self.adapter.text_input:
+            raise ValueError("score_step_spans: this critic reads its authors' text format; use score_texts")
+        samples = list(range(len(prompts))) if samples is None else list(samples)
         input_ids, prompt_ends, reads, read_of_step = [], [], [], []
-        for sample, (prompt, response) in enumerate(zip(prompts, responses)):
-            spans = step_char_spans(response, delimiter, regex=regex, max_steps=max_steps)
-            encoded = encode_with_step_ends(self.tokenizer, prompt, response, spans, sample=sample)
+        for sample, prompt, response, sample_spans in zip(samples, prompts, responses, spans, strict=True):
+            encoded = encode_with_step_ends(self.tokenizer, prompt, response, list(sample_spans), sample=sample)
             sample_reads, sample_read_of_step = merge_shared_step_ends([int(e) for e in encoded.step_ends])
-            if len(sample_reads) < len(sample_read_of_step):
-                h = next(h for h in range(1, len(spans)) if sample_read_of_step[h] == sample_read_of_step[h - 1])
-                warnings.warn(f"score_texts: sample {sample}: step {h} ({response[spans[h][0]:spans[h][1]]!r}) ends in "
-                              f"the critic token that also ends step {h - 1}; both get the value read there. Use a "
-                              "delimiter that the critic's tokenizer keeps apart from the next step's text to avoid "
-                              "it", stacklevel=2)
             input_ids.append(list(encoded.input_ids))
             prompt_ends.append(int(encoded.prompt_end))
             reads.append(sample_reads)
             read_of_step.append(sample_read_of_step)
+        merged = [[h for h in range(1, len(steps)) if steps[h] == steps[h - 1]] for steps in read_of_step]
+        tokens = [len(ids) for ids in input_ids]
+        if not input_ids:
+            return SpanScores(CriticScores(torch.zeros(0), torch.zeros((0, 0)), torch.zeros(0, dtype=torch.long)),
+                              merged, tokens)
         scores = self.score_sequences(input_ids, prompt_ends, reads)
-        if all(len(r) == len(s) for r, s in zip(reads, read_of_step)):
-            return scores
+        for sample, expected, h in zip(samples, reads, scores.num_steps.tolist()):
+            if h != len(expected):
+                raise ValueError(f"sample {sample}: the critic returned {h} step values for {len(expected)} distinct "
+                                 "step ends")
+        if not any(merged):
+            return SpanScores(scores, merged, tokens)
         # steps that share a critic token: each step gets the value read at its token
         width = max(len(s) for s in read_of_step)
         step_values = torch.zeros((len(read_of_step), width), dtype=scores.step_values.dtype)
         for b, steps in enumerate(read_of_step):
             step_values[b, : len(steps)] = scores.step_values[b, steps]
         num_steps = torch.tensor([len(s) for s in read_of_step], dtype=scores.num_steps.dtype)
-        return dataclasses.replace(scores, step_values=step_values, num_steps=num_steps)
+        return SpanScores(dataclasses.replace(scores, step_values=step_values, num_steps=num_steps), merged, tokens)
 
     def score_sequences(
         self,

@@ -16,14 +16,15 @@ A node's text is ``prompts[problem] + "".join(steps)``: the prefix is re-tokenis
 step. Generated tokens are counted per step, EOS included.
 
 :class:`TextCritic` wraps a ``verl_prm.critic.ProverCritic``: the node's steps give exact character spans
-(no re-splitting), ``encode_with_step_ends`` maps them to critic tokens, and one ``score_sequences`` call
-scores all nodes of a round; critic tokens are the lengths of the critic inputs. Consecutive steps that end in
-the same critic token (a step inside the token that ends the one before it) are merged: both get the value read
-there, counted per problem (`merge_shared_step_ends`).
+(no re-splitting), and one ``ProverCritic.score_step_spans`` call maps them to critic tokens and scores all
+nodes of a round; critic tokens are the lengths of the critic inputs. Consecutive steps that end in the same
+critic token (a step inside the token that ends the one before it) are merged: both get the value read there,
+counted per problem.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 import warnings
 from typing import Any, Callable, Sequence
@@ -34,7 +35,7 @@ from verl_prm.generation import GenerationEngine, GenerationRequest
 from verl_prm.precision import resolve_dtype
 from verl_prm.search import Node, StepSample
 from verl_prm.special_tokens import ensure_pad_token, policy_eos_token_ids
-from verl_prm.steps import encode_with_step_ends, merge_shared_step_ends, step_char_spans
+from verl_prm.steps import step_char_spans
 
 __all__ = [
     "HFStepSampler",
@@ -333,47 +334,31 @@ class TextCritic:
         self._warned = False
 
     def score_nodes(self, nodes: Sequence[Node]) -> tuple[list[list[float]], list[int]]:
-        input_ids, prompt_ends, reads, read_of_step = [], [], [], []
+        spans = []
         for node in nodes:
-            spans, position = [], 0
-            for step in node.steps:
-                spans.append((position, position + len(step)))
-                position += len(step)
-            encoded = encode_with_step_ends(
-                self.critic.tokenizer, self.prompts[node.problem], "".join(node.steps), spans, sample=node.problem
-            )
-            node_reads, node_read_of_step = merge_shared_step_ends([int(e) for e in encoded.step_ends])
-            merged = node.num_steps - len(node_reads)
-            if merged:
-                self.merged_steps[node.problem] = self.merged_steps.get(node.problem, 0) + merged
-                if not self._warned:
-                    self._warned = True
-                    first = next(h for h in range(1, node.num_steps) if node_read_of_step[h] == node_read_of_step[h - 1])
-                    warnings.warn(
-                        f"problem {node.problem}: step {first} ({node.steps[first]!r}) ends in the critic token that "
-                        f"also ends step {first - 1} ({node.steps[first - 1][-20:]!r}); such steps are merged (both "
-                        "get the value read there) and counted per problem in the records' critic_merged_steps. Use a "
-                        "delimiter that the critic's tokenizer keeps apart from the next step's text to avoid it",
-                        stacklevel=2,
-                    )
-            input_ids.append(list(encoded.input_ids))
-            prompt_ends.append(int(encoded.prompt_end))
-            reads.append(node_reads)
-            read_of_step.append(node_read_of_step)
-        if not nodes:
-            return [], []
-        scores = self.critic.score_sequences(input_ids, prompt_ends, reads)
-        values = []
-        for i, node in enumerate(nodes):
-            h = int(scores.num_steps[i])
-            if h != len(reads[i]):
-                raise ValueError(
-                    f"problem {node.problem}: the critic returned {h} step values for a node with {len(reads[i])} "
-                    f"distinct step ends ({node.num_steps} steps)"
+            ends = list(itertools.accumulate(len(step) for step in node.steps))
+            spans.append(list(zip([0] + ends[:-1], ends)))
+        scored = self.critic.score_step_spans([self.prompts[node.problem] for node in nodes],
+                                              ["".join(node.steps) for node in nodes], spans,
+                                              samples=[node.problem for node in nodes])
+        for node, merged in zip(nodes, scored.merged_steps):
+            if not merged:
+                continue
+            self.merged_steps[node.problem] = self.merged_steps.get(node.problem, 0) + len(merged)
+            if not self._warned:
+                self._warned = True
+                first = merged[0]
+                warnings.warn(
+                    f"problem {node.problem}: step {first} ({node.steps[first]!r}) ends in the critic token that "
+                    f"also ends step {first - 1} ({node.steps[first - 1][-20:]!r}); such steps are merged (both "
+                    "get the value read there) and counted per problem in the records' critic_merged_steps. Use a "
+                    "delimiter that the critic's tokenizer keeps apart from the next step's text to avoid it",
+                    stacklevel=2,
                 )
-            distinct = scores.step_values[i, :h].tolist()
-            values.append([float(scores.prompt_values[i])] + [distinct[r] for r in read_of_step[i]])
-        return values, [len(ids) for ids in input_ids]
+        scores = scored.scores
+        values = [[float(scores.prompt_values[i])] + scores.step_values[i, : int(scores.num_steps[i])].tolist()
+                  for i in range(len(nodes))]
+        return values, scored.sequence_tokens
 
 
 def text_critic_factory(prompts: Sequence[str], device: str | None) -> Callable[[str, str], Callable[[], TextCritic]]:

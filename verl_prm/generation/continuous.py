@@ -30,7 +30,8 @@ class ContinuousBatcher:
     """
 
     def __init__(self, engine: GenerationEngine, *, gather_seconds: float = 0.02) -> None:
-        if not (isinstance(gather_seconds, (int, float)) and 0 <= gather_seconds < 60):
+        number = isinstance(gather_seconds, (int, float)) and not isinstance(gather_seconds, bool)
+        if not (number and 0 <= gather_seconds < 60):
             raise ValueError(f"ContinuousBatcher: gather_seconds must be a number in [0, 60), got {gather_seconds!r}")
         self.engine = engine
         self.gather_seconds = float(gather_seconds)

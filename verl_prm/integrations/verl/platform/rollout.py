@@ -9,10 +9,11 @@ module provides both on CPU with transformers, through verl's own extension poin
   ``trust_remote_code=False``) behind ``verl_prm.generation.GenerationEngine``: requests are decoded as one
   batch whatever their lengths and sampling settings (temperature, top-p, top-k, length limit, the model's EOS
   ids), a request that arrives while others decode joins them before the next token (continuous batching, so a
-  tree branch starts as soon as its root ends, not when the root's whole batch does), in the precision ``rollout.dtype`` names (``auto``: bfloat16 where the CPU has
-  native bf16 instructions), and a request that extends a sequence the server generated since the last weight
-  update (a tree branch, its root's response prefix) copies that prefix's keys and values instead of computing
-  them again. Log-probabilities, when asked for, are those of the sampled tokens under the raw logits (float32);
+  tree branch starts as soon as its root ends, not when the root's whole batch does), in the precision
+  ``rollout.dtype`` names (``auto``: bfloat16 where the CPU has native bf16 instructions), and a request that
+  extends a sequence the server generated since the last weight update (a tree branch, its root's response
+  prefix) copies that prefix's keys and values instead of computing them again. Log-probabilities, when asked
+  for, are those of the sampled tokens under the raw logits (float32);
 - ``HFReplica`` (``RolloutReplica``, registered in ``RolloutReplicaRegistry`` as ``hf``): starts one server per
   replica next to the hybrid engine's workers;
 - ``HFServerAdapter`` (``BaseRollout``, registered in verl's rollout registry as ``("hf", "async")``): verl's

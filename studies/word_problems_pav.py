@@ -123,21 +123,14 @@ def resolve_critic(path: Path) -> Path:
     return checkpoint
 
 
-def checkpoint_format(path: Path) -> str:
-    """The format of a ``verl-prm train`` checkpoint: ``token_logprob`` where its head file is there, else
-    ``value_head``."""
-    from verl_prm.critic.token_logprob_head import HEAD_JSON
-
-    return "token_logprob" if (path / HEAD_JSON).is_file() else "value_head"
-
-
 def critic_values(path: Path, frame: pd.DataFrame, device: str | None) -> tuple[np.ndarray, np.ndarray]:
     """The critic's raw values after every step of every row (flat, in row and step order) and of every row's
     bare prompt, read at the labels' spans (``encode_with_step_ends``, as ``verl-prm train`` encodes them)."""
     from verl_prm.critic import ProverCritic
+    from verl_prm.critic.token_logprob_head import native_format
     from verl_prm.steps import encode_with_step_ends
 
-    critic = ProverCritic.from_pretrained(str(path), format=checkpoint_format(path), device=device,
+    critic = ProverCritic.from_pretrained(str(path), format=native_format(path), device=device,
                                           calibration="none")
     ids, prompt_ends, step_ends = [], [], []
     for row in frame.itertuples(index=False):

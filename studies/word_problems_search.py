@@ -156,10 +156,11 @@ def run(config, work_dir: Path, pav: Path, orm: Path, out: Path, *, threads: int
     on ``threads`` torch threads (not a setting of the results); returns what results.json holds."""
     import torch
 
-    from studies.word_problems_pav import checkpoint_format, resolve_critic
+    from studies.word_problems_pav import resolve_critic
     from verl_prm.apps.word_problems.pipeline import (MAX_STEPS, read_partial_rows, search_critic, search_sampler,
                                                       split_problems, stages_of)
     from verl_prm.apps.word_problems.search import compare_at_budgets
+    from verl_prm.critic.token_logprob_head import native_format
     from verl_prm.locking import DirectoryLock
     from verl_prm.resume import write_settings
 
@@ -186,7 +187,7 @@ def run(config, work_dir: Path, pav: Path, orm: Path, out: Path, *, threads: int
             splits = split_problems(config)
             problems = splits["test"][: config.search_problems]
             sampler = search_sampler(config, Path(work_dir), problems, splits["shots"])
-            critics = {name: search_critic(str(path), sampler, name, format=checkpoint_format(path))
+            critics = {name: search_critic(str(path), sampler, name, format=native_format(path))
                        for name, path in (("pav", pav), ("orm", orm))}
             rows = compare_at_budgets(
                 problems, sampler, critics["pav"], critics["orm"], best_of_n=config.best_of_n,

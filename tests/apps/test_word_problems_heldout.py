@@ -298,10 +298,9 @@ def test_study_refuses_training_problems_held_out_and_rows_of_no_problem(study_i
 
 def test_a_checkpoint_is_scored_in_the_format_its_files_say(tmp_path):
     """A token_logprob checkpoint (its head file beside the LM) is read as token_logprob, any other as value_head."""
-    from studies.word_problems_pav import checkpoint_format
-    from verl_prm.critic.token_logprob_head import HEAD_JSON
+    from verl_prm.critic.token_logprob_head import HEAD_JSON, native_format
 
     (tmp_path / "config.json").write_text("{}")
-    assert checkpoint_format(tmp_path) == "value_head"
+    assert native_format(tmp_path) == "value_head"
     (tmp_path / HEAD_JSON).write_text("{}")
-    assert checkpoint_format(tmp_path) == "token_logprob"
+    assert native_format(tmp_path) == "token_logprob"

@@ -93,6 +93,13 @@ def test_every_arm_composes_with_verls_config_and_passes_the_plugins_checks(tmp_
         assert all(o.lstrip("+").startswith(("verl_prm", "algorithm.adv_estimator")) for o in commands[a] ^ commands[b])
     trains = [pd.read_parquet(tmp_path / "rl" / f"{arm}_seed2" / "data" / "train.parquet") for arm in study.ARMS]
     assert all(frame.equals(trains[0]) for frame in trains)
+    # a token_logprob checkpoint (its head's files beside the LM) is read in that format
+    from verl_prm.critic.token_logprob_head import HEAD_JSON
+
+    (critic / HEAD_JSON).write_text("{}")
+    cmd, _, _ = command(work, tmp_path / "rl_tlp", _settings("pav_learned", critic))
+    hook, _ = validate_run_config(_compose(cmd[3:]))
+    assert (hook.critic.source, hook.critic.format, hook.critic.path) == ("checkpoint", "token_logprob", str(critic))
 
 
 def test_the_rl_problems_are_the_label_pool_after_the_pavs_and_bad_sizes_are_named(tmp_path):

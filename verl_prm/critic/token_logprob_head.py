@@ -26,7 +26,7 @@ from verl_prm.checks import compile_result_regex
 from verl_prm.critic.token_logprob import feature_names, head_values
 
 __all__ = ["HEAD_JSON", "HEAD_SAFETENSORS", "HEAD_VERSION", "TokenLogprobHead", "read_head", "write_head",
-           "holds_head"]
+           "holds_head", "native_format"]
 
 HEAD_JSON = "token_logprob_head.json"
 HEAD_SAFETENSORS = "token_logprob_head.safetensors"
@@ -94,6 +94,12 @@ def holds_head(directory: str | Path) -> bool:
     """Whether ``directory`` holds either file of a ``token_logprob`` head."""
     directory = Path(directory)
     return (directory / HEAD_JSON).exists() or (directory / HEAD_SAFETENSORS).exists()
+
+
+def native_format(directory: str | Path) -> str:
+    """The format of a ``verl-prm train`` checkpoint (``verl_prm.critic.format``): ``token_logprob`` where it
+    holds a head's files, else ``value_head``."""
+    return FORMAT if holds_head(directory) else "value_head"
 
 
 def write_head(directory: str | Path, head: TokenLogprobHead) -> None:

@@ -198,11 +198,14 @@ def device_overrides(scale, device: str) -> list[str]:
 def learned_critic_overrides(checkpoint: str | Path, calibration: str = "none", mc_overrides: Sequence[str] = (),
                              refresh_overrides: Sequence[str] = ()) -> list[str]:
     """The ``verl_prm.critic`` overrides of a PAV that ``verl-prm train`` learnt (source ``checkpoint``, format
-    ``value_head``) at ``checkpoint``, with its ``calibration`` (``none``: the raw values; ``auto``: the
-    checkpoint's ``calibration.json``), the sampling settings ``mc_overrides`` (``verl_prm.critic.<key>=<value>``)
-    and a refresh's ``refresh_overrides`` (``verl_prm.refresh.<key>=<value>``)."""
+    ``value_head`` or ``token_logprob``, read from the checkpoint) at ``checkpoint``, with its ``calibration``
+    (``none``: the raw values; ``auto``: the checkpoint's ``calibration.json``), the sampling settings
+    ``mc_overrides`` (``verl_prm.critic.<key>=<value>``) and a refresh's ``refresh_overrides``
+    (``verl_prm.refresh.<key>=<value>``)."""
+    from verl_prm.critic.token_logprob_head import native_format
+
     return ["verl_prm.critic.source=checkpoint", f"verl_prm.critic.path={checkpoint}",
-            "verl_prm.critic.format=value_head", f"verl_prm.critic.calibration={calibration}",
+            f"verl_prm.critic.format={native_format(checkpoint)}", f"verl_prm.critic.calibration={calibration}",
             *(f"verl_prm.critic.{override}" for override in mc_overrides),
             *(f"verl_prm.refresh.{override}" for override in refresh_overrides)]
 

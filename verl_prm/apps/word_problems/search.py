@@ -181,7 +181,8 @@ def compare_at_budgets(problems, sampler, pav, orm, *, best_of_n: Sequence[int],
 
     def add(row: dict, new: bool) -> None:
         rows.append(row)
-        log(f"[word-problems] search: {row['method']} N={row['n']}: {row}" + ("" if new else " (kept)"))
+        shown = {key: value for key, value in row.items() if key != "correct"}  # 0/1 per problem: too long a line
+        log(f"[word-problems] search: {row['method']} N={row['n']}: {shown}" + ("" if new else " (kept)"))
         if new and on_row is not None:
             on_row(list(rows))
 

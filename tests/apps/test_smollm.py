@@ -183,8 +183,11 @@ def test_train_with_smollm_as_the_backbone(trained):
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     train = [(r["loss"], r["grad_norm"]) for r in records if "loss" in r]
     assert len(train) == 2 and all(math.isfinite(x) for row in train for x in row)
-    evals = [v for r in records for k, v in r.items() if k.startswith("eval/") and isinstance(v, float)]
-    assert evals and all(math.isfinite(v) for v in evals)
+    evals = {k: v for r in records for k, v in r.items() if k.startswith("eval/")}
+    assert all(math.isfinite(v) for k, v in evals.items() if isinstance(v, float) and k != "eval/auroc")
+    # 2 held-out rollouts of a few steps: on some CPUs' samples every held-out label is one class, where the
+    # AUROC is undefined and a note says why
+    assert math.isfinite(evals["eval/auroc"]) or "one class" in evals["eval/auroc_note"], evals
     assert (output / "checkpoint-0000002" / "model.safetensors").is_file()
 
 

@@ -8,7 +8,7 @@ Two steps, each resumable by its outputs:
         --out runs/wp_budget
     # 2. label sets of equal cost drawn from one n_mc = 4 labelling run, a PAV trained on each, judged on held-out
     python -m studies.word_problems_label_budget compare --work-dir runs/wp --labels runs/wp/labels \\
-        --eval-labels runs/wp/heldout_labels --budget-problems 200 --n-mc 1,2,4 --out runs/wp_budget
+        --eval-labels runs/wp/heldout_labels --budget-problems 10 30 100 --n-mc 1,2,4 --out runs/wp_budget
 
 ``cost`` runs the labeller (``verl_prm.labeling.MonteCarloLabeler``, the settings of the recipe's label stage:
 ``n_cov`` rollouts, every step prefix, at most 6 steps) at each ``n_mc`` on the first ``--problems`` label
@@ -19,7 +19,10 @@ budget pays for (``budget / cost(n_mc)``), their labels drawn from the ``n_mc = 
 (``verl_prm.labeling.subsample``: the law of fresh continuations), trains a PAV on them (format ``token_logprob``:
 a logistic head on the policy's own token log-probs, the critic that ranks these steps; docs/real_model.md) and
 reports the held-out AUROC against ``prefix_correct`` and the
-Monte-Carlo label with bootstrap intervals over problems (``studies.word_problems_pav``).
+Monte-Carlo label with bootstrap intervals over problems (``studies.word_problems_pav``), and each setting's
+AUROC minus the largest n_mc's, paired on the same held-out steps and bootstrap resamples
+(``verl_prm.training.metrics.grouped_bootstrap_auroc_difference``). Several budgets may be given; a setting
+judged before (``compare.json``) is not trained again. Writes ``compare.json`` and ``results.md``.
 """
 
 from __future__ import annotations
@@ -124,6 +127,72 @@ def budget_sizes(costs: dict, n_mcs: Sequence[int], budget_problems: int) -> dic
             for m in n_mcs}
 
 
+def paired_differences(rows: dict[int, list[dict]], reference: int, *, resamples: int, seed: int,
+                       level: float) -> dict[int, dict]:
+    """Each setting's held-out AUROC minus the ``reference`` setting's, paired on the same steps and the same
+    bootstrap resamples of the problems (``grouped_bootstrap_auroc_difference``), against ``prefix_correct`` and
+    against the Monte-Carlo label (``q > 0.5``, the steps that carry one).
+
+    Args:
+        rows: per n_mc, the held-out rows its critic scored (``pav_heldout.jsonl``: problem, step, score,
+            prefix_correct, mc_label), the same steps in the same order for every setting.
+    Raises:
+        ValueError: rows that are not the same steps (naming the setting and the first row that differs).
+    """
+    import numpy as np
+
+    from verl_prm.training.metrics import grouped_bootstrap_auroc_difference
+
+    base = rows[reference]
+    steps = [(r["problem"], r["step"], r["prefix_correct"], r["mc_label"]) for r in base]
+    problems = np.asarray([r["problem"] for r in base])
+    correct = np.asarray([r["prefix_correct"] for r in base], dtype=bool)
+    labelled = np.asarray([r["mc_label"] is not None for r in base], dtype=bool)
+    mc_positive = np.asarray([r["mc_label"] is not None and r["mc_label"] > heldout.MC_POSITIVE for r in base])
+    ref_scores = np.asarray([r["score"] for r in base], dtype=np.float64)
+    out = {}
+    for m, other in rows.items():
+        if m == reference:
+            continue
+        mismatch = next((i for i, (a, b) in enumerate(zip(other, steps))
+                         if (a["problem"], a["step"], a["prefix_correct"], a["mc_label"]) != b), None)
+        if len(other) != len(steps) or mismatch is not None:
+            raise ValueError(f"n_mc={m}: its held-out rows are not n_mc={reference}'s ({len(other)} against "
+                             f"{len(steps)} rows, first difference at row {mismatch}): judge both on the same "
+                             "--eval-labels")
+        scores = np.asarray([r["score"] for r in other], dtype=np.float64)
+        result = {}
+        for label, mask, positive in (("prefix_correct", np.ones_like(correct), correct),
+                                      ("mc_label", labelled, mc_positive)):
+            d = grouped_bootstrap_auroc_difference(scores[mask], ref_scores[mask], positive[mask], problems[mask],
+                                                   resamples=resamples, seed=seed, level=level)
+            result[label] = {"difference": d.auroc, "low": d.low, "high": d.high, "skipped_resamples": d.skipped}
+        out[m] = result
+    return out
+
+
+def report(results: dict) -> str:
+    """results.md: per budget, each setting's problems, labelled steps and held-out AUROCs, and its paired
+    difference from the largest n_mc."""
+    lines = [("| budget (problems at the largest n_mc) | n_mc | problems | labelled steps | AUROC vs prefix_correct "
+              "| paired difference from the largest n_mc | AUROC vs the Monte-Carlo label | paired difference |"),
+             "|---|---|---|---|---|---|---|---|"]
+
+    def cell(r):
+        return f"{r['auroc']:.3f} [{r['low']:.3f}, {r['high']:.3f}]"
+
+    def difference(d):
+        return f"{d['difference']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]" if d else ""
+
+    for budget in results["budgets"]:
+        for m, key in budget["settings"].items():
+            r, paired = results["settings"][key], budget["paired"].get(m, {})
+            lines.append(f"| {budget['budget_problems']} | {m} | {r['problems']} | {r['labelled_steps']:,} | "
+                         f"{cell(r['prefix_correct'])} | {difference(paired.get('prefix_correct'))} | "
+                         f"{cell(r['mc_label'])} | {difference(paired.get('mc_label'))} |")
+    return "\n".join(lines) + "\n"
+
+
 def compare(args) -> dict:
     import numpy as np
     import torch
@@ -138,43 +207,67 @@ def compare(args) -> dict:
     missing = [m for m in args.n_mc if str(m) not in costs]
     if missing:
         raise SystemExit(f"no cost measured for n_mc {missing}: run `cost` with --n-mc including them first")
-    sizes = budget_sizes(costs, args.n_mc, args.budget_problems)
     labels = read_labels(args.labels)
+    sampled = [n for counts in labels["n_mc"] for n in counts if n > 0]
+    labels_n_mc = min(sampled, default=0)
+    if labels_n_mc < max(args.n_mc):
+        raise SystemExit(f"{args.labels} hold steps labelled with {labels_n_mc} continuations: the labels of "
+                         f"n_mc={max(args.n_mc)} are drawn from labels of at least as many; label with --n-mc "
+                         f"{max(args.n_mc)} or more")
     prompts = sorted(labels["prompt_index"].unique())
-    largest = max(sizes.values())
-    if largest > len(prompts):
-        raise SystemExit(f"the budget needs {largest} labelled problems for n_mc={min(args.n_mc)} but {args.labels} "
-                         f"holds {len(prompts)}: lower --budget-problems or label more")
+    budgets = {b: budget_sizes(costs, args.n_mc, b) for b in sorted(set(args.budget_problems))}
+    for budget, sizes in budgets.items():  # every budget checked before any critic is trained
+        if max(sizes.values()) > len(prompts):
+            raise SystemExit(f"--budget-problems {budget} needs {max(sizes.values())} labelled problems for "
+                             f"n_mc={min(args.n_mc)} but {args.labels} holds {len(prompts)}: lower it or label more")
+    largest_n_mc = max(args.n_mc)
     results_path = out / "compare.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
-    for m, problems in sizes.items():
-        key = f"n_mc={m},problems={problems},seed={args.seed}"
-        if key in results:
-            print(f"[budget] {key}: done before")
-            continue
-        chosen = set(prompts[:problems])
-        frame = labels[labels["prompt_index"].isin(chosen)].reset_index(drop=True)
-        frame = subsample_labels(frame, m, seed=args.seed) if m < 4 else frame
-        shard_dir = out / f"labels_n{m}_p{problems}_s{args.seed}"
-        shard_dir.mkdir(parents=True, exist_ok=True)
-        pq.write_table(rows_to_table(frame.drop(columns=[c for c in frame.columns if c.startswith("_")])
-                                     .to_dict("records")), shard_dir / "shard-00000.parquet")
-        critic_dir = out / f"pav_n{m}_p{problems}_s{args.seed}"
-        if not (critic_dir / "config.json").is_file():
-            train(TrainConfig(labels=[str(shard_dir)], output_dir=str(critic_dir),
-                              init=str(Path(args.work_dir) / "policy"), format="token_logprob", eval_fraction=0.0,
-                              head_l2=args.l2, cpu=True, progress=False, calibration="none", seed=args.seed))
-        judged = heldout.run(argparse.Namespace(
-            critic=[f"pav={critic_dir}"], export_critic=None, work_dir=Path(args.work_dir), labels=[shard_dir],
-            eval_labels=args.eval_labels, out=out / f"heldout_n{m}_p{problems}_s{args.seed}", export_heldout=None,
-            export_train_problems=None, resamples=args.resamples, seed=args.seed, level=args.level,
-            device=args.device))
-        metrics = {name: judged["critics"]["pav"][name] for name in ("prefix_correct", "mc_label", "prompt_value")}
-        results[key] = {"n_mc": m, "problems": problems, "labelled_steps": int(np.sum(frame["q"].map(len))),
-                        "budget_cpu_seconds": round(problems * costs[str(m)]["cpu_seconds_per_problem"], 1),
-                        **metrics}
-        results_path.write_text(json.dumps(heldout.json_safe(results), indent=2))
-        print(f"[budget] {key}: {json.dumps(heldout.json_safe(metrics))}", flush=True)
+    results.setdefault("settings", {})
+    results["budgets"] = []
+    for budget, sizes in budgets.items():
+        keys, rows = {}, {}
+        for m, problems in sizes.items():
+            key = keys[m] = f"n_mc={m},problems={problems},seed={args.seed}"
+            judged_dir = out / f"heldout_n{m}_p{problems}_s{args.seed}"
+            if key not in results["settings"]:
+                chosen = set(prompts[:problems])
+                frame = labels[labels["prompt_index"].isin(chosen)].reset_index(drop=True)
+                frame = subsample_labels(frame, m, seed=args.seed) if m < labels_n_mc else frame
+                shard_dir = out / f"labels_n{m}_p{problems}_s{args.seed}"
+                shard_dir.mkdir(parents=True, exist_ok=True)
+                pq.write_table(rows_to_table(frame.drop(columns=[c for c in frame.columns if c.startswith("_")])
+                                             .to_dict("records")), shard_dir / "shard-00000.parquet")
+                critic_dir = out / f"pav_n{m}_p{problems}_s{args.seed}"
+                if not (critic_dir / "config.json").is_file():
+                    train(TrainConfig(labels=[str(shard_dir)], output_dir=str(critic_dir),
+                                      init=str(Path(args.work_dir) / "policy"), format="token_logprob",
+                                      eval_fraction=0.0, head_l2=args.l2, cpu=True, progress=False,
+                                      calibration="none", seed=args.seed))
+                judged = heldout.run(argparse.Namespace(
+                    critic=[f"pav={critic_dir}"], export_critic=None, work_dir=Path(args.work_dir),
+                    labels=[shard_dir], eval_labels=args.eval_labels, out=judged_dir, export_heldout=None,
+                    export_train_problems=None, resamples=args.resamples, seed=args.seed, level=args.level,
+                    device=args.device))
+                metrics = {name: judged["critics"]["pav"][name] for name in ("prefix_correct", "mc_label",
+                                                                               "prompt_value")}
+                results["settings"][key] = {"n_mc": m, "problems": problems,
+                                            "labelled_steps": int(np.sum(frame["q"].map(len))),
+                                            "budget_cpu_seconds": round(problems * costs[str(m)]
+                                                                        ["cpu_seconds_per_problem"], 1),
+                                            **metrics}
+                results_path.write_text(json.dumps(heldout.json_safe(results), indent=2))
+                print(f"[budget] {key}: {json.dumps(heldout.json_safe(metrics))}", flush=True)
+            else:
+                print(f"[budget] {key}: done before")
+            with open(judged_dir / "pav_heldout.jsonl") as f:
+                rows[m] = [json.loads(line) for line in f]
+        paired = paired_differences(rows, largest_n_mc, resamples=args.resamples, seed=args.seed, level=args.level)
+        results["budgets"].append({"budget_problems": budget, "seed": args.seed, "settings": keys,
+                                   "paired": {m: paired.get(m, {}) for m in sizes}})
+    results_path.write_text(json.dumps(heldout.json_safe(results), indent=2))
+    (out / "results.md").write_text(report(heldout.json_safe(results)))
+    print(report(heldout.json_safe(results)), end="")
     return results
 
 
@@ -191,7 +284,8 @@ def parser() -> argparse.ArgumentParser:
     comp.add_argument("--work-dir", required=True)
     comp.add_argument("--labels", nargs="+", required=True)
     comp.add_argument("--eval-labels", nargs="+", required=True)
-    comp.add_argument("--budget-problems", type=at_least(1), required=True)
+    comp.add_argument("--budget-problems", type=at_least(1), nargs="+", required=True,
+                      help="one or more budgets, each the CPU time of this many problems at the largest n_mc")
     comp.add_argument("--n-mc", type=n_mc_list, default=[1, 2, 4])
     comp.add_argument("--l2", type=finite_float(0.0), default=1.0, help="the head's ridge penalty (--head-l2)")
     comp.add_argument("--seed", type=at_least(0), default=0)

@@ -13,7 +13,7 @@ import pytest
 
 from verl_prm.apps.word_problems.check import check_steps, line_claim
 from verl_prm.apps.word_problems.task import Problem, generate_problems
-from verl_prm.training.metrics import grouped_bootstrap_auroc
+from verl_prm.training.metrics import grouped_bootstrap_auroc, grouped_bootstrap_auroc_difference
 
 # 3 apples, buys 4 (-> 7), gives away 2 (-> 5), doubles (-> 10)
 PROBLEM = Problem("Sam", "he", "apples", 3, (("add", 4, "buys 4 more apples"), ("sub", 2, "gives away 2 apples"),
@@ -117,6 +117,43 @@ def test_grouped_bootstrap_equals_the_loop(case):
     want = loop_bootstrap(scores, labels, groups, 300, 5, 0.9)
     assert np.allclose(got[:3], want[:3], rtol=0, atol=1e-12) and got.skipped == want[3]
     assert (got.skipped > 0) == (case == "one_group_of_positives")
+
+
+def loop_bootstrap_difference(scores_a, scores_b, labels, groups, resamples, seed, level):
+    """The paired bootstrap as a loop: each resample's pooled items scored both ways, their AUROCs subtracted."""
+    keys = sorted(set(groups))
+    draws = np.random.default_rng(seed).integers(0, len(keys), size=(resamples, len(keys)))
+    differences = []
+    for row in draws:
+        items = [i for k in row for i in range(len(labels)) if groups[i] == keys[k]]
+        if any(labels[i] for i in items) and not all(labels[i] for i in items):
+            differences.append(
+                pairwise_auroc([scores_a[i] for i in items if labels[i]], [scores_a[i] for i in items if not labels[i]])
+                - pairwise_auroc([scores_b[i] for i in items if labels[i]],
+                                 [scores_b[i] for i in items if not labels[i]]))
+    point = (pairwise_auroc([s for s, y in zip(scores_a, labels) if y], [s for s, y in zip(scores_a, labels) if not y])
+             - pairwise_auroc([s for s, y in zip(scores_b, labels) if y], [s for s, y in zip(scores_b, labels) if not y]))
+    low, high = np.percentile(differences, [50 * (1 - level), 50 * (1 + level)])
+    return point, low, high, resamples - len(differences)
+
+
+def test_paired_auroc_difference_equals_the_loop():
+    rng = np.random.default_rng(4)
+    n = 70
+    labels = (rng.random(n) < 0.45).tolist()
+    groups = [f"problem {i % 9}" for i in range(n)]
+    scores_a = (np.asarray(labels) * 0.5 + rng.integers(0, 6, n) / 5).tolist()  # informative, with ties
+    scores_b = (rng.integers(0, 6, n) / 5).tolist()  # chance
+    got = grouped_bootstrap_auroc_difference(scores_a, scores_b, labels, groups, resamples=250, seed=2, level=0.9)
+    want = loop_bootstrap_difference(scores_a, scores_b, labels, groups, 250, 2, 0.9)
+    assert np.allclose(got[:3], want[:3], rtol=0, atol=1e-12) and got.skipped == want[3]
+    assert got.low > 0  # the informative scoring is ahead on every 5th-95th percentile resample
+    same = grouped_bootstrap_auroc_difference(scores_a, scores_a, labels, groups, resamples=50)
+    assert same[:3] == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="scoring 1, score 3, is nan"):
+        grouped_bootstrap_auroc_difference(scores_a, scores_b[:3] + [math.nan] + scores_b[4:], labels, groups)
+    with pytest.raises(ValueError, match=f"{n} scores, {n - 1} scores, {n} labels"):
+        grouped_bootstrap_auroc_difference(scores_a, scores_b[1:], labels, groups)
 
 
 def test_grouped_bootstrap_refuses_what_has_no_interval():
@@ -304,3 +341,52 @@ def test_a_checkpoint_is_scored_in_the_format_its_files_say(tmp_path):
     assert native_format(tmp_path) == "value_head"
     (tmp_path / HEAD_JSON).write_text("{}")
     assert native_format(tmp_path) == "token_logprob"
+
+
+def test_label_budget_compare_trains_a_critic_per_setting_and_pairs_them_on_the_held_out_steps(study_inputs):
+    """``studies.word_problems_label_budget compare`` on the hand-made labels (n_mc 4): at a budget of 1 problem
+    at n_mc 4 (cost 2) n_mc 2 (cost 1) gets 2 problems, its labels drawn from the n_mc 4 counts; each critic is
+    judged on the same held-out steps and n_mc 2's AUROC is paired against n_mc 4's."""
+    from studies import word_problems_label_budget as study
+    from verl_prm.labeling.format import read_labels
+
+    root, *_ = study_inputs
+    (root / "work" / "policy").symlink_to(root / "tiny")  # the tiny LM as the policy whose log-probs are features
+    out = root / "budget"
+    out.mkdir()
+    (out / "cost.json").write_text(json.dumps({"2": {"cpu_seconds_per_problem": 1.0},
+                                               "4": {"cpu_seconds_per_problem": 2.0}}))
+    argv = ["compare", "--work-dir", str(root / "work"), "--labels", str(root / "train"), "--eval-labels",
+            str(root / "heldout"), "--budget-problems", "1", "--n-mc", "2,4", "--resamples", "200", "--out", str(out)]
+    assert study.main(argv) == 0
+    results = json.loads((out / "compare.json").read_text())
+    [budget] = results["budgets"]
+    assert budget["settings"] == {"2": "n_mc=2,problems=2,seed=0", "4": "n_mc=4,problems=1,seed=0"}
+    drawn = read_labels(out / "labels_n2_p2_s0")
+    assert sorted(drawn["prompt_index"].unique()) == [0, 1] and {n for c in drawn["n_mc"] for n in c} == {2}
+    assert sorted(read_labels(out / "labels_n4_p1_s0")["prompt_index"].unique()) == [0]
+    assert results["settings"]["n_mc=2,problems=2,seed=0"]["labelled_steps"] == 18  # 2 problems x 3 rollouts x 3
+
+    rows = {m: [json.loads(line) for line in (out / f"heldout_n{m}_p{p}_s0" / "pav_heldout.jsonl").open()]
+            for m, p in ((2, 2), (4, 1))}
+
+    def auroc_of(m):
+        positives = [r["score"] for r in rows[m] if r["prefix_correct"]]
+        negatives = [r["score"] for r in rows[m] if not r["prefix_correct"]]
+        return pairwise_auroc(positives, negatives)
+
+    paired = budget["paired"]["2"]["prefix_correct"]
+    assert paired["difference"] == pytest.approx(auroc_of(2) - auroc_of(4), abs=1e-12)
+    assert paired["low"] <= paired["difference"] <= paired["high"]
+    assert budget["paired"]["4"] == {}  # the reference
+    table = (out / "results.md").read_text().splitlines()
+    assert len(table) == 4 and table[2].startswith("| 1 | 2 | 2 | 18 |") and table[3].startswith("| 1 | 4 | 1 | 9 |")
+    # a rerun trains nothing again; a budget the labels cannot pay, or labels of fewer continuations, are refused
+    before = (out / "pav_n2_p2_s0").stat().st_mtime_ns
+    assert study.main(argv) == 0 and (out / "pav_n2_p2_s0").stat().st_mtime_ns == before
+    with pytest.raises(SystemExit, match="--budget-problems 2 needs 4 labelled problems for n_mc=2 but"):
+        study.main(argv[:-7] + ["2", "--n-mc", "2,4", "--out", str(out)])
+    (out / "cost.json").write_text(json.dumps({"4": {"cpu_seconds_per_problem": 1.0},
+                                               "8": {"cpu_seconds_per_problem": 2.0}}))
+    with pytest.raises(SystemExit, match="hold steps labelled with 4 continuations: the labels of n_mc=8"):
+        study.main(argv[:-5] + ["4,8", "--resamples", "200", "--out", str(out)])

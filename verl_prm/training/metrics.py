@@ -1,6 +1,6 @@
 """Evaluation metrics of a value critic against value labels: MSE, AUROC, expected calibration error, and the
-reliability diagram (mean label against mean value per bin); AUROC with a bootstrap interval over groups
-(problems)."""
+reliability diagram (mean label against mean value per bin); AUROC, and the paired difference of two scorings'
+AUROCs, with a bootstrap interval over groups (problems)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["mse", "auroc", "expected_calibration_error", "GroupedAUROC", "grouped_bootstrap_auroc", "plot_reliability",
-           "reliability_bins", "value_metrics"]
+__all__ = ["mse", "auroc", "expected_calibration_error", "GroupedAUROC", "grouped_bootstrap_auroc",
+           "grouped_bootstrap_auroc_difference", "plot_reliability", "reliability_bins", "value_metrics"]
 
 
 def _flat(values) -> np.ndarray:
@@ -96,20 +96,67 @@ def grouped_bootstrap_auroc(scores, labels, groups, *, resamples: int = 2000, se
         ValueError: bad arguments, one class in all items, or fewer than ``min_valid_share`` of the resamples
         with both classes (naming the counts).
     """
-    s, y = _flat(scores), np.asarray(labels).reshape(-1).astype(bool)
+    s, y, group, num_groups = _bootstrap_inputs("grouped_bootstrap_auroc", [scores], labels, groups)
+    _check_bootstrap_knobs("grouped_bootstrap_auroc", resamples, seed, level, min_valid_share)
+    point = auroc(s[0], y)
+    values = _resampled_aurocs(s[0], y, group, num_groups, resamples, seed)
+    valid = _enough_valid("grouped_bootstrap_auroc", values, resamples, num_groups, min_valid_share)
+    low, high = np.quantile(valid, [(1.0 - level) / 2.0, (1.0 + level) / 2.0])
+    return GroupedAUROC(point, float(low), float(high), int(resamples - valid.size))
+
+
+def grouped_bootstrap_auroc_difference(scores_a, scores_b, labels, groups, *, resamples: int = 2000, seed: int = 0,
+                                       level: float = 0.95, min_valid_share: float = 0.5) -> GroupedAUROC:
+    """The paired difference ``AUROC(scores_a) - AUROC(scores_b)`` of two scorings of the same items, with a
+    percentile bootstrap interval over groups: resample b draws the groups of :func:`grouped_bootstrap_auroc`
+    (the same ``seed``, the same draws) and both AUROCs are read on it,
+
+        D_b = AUROC_b(a) - AUROC_b(b),
+
+    so what the two scorings share (which problems were drawn) cancels, and the interval is the ``(1 - level) / 2``
+    and ``(1 + level) / 2`` quantiles of the ``D_b`` of the resamples with both classes (the skipped ones are
+    the same for both: they depend on the labels only).
+
+    Returns:
+        :class:`GroupedAUROC` whose ``auroc`` is the difference of the two AUROCs of all items.
+    Raises:
+        ValueError: as :func:`grouped_bootstrap_auroc`, for either scoring.
+    """
+    s, y, group, num_groups = _bootstrap_inputs("grouped_bootstrap_auroc_difference", [scores_a, scores_b], labels,
+                                                groups)
+    _check_bootstrap_knobs("grouped_bootstrap_auroc_difference", resamples, seed, level, min_valid_share)
+    point = auroc(s[0], y) - auroc(s[1], y)
+    values = (_resampled_aurocs(s[0], y, group, num_groups, resamples, seed)
+              - _resampled_aurocs(s[1], y, group, num_groups, resamples, seed))
+    valid = _enough_valid("grouped_bootstrap_auroc_difference", values, resamples, num_groups, min_valid_share)
+    low, high = np.quantile(valid, [(1.0 - level) / 2.0, (1.0 + level) / 2.0])
+    return GroupedAUROC(point, float(low), float(high), int(resamples - valid.size))
+
+
+def _bootstrap_inputs(name: str, scorings, labels, groups) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """The scorings as [k, n] float64, the labels as bool, each item's group index (sorted distinct keys) and
+    the group count; refuses mismatched sizes, non-finite scores and labels of one class."""
+    arrays = [_flat(scores) for scores in scorings]
+    y = np.asarray(labels).reshape(-1).astype(bool)
     group_keys = np.asarray(groups).reshape(-1)
-    if not s.shape == y.shape == group_keys.shape:
-        raise ValueError(f"grouped_bootstrap_auroc: {s.size} scores, {y.size} labels, {group_keys.size} groups")
+    if any(a.size != y.size for a in arrays) or group_keys.size != y.size:
+        sizes = ", ".join(f"{a.size} scores" for a in arrays)
+        raise ValueError(f"{name}: {sizes}, {y.size} labels, {group_keys.size} groups")
+    s = np.stack(arrays)
     if not np.isfinite(s).all():
-        raise ValueError(f"grouped_bootstrap_auroc: score {int(np.flatnonzero(~np.isfinite(s))[0])} is "
-                         f"{s[~np.isfinite(s)][0]}; every score must be finite")
-    _check_bootstrap_knobs(resamples, seed, level, min_valid_share)
-    point = auroc(s, y)
-    if math.isnan(point):
-        raise ValueError(f"grouped_bootstrap_auroc: all {s.size} items are of one class ({int(y.sum())} positive): "
-                         "the AUROC needs both")
+        which, item = (int(v[0]) for v in np.nonzero(~np.isfinite(s)))
+        label = f"score {item}" if len(scorings) == 1 else f"scoring {which}, score {item},"
+        raise ValueError(f"{name}: {label} is {s[which, item]}; every score must be finite")
+    if y.all() or not y.any():
+        raise ValueError(f"{name}: all {y.size} items are of one class ({int(y.sum())} positive): the AUROC needs both")
     _, group = np.unique(group_keys, return_inverse=True)
-    num_groups = int(group.max()) + 1
+    return s, y, group, int(group.max()) + 1
+
+
+def _resampled_aurocs(s: np.ndarray, y: np.ndarray, group: np.ndarray, num_groups: int, resamples: int,
+                      seed: int) -> np.ndarray:
+    """[resamples] AUROCs, resample b drawing row b of ``default_rng(seed).integers(0, G, size=(resamples, G))``
+    (NaN where a resample holds one class): ``sum_{g, h} m_g m_h W[g, h] / ((sum_g m_g P_g) (sum_g m_g N_g))``."""
     pairs = _group_pair_wins(s, y, group, num_groups)
     positives = np.bincount(group[y], minlength=num_groups).astype(np.float64)
     negatives = np.bincount(group[~y], minlength=num_groups).astype(np.float64)
@@ -124,13 +171,17 @@ def grouped_bootstrap_auroc(scores, labels, groups, *, resamples: int = 2000, se
         wins = ((multiplicity @ pairs) * multiplicity).sum(axis=1)  # sum_{g, h} m_g m_h W[g, h]
         with np.errstate(invalid="ignore", divide="ignore"):
             values[begin : begin + len(rows)] = wins / ((multiplicity @ positives) * (multiplicity @ negatives))
+    return values
+
+
+def _enough_valid(name: str, values: np.ndarray, resamples: int, num_groups: int,
+                  min_valid_share: float) -> np.ndarray:
     valid = values[np.isfinite(values)]
     if valid.size < max(2, math.ceil(min_valid_share * resamples)):
-        raise ValueError(f"grouped_bootstrap_auroc: only {valid.size} of {resamples} resamples of the {num_groups} "
+        raise ValueError(f"{name}: only {valid.size} of {resamples} resamples of the {num_groups} "
                          f"groups hold both classes (need {min_valid_share:g} of them): too few groups with "
                          "positives or negatives for an interval; add groups (problems)")
-    low, high = np.quantile(valid, [(1.0 - level) / 2.0, (1.0 + level) / 2.0])
-    return GroupedAUROC(point, float(low), float(high), int(resamples - valid.size))
+    return valid
 
 
 def _group_pair_wins(s: np.ndarray, y: np.ndarray, group: np.ndarray, num_groups: int) -> np.ndarray:
@@ -146,15 +197,15 @@ def _group_pair_wins(s: np.ndarray, y: np.ndarray, group: np.ndarray, num_groups
     return wins
 
 
-def _check_bootstrap_knobs(resamples, seed, level, min_valid_share) -> None:
+def _check_bootstrap_knobs(name: str, resamples, seed, level, min_valid_share) -> None:
     if isinstance(resamples, bool) or not isinstance(resamples, (int, np.integer)) or resamples < 2:
-        raise ValueError(f"grouped_bootstrap_auroc: resamples must be an integer >= 2, got {resamples!r}")
+        raise ValueError(f"{name}: resamples must be an integer >= 2, got {resamples!r}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise ValueError(f"grouped_bootstrap_auroc: seed must be an integer, got {seed!r}")
+        raise ValueError(f"{name}: seed must be an integer, got {seed!r}")
     if not (isinstance(level, (int, float)) and 0.0 < level < 1.0):
-        raise ValueError(f"grouped_bootstrap_auroc: level must be in (0, 1), got {level!r}")
+        raise ValueError(f"{name}: level must be in (0, 1), got {level!r}")
     if not (isinstance(min_valid_share, (int, float)) and 0.0 < min_valid_share <= 1.0):
-        raise ValueError(f"grouped_bootstrap_auroc: min_valid_share must be in (0, 1], got {min_valid_share!r}")
+        raise ValueError(f"{name}: min_valid_share must be in (0, 1], got {min_valid_share!r}")
 
 
 def expected_calibration_error(predictions, targets, num_bins: int = 10) -> float:

@@ -73,8 +73,14 @@ def n_mc_list(text: str) -> list[int]:
     return values
 
 
+def cost_key(n_mc: int, prefix_rule: str = "every") -> str:
+    """cost.json's key of a labelling setting: ``"4"`` (every step prefix), ``"first_pit:4"``."""
+    return str(n_mc) if prefix_rule == "every" else f"{prefix_rule}:{n_mc}"
+
+
 def measure_cost(args) -> dict:
-    """CPU seconds per problem of the recipe's labeller at each n_mc (one torch thread, the same problems)."""
+    """CPU seconds per problem of the recipe's labeller at each n_mc (one torch thread, the same problems), every
+    step prefix or (``--prefix-rule first_pit``) the first-pit search."""
     import torch
 
     from verl_prm.apps.word_problems.pipeline import MAX_STEPS, RecipeConfig, generator
@@ -95,25 +101,27 @@ def measure_cost(args) -> dict:
     items = read_prompts(str(Path(args.work_dir) / "data" / "label.parquet"), limit=args.problems)
     scorer = OutcomeScorer(load_reward_function(SCORE_FUNCTION))
     for n_mc in args.n_mc:
-        key = str(n_mc)
+        key = cost_key(n_mc, args.prefix_rule)
         if key in record and record[key]["problems"] == args.problems:
-            print(f"[budget] cost n_mc={n_mc}: measured before, {record[key]['cpu_seconds_per_problem']:.1f} s/problem")
+            print(f"[budget] cost {key}: measured before, {record[key]['cpu_seconds_per_problem']:.1f} s/problem")
             continue
-        settings = LabelSettings(n_cov=config.n_cov, n_mc=n_mc, prefix_rule="every", delimiter=STEP_DELIMITER,
-                                 max_steps=MAX_STEPS, seed=0, source=policy)
-        store = ShardStore(out / f"cost_labels_n{n_mc}")
-        store.check_config({"n_mc": n_mc, "problems": args.problems, "policy": policy})
+        settings = LabelSettings(n_cov=config.n_cov, n_mc=n_mc, prefix_rule=args.prefix_rule,
+                                 delimiter=STEP_DELIMITER, max_steps=MAX_STEPS, seed=0, source=policy)
+        name = f"n{n_mc}" if args.prefix_rule == "every" else f"{args.prefix_rule}_n{n_mc}"
+        store = ShardStore(out / f"cost_labels_{name}")
+        store.check_config({"n_mc": n_mc, "prefix_rule": args.prefix_rule, "problems": args.problems,
+                            "policy": policy})
         labeler = MonteCarloLabeler(engine, engine, scorer, settings)
         started, wall = cpu_seconds(), time.perf_counter()
         summary = run_labeling(items, lambda item: render_prompt(item, tokenizer=engine.tokenizer), labeler, store,
                                shard_size=args.problems, progress=False)
         if summary.get("skipped"):
-            raise RuntimeError(f"{store.directory} held labels already: remove it to measure n_mc={n_mc} again")
+            raise RuntimeError(f"{store.directory} held labels already: remove it to measure {key} again")
         used = cpu_seconds() - started
         record[key] = {"problems": args.problems, "cpu_seconds": round(used, 1),
                        "cpu_seconds_per_problem": round(used / args.problems, 2),
                        "wall_seconds": round(time.perf_counter() - wall, 1), "summary": summary}
-        print(f"[budget] cost n_mc={n_mc}: {used / args.problems:.1f} CPU s/problem", flush=True)
+        print(f"[budget] cost {key}: {used / args.problems:.1f} CPU s/problem", flush=True)
         path.write_text(json.dumps(record, indent=2))
     return record
 
@@ -127,14 +135,14 @@ def budget_sizes(costs: dict, n_mcs: Sequence[int], budget_problems: int) -> dic
             for m in n_mcs}
 
 
-def paired_differences(rows: dict[int, list[dict]], reference: int, *, resamples: int, seed: int,
-                       level: float) -> dict[int, dict]:
+def paired_differences(rows: dict[str, list[dict]], reference: str, *, resamples: int, seed: int,
+                       level: float) -> dict[str, dict]:
     """Each setting's held-out AUROC minus the ``reference`` setting's, paired on the same steps and the same
     bootstrap resamples of the problems (``grouped_bootstrap_auroc_difference``), against ``prefix_correct`` and
     against the Monte-Carlo label (``q > 0.5``, the steps that carry one).
 
     Args:
-        rows: per n_mc, the held-out rows its critic scored (``pav_heldout.jsonl``: problem, step, score,
+        rows: per setting, the held-out rows its critic scored (``pav_heldout.jsonl``: problem, step, score,
             prefix_correct, mc_label), the same steps in the same order for every setting.
     Raises:
         ValueError: rows that are not the same steps (naming the setting and the first row that differs).
@@ -151,15 +159,14 @@ def paired_differences(rows: dict[int, list[dict]], reference: int, *, resamples
     mc_positive = np.asarray([r["mc_label"] is not None and r["mc_label"] > heldout.MC_POSITIVE for r in base])
     ref_scores = np.asarray([r["score"] for r in base], dtype=np.float64)
     out = {}
-    for m, other in rows.items():
-        if m == reference:
+    for name, other in rows.items():
+        if name == reference:
             continue
         mismatch = next((i for i, (a, b) in enumerate(zip(other, steps))
                          if (a["problem"], a["step"], a["prefix_correct"], a["mc_label"]) != b), None)
         if len(other) != len(steps) or mismatch is not None:
-            raise ValueError(f"n_mc={m}: its held-out rows are not n_mc={reference}'s ({len(other)} against "
-                             f"{len(steps)} rows, first difference at row {mismatch}): judge both on the same "
-                             "--eval-labels")
+            raise ValueError(f"{name}: its held-out rows are not {reference}'s ({len(other)} against {len(steps)} "
+                             f"rows, first difference at row {mismatch}): judge both on the same --eval-labels")
         scores = np.asarray([r["score"] for r in other], dtype=np.float64)
         result = {}
         for label, mask, positive in (("prefix_correct", np.ones_like(correct), correct),
@@ -167,14 +174,14 @@ def paired_differences(rows: dict[int, list[dict]], reference: int, *, resamples
             d = grouped_bootstrap_auroc_difference(scores[mask], ref_scores[mask], positive[mask], problems[mask],
                                                    resamples=resamples, seed=seed, level=level)
             result[label] = {"difference": d.auroc, "low": d.low, "high": d.high, "skipped_resamples": d.skipped}
-        out[m] = result
+        out[name] = result
     return out
 
 
 def report(results: dict) -> str:
     """results.md: per budget, each setting's problems, labelled steps and held-out AUROCs, and its paired
-    difference from the largest n_mc."""
-    lines = [("| budget (problems at the largest n_mc) | n_mc | problems | labelled steps | AUROC vs prefix_correct "
+    difference from the largest n_mc's (every step prefix)."""
+    lines = [("| budget (problems at the largest n_mc) | labels | problems | labelled steps | AUROC vs prefix_correct "
               "| paired difference from the largest n_mc | AUROC vs the Monte-Carlo label | paired difference |"),
              "|---|---|---|---|---|---|---|---|"]
 
@@ -185,12 +192,18 @@ def report(results: dict) -> str:
         return f"{d['difference']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]" if d else ""
 
     for budget in results["budgets"]:
-        for m, key in budget["settings"].items():
-            r, paired = results["settings"][key], budget["paired"].get(m, {})
-            lines.append(f"| {budget['budget_problems']} | {m} | {r['problems']} | {r['labelled_steps']:,} | "
+        for name, key in budget["settings"].items():
+            r, paired = results["settings"][key], budget["paired"].get(name, {})
+            labels = f"n_mc {r['n_mc']}" + (", first pit" if r["prefix_rule"] == "first_pit" else "")
+            lines.append(f"| {budget['budget_problems']} | {labels} | {r['problems']} | {r['labelled_steps']:,} | "
                          f"{cell(r['prefix_correct'])} | {difference(paired.get('prefix_correct'))} | "
                          f"{cell(r['mc_label'])} | {difference(paired.get('mc_label'))} |")
     return "\n".join(lines) + "\n"
+
+
+def sampled_n_mc(labels) -> set[int]:
+    """The continuation counts of the labels' sampled steps (n_mc > 0; exact terminal steps have 0)."""
+    return {int(n) for counts in labels["n_mc"] for n in counts if n > 0}
 
 
 def compare(args) -> dict:
@@ -204,41 +217,62 @@ def compare(args) -> dict:
     torch.set_num_threads(1)
     out = Path(args.out)
     costs = json.loads((out / "cost.json").read_text())
-    missing = [m for m in args.n_mc if str(m) not in costs]
+    largest = max(args.n_mc)
+    needed = [cost_key(m) for m in args.n_mc] + ([cost_key(largest, "first_pit")] if args.first_pit_labels else [])
+    missing = [key for key in needed if key not in costs]
     if missing:
-        raise SystemExit(f"no cost measured for n_mc {missing}: run `cost` with --n-mc including them first")
+        raise SystemExit(f"no cost measured for {missing} in {out / 'cost.json'}: run `cost` with those --n-mc "
+                         "(and --prefix-rule first_pit for first_pit:N) first")
     labels = read_labels(args.labels)
-    sampled = [n for counts in labels["n_mc"] for n in counts if n > 0]
-    labels_n_mc = min(sampled, default=0)
-    if labels_n_mc < max(args.n_mc):
-        raise SystemExit(f"{args.labels} hold steps labelled with {labels_n_mc} continuations: the labels of "
-                         f"n_mc={max(args.n_mc)} are drawn from labels of at least as many; label with --n-mc "
-                         f"{max(args.n_mc)} or more")
-    prompts = sorted(labels["prompt_index"].unique())
-    budgets = {b: budget_sizes(costs, args.n_mc, b) for b in sorted(set(args.budget_problems))}
+    labels_n_mc = min(sampled_n_mc(labels), default=0)
+    if labels_n_mc < largest or set(labels["strategy"]) != {"every"}:
+        raise SystemExit(f"{args.labels} hold labels of {sorted(set(labels['strategy']))} with {labels_n_mc} "
+                         f"continuations at least: the labels of n_mc={largest} and fewer are drawn from labels of "
+                         f"every step prefix with at least as many; label with --prefix-rule every --n-mc {largest}")
+    sources = {"every": labels}
+    if args.first_pit_labels:
+        pit = read_labels(args.first_pit_labels)
+        if set(pit["strategy"]) != {"first_pit"} or sampled_n_mc(pit) - {largest}:
+            raise SystemExit(f"--first-pit-labels {args.first_pit_labels}: labels of {sorted(set(pit['strategy']))} "
+                             f"with n_mc {sorted(sampled_n_mc(pit))}; the setting needs the first-pit search at "
+                             f"n_mc={largest} (verl-prm label --prefix-rule first_pit --n-mc {largest})")
+        sources["first_pit"] = pit
+    budgets = {}
+    for budget in sorted(set(args.budget_problems)):
+        cpu = budget * costs[cost_key(largest)]["cpu_seconds_per_problem"]
+        sizes = {str(m): ("every", m, budget_sizes(costs, args.n_mc, budget)[m]) for m in args.n_mc}
+        if args.first_pit_labels:
+            sizes["first_pit"] = ("first_pit", largest,
+                                  int(cpu / costs[cost_key(largest, "first_pit")]["cpu_seconds_per_problem"] + 1e-9))
+        budgets[budget] = sizes
     for budget, sizes in budgets.items():  # every budget checked before any critic is trained
-        if max(sizes.values()) > len(prompts):
-            raise SystemExit(f"--budget-problems {budget} needs {max(sizes.values())} labelled problems for "
-                             f"n_mc={min(args.n_mc)} but {args.labels} holds {len(prompts)}: lower it or label more")
-    largest_n_mc = max(args.n_mc)
+        for name, (rule, m, problems) in sizes.items():
+            held = sources[rule]["prompt_index"].nunique()
+            if problems > held:
+                source = args.labels if rule == "every" else args.first_pit_labels
+                raise SystemExit(f"--budget-problems {budget} needs {problems} labelled problems for {name} but "
+                                 f"{source} holds {held}: lower it or label more")
     results_path = out / "compare.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     results.setdefault("settings", {})
     results["budgets"] = []
     for budget, sizes in budgets.items():
         keys, rows = {}, {}
-        for m, problems in sizes.items():
-            key = keys[m] = f"n_mc={m},problems={problems},seed={args.seed}"
-            judged_dir = out / f"heldout_n{m}_p{problems}_s{args.seed}"
+        for name, (rule, m, problems) in sizes.items():
+            tag = f"n{m}_p{problems}_s{args.seed}" if rule == "every" else f"{rule}_n{m}_p{problems}_s{args.seed}"
+            key = keys[name] = f"{rule},n_mc={m},problems={problems},seed={args.seed}"
+            judged_dir = out / f"heldout_{tag}"
             if key not in results["settings"]:
-                chosen = set(prompts[:problems])
-                frame = labels[labels["prompt_index"].isin(chosen)].reset_index(drop=True)
-                frame = subsample_labels(frame, m, seed=args.seed) if m < labels_n_mc else frame
-                shard_dir = out / f"labels_n{m}_p{problems}_s{args.seed}"
+                source = sources[rule]
+                chosen = set(sorted(source["prompt_index"].unique())[:problems])
+                frame = source[source["prompt_index"].isin(chosen)].reset_index(drop=True)
+                if rule == "every" and m < labels_n_mc:
+                    frame = subsample_labels(frame, m, seed=args.seed)
+                shard_dir = out / f"labels_{tag}"
                 shard_dir.mkdir(parents=True, exist_ok=True)
                 pq.write_table(rows_to_table(frame.drop(columns=[c for c in frame.columns if c.startswith("_")])
                                              .to_dict("records")), shard_dir / "shard-00000.parquet")
-                critic_dir = out / f"pav_n{m}_p{problems}_s{args.seed}"
+                critic_dir = out / f"pav_{tag}"
                 if not (critic_dir / "config.json").is_file():
                     train(TrainConfig(labels=[str(shard_dir)], output_dir=str(critic_dir),
                                       init=str(Path(args.work_dir) / "policy"), format="token_logprob",
@@ -249,22 +283,22 @@ def compare(args) -> dict:
                     labels=[shard_dir], eval_labels=args.eval_labels, out=judged_dir, export_heldout=None,
                     export_train_problems=None, resamples=args.resamples, seed=args.seed, level=args.level,
                     device=args.device))
-                metrics = {name: judged["critics"]["pav"][name] for name in ("prefix_correct", "mc_label",
-                                                                               "prompt_value")}
-                results["settings"][key] = {"n_mc": m, "problems": problems,
-                                            "labelled_steps": int(np.sum(frame["q"].map(len))),
-                                            "budget_cpu_seconds": round(problems * costs[str(m)]
-                                                                        ["cpu_seconds_per_problem"], 1),
-                                            **metrics}
+                metrics = {label: judged["critics"]["pav"][label] for label in ("prefix_correct", "mc_label",
+                                                                                 "prompt_value")}
+                labelled = np.concatenate([np.asarray(q, dtype=np.float64) for q in frame["q"]] or [np.zeros(0)])
+                cost = costs[cost_key(m, rule)]["cpu_seconds_per_problem"]
+                results["settings"][key] = {"prefix_rule": rule, "n_mc": m, "problems": problems,
+                                            "labelled_steps": int(np.isfinite(labelled).sum()),
+                                            "budget_cpu_seconds": round(problems * cost, 1), **metrics}
                 results_path.write_text(json.dumps(heldout.json_safe(results), indent=2))
                 print(f"[budget] {key}: {json.dumps(heldout.json_safe(metrics))}", flush=True)
             else:
                 print(f"[budget] {key}: done before")
             with open(judged_dir / "pav_heldout.jsonl") as f:
-                rows[m] = [json.loads(line) for line in f]
-        paired = paired_differences(rows, largest_n_mc, resamples=args.resamples, seed=args.seed, level=args.level)
+                rows[name] = [json.loads(line) for line in f]
+        paired = paired_differences(rows, str(largest), resamples=args.resamples, seed=args.seed, level=args.level)
         results["budgets"].append({"budget_problems": budget, "seed": args.seed, "settings": keys,
-                                   "paired": {m: paired.get(m, {}) for m in sizes}})
+                                   "paired": {name: paired.get(name, {}) for name in sizes}})
     results_path.write_text(json.dumps(heldout.json_safe(results), indent=2))
     (out / "results.md").write_text(report(heldout.json_safe(results)))
     print(report(heldout.json_safe(results)), end="")
@@ -279,6 +313,8 @@ def parser() -> argparse.ArgumentParser:
     cost.add_argument("--work-dir", required=True)
     cost.add_argument("--problems", type=at_least(1), default=8)
     cost.add_argument("--n-mc", type=n_mc_list, default=[1, 2, 4])
+    cost.add_argument("--prefix-rule", choices=("every", "first_pit"), default="every",
+                      help="the labeller's prefixes: every step prefix, or the first-pit search of each failed rollout")
     cost.add_argument("--out", required=True)
     comp = sub.add_parser("compare", help="PAVs trained on label sets of equal CPU cost, judged on held-out problems")
     comp.add_argument("--work-dir", required=True)
@@ -287,6 +323,9 @@ def parser() -> argparse.ArgumentParser:
     comp.add_argument("--budget-problems", type=at_least(1), nargs="+", required=True,
                       help="one or more budgets, each the CPU time of this many problems at the largest n_mc")
     comp.add_argument("--n-mc", type=n_mc_list, default=[1, 2, 4])
+    comp.add_argument("--first-pit-labels", nargs="+", default=None,
+                      help="labels of the first-pit search at the largest n_mc (verl-prm label --prefix-rule "
+                      "first_pit) on the same label problems: a further setting at the same budget")
     comp.add_argument("--l2", type=finite_float(0.0), default=1.0, help="the head's ridge penalty (--head-l2)")
     comp.add_argument("--seed", type=at_least(0), default=0)
     comp.add_argument("--resamples", type=at_least(1), default=2000)

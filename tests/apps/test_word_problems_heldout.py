@@ -343,50 +343,85 @@ def test_a_checkpoint_is_scored_in_the_format_its_files_say(tmp_path):
     assert native_format(tmp_path) == "token_logprob"
 
 
+def first_pit_rows(rows: list[dict]) -> list[dict]:
+    """The hand-made rows as a first-pit search would label them: a failed rollout's steps from its first
+    zero-value step on are 0 (the pit measured, the rest inferred, n_mc 0), the steps before it unlabelled (NaN)
+    but the one just before the pit; a successful rollout keeps every label."""
+    out = []
+    for row in rows:
+        q, n_success, n_mc = list(row["q"]), list(row["n_success"]), list(row["n_mc"])
+        pit = next((h for h, s in enumerate(n_success) if s == 0), -1)
+        if pit >= 0:
+            for h in range(len(q)):
+                if h > pit:
+                    q[h], n_success[h], n_mc[h] = 0.0, 0, 0
+                elif h < pit - 1:
+                    q[h], n_success[h], n_mc[h] = math.nan, 0, 0
+        out.append({**row, "q": q, "n_success": n_success, "n_mc": n_mc, "first_pit": pit, "strategy": "first_pit"})
+    return out
+
+
 def test_label_budget_compare_trains_a_critic_per_setting_and_pairs_them_on_the_held_out_steps(study_inputs):
     """``studies.word_problems_label_budget compare`` on the hand-made labels (n_mc 4): at a budget of 1 problem
-    at n_mc 4 (cost 2) n_mc 2 (cost 1) gets 2 problems, its labels drawn from the n_mc 4 counts; each critic is
-    judged on the same held-out steps and n_mc 2's AUROC is paired against n_mc 4's."""
-    from studies import word_problems_label_budget as study
-    from verl_prm.labeling.format import read_labels
+    at n_mc 4 (cost 2) n_mc 2 (cost 1) gets 2 problems, its labels drawn from the n_mc 4 counts, and the first-pit
+    search (cost 1) 2 problems of its own labels; each critic is judged on the same held-out steps and paired
+    against n_mc 4's."""
+    import pyarrow.parquet as pq
 
-    root, *_ = study_inputs
+    from studies import word_problems_label_budget as study
+    from verl_prm.labeling.format import read_labels, rows_to_table
+
+    root, _, _, shards = study_inputs
     (root / "work" / "policy").symlink_to(root / "tiny")  # the tiny LM as the policy whose log-probs are features
     out = root / "budget"
+    (root / "first_pit").mkdir()
+    pq.write_table(rows_to_table(first_pit_rows(shards["train"])), root / "first_pit" / "shard-00000.parquet")
     out.mkdir()
     (out / "cost.json").write_text(json.dumps({"2": {"cpu_seconds_per_problem": 1.0},
-                                               "4": {"cpu_seconds_per_problem": 2.0}}))
+                                               "4": {"cpu_seconds_per_problem": 2.0},
+                                               "first_pit:4": {"cpu_seconds_per_problem": 1.0}}))
     argv = ["compare", "--work-dir", str(root / "work"), "--labels", str(root / "train"), "--eval-labels",
-            str(root / "heldout"), "--budget-problems", "1", "--n-mc", "2,4", "--resamples", "200", "--out", str(out)]
+            str(root / "heldout"), "--first-pit-labels", str(root / "first_pit"), "--budget-problems", "1",
+            "--n-mc", "2,4", "--resamples", "200", "--out", str(out)]
     assert study.main(argv) == 0
     results = json.loads((out / "compare.json").read_text())
     [budget] = results["budgets"]
-    assert budget["settings"] == {"2": "n_mc=2,problems=2,seed=0", "4": "n_mc=4,problems=1,seed=0"}
+    assert budget["settings"] == {"2": "every,n_mc=2,problems=2,seed=0", "4": "every,n_mc=4,problems=1,seed=0",
+                                  "first_pit": "first_pit,n_mc=4,problems=2,seed=0"}
     drawn = read_labels(out / "labels_n2_p2_s0")
     assert sorted(drawn["prompt_index"].unique()) == [0, 1] and {n for c in drawn["n_mc"] for n in c} == {2}
     assert sorted(read_labels(out / "labels_n4_p1_s0")["prompt_index"].unique()) == [0]
-    assert results["settings"]["n_mc=2,problems=2,seed=0"]["labelled_steps"] == 18  # 2 problems x 3 rollouts x 3
+    pit = read_labels(out / "labels_first_pit_n4_p2_s0")
+    assert set(pit["strategy"]) == {"first_pit"} and len(pit) == 6
+    settings = results["settings"]
+    assert settings["every,n_mc=2,problems=2,seed=0"]["labelled_steps"] == 18  # 2 problems x 3 rollouts x 3
+    unlabelled = sum(math.isnan(q) for row in first_pit_rows(shards["train"]) for q in row["q"])
+    assert settings["first_pit,n_mc=4,problems=2,seed=0"]["labelled_steps"] == 18 - unlabelled < 18
 
-    rows = {m: [json.loads(line) for line in (out / f"heldout_n{m}_p{p}_s0" / "pav_heldout.jsonl").open()]
-            for m, p in ((2, 2), (4, 1))}
+    rows = {name: [json.loads(line) for line in (out / f"heldout_{tag}" / "pav_heldout.jsonl").open()]
+            for name, tag in (("2", "n2_p2_s0"), ("4", "n4_p1_s0"), ("first_pit", "first_pit_n4_p2_s0"))}
 
-    def auroc_of(m):
-        positives = [r["score"] for r in rows[m] if r["prefix_correct"]]
-        negatives = [r["score"] for r in rows[m] if not r["prefix_correct"]]
+    def auroc_of(name):
+        positives = [r["score"] for r in rows[name] if r["prefix_correct"]]
+        negatives = [r["score"] for r in rows[name] if not r["prefix_correct"]]
         return pairwise_auroc(positives, negatives)
 
-    paired = budget["paired"]["2"]["prefix_correct"]
-    assert paired["difference"] == pytest.approx(auroc_of(2) - auroc_of(4), abs=1e-12)
-    assert paired["low"] <= paired["difference"] <= paired["high"]
+    for name in ("2", "first_pit"):
+        paired = budget["paired"][name]["prefix_correct"]
+        assert paired["difference"] == pytest.approx(auroc_of(name) - auroc_of("4"), abs=1e-12)
+        assert paired["low"] <= paired["difference"] <= paired["high"]
     assert budget["paired"]["4"] == {}  # the reference
     table = (out / "results.md").read_text().splitlines()
-    assert len(table) == 4 and table[2].startswith("| 1 | 2 | 2 | 18 |") and table[3].startswith("| 1 | 4 | 1 | 9 |")
+    assert [line.split(" | ")[1:4] for line in table[2:]] == [
+        ["n_mc 2", "2", "18"], ["n_mc 4", "1", "9"], ["n_mc 4, first pit", "2", str(18 - unlabelled)]]
     # a rerun trains nothing again; a budget the labels cannot pay, or labels of fewer continuations, are refused
     before = (out / "pav_n2_p2_s0").stat().st_mtime_ns
     assert study.main(argv) == 0 and (out / "pav_n2_p2_s0").stat().st_mtime_ns == before
-    with pytest.raises(SystemExit, match="--budget-problems 2 needs 4 labelled problems for n_mc=2 but"):
+    with pytest.raises(SystemExit, match="--budget-problems 2 needs 4 labelled problems for 2 but"):
         study.main(argv[:-7] + ["2", "--n-mc", "2,4", "--out", str(out)])
+    with pytest.raises(SystemExit, match="--first-pit-labels .*: labels of \\['every'\\]"):
+        study.main(argv[:8] + [str(root / "train")] + argv[9:])
     (out / "cost.json").write_text(json.dumps({"4": {"cpu_seconds_per_problem": 1.0},
                                                "8": {"cpu_seconds_per_problem": 2.0}}))
-    with pytest.raises(SystemExit, match="hold steps labelled with 4 continuations: the labels of n_mc=8"):
-        study.main(argv[:-5] + ["4,8", "--resamples", "200", "--out", str(out)])
+    with pytest.raises(SystemExit, match=r"with 4 continuations at least: the labels of n_mc=8"):
+        study.main(argv[:7] + ["--budget-problems", "1", "--n-mc", "4,8", "--out", str(out)])

@@ -236,6 +236,15 @@ def compare(args) -> dict:
             raise SystemExit(f"--first-pit-labels {args.first_pit_labels}: labels of {sorted(set(pit['strategy']))} "
                              f"with n_mc {sorted(sampled_n_mc(pit))}; the setting needs the first-pit search at "
                              f"n_mc={largest} (verl-prm label --prefix-rule first_pit --n-mc {largest})")
+        every_prompts = labels.groupby("prompt_index")["prompt"].first()
+        pit_prompts = pit.groupby("prompt_index")["prompt"].first()
+        shared = every_prompts.index.intersection(pit_prompts.index)
+        differing = [i for i in shared if every_prompts[i] != pit_prompts[i]]
+        if differing or len(shared) < min(len(every_prompts), len(pit_prompts)):
+            raise SystemExit(f"--first-pit-labels {args.first_pit_labels}: prompt_index "
+                             f"{differing[0] if differing else sorted(set(pit_prompts.index) - set(shared))[0]} is "
+                             f"not the problem of that index in {args.labels}: label the same --input (the label "
+                             "problems, first to last) with --prefix-rule first_pit")
         sources["first_pit"] = pit
     budgets = {}
     for budget in sorted(set(args.budget_problems)):

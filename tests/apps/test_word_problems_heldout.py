@@ -421,6 +421,11 @@ def test_label_budget_compare_trains_a_critic_per_setting_and_pairs_them_on_the_
         study.main(argv[:-7] + ["2", "--n-mc", "2,4", "--out", str(out)])
     with pytest.raises(SystemExit, match="--first-pit-labels .*: labels of \\['every'\\]"):
         study.main(argv[:8] + [str(root / "train")] + argv[9:])
+    (root / "first_pit_other").mkdir()
+    moved = [{**row, "prompt_index": row["prompt_index"] + 1} for row in first_pit_rows(shards["train"])]
+    pq.write_table(rows_to_table(moved), root / "first_pit_other" / "shard-00000.parquet")
+    with pytest.raises(SystemExit, match="prompt_index 1 is not the problem of that index in"):
+        study.main(argv[:8] + [str(root / "first_pit_other")] + argv[9:])
     (out / "cost.json").write_text(json.dumps({"4": {"cpu_seconds_per_problem": 1.0},
                                                "8": {"cpu_seconds_per_problem": 2.0}}))
     with pytest.raises(SystemExit, match=r"with 4 continuations at least: the labels of n_mc=8"):

@@ -268,8 +268,8 @@ def compare(args) -> dict:
     for budget, sizes in budgets.items():
         keys, rows = {}, {}
         for name, (rule, m, problems) in sizes.items():
-            tag = f"n{m}_p{problems}_s{args.seed}" if rule == "every" else f"{rule}_n{m}_p{problems}_s{args.seed}"
-            key = keys[name] = f"{rule},n_mc={m},problems={problems},seed={args.seed}"
+            tag = (f"n{m}" if rule == "every" else f"{rule}_n{m}") + f"_p{problems}_l2-{args.l2:g}_s{args.seed}"
+            key = keys[name] = f"{rule},n_mc={m},problems={problems},l2={args.l2:g},seed={args.seed}"
             judged_dir = out / f"heldout_{tag}"
             if key not in results["settings"]:
                 source = sources[rule]
@@ -335,7 +335,8 @@ def parser() -> argparse.ArgumentParser:
     comp.add_argument("--first-pit-labels", nargs="+", default=None,
                       help="labels of the first-pit search at the largest n_mc (verl-prm label --prefix-rule "
                       "first_pit) on the same label problems: a further setting at the same budget")
-    comp.add_argument("--l2", type=finite_float(0.0), default=1.0, help="the head's ridge penalty (--head-l2)")
+    comp.add_argument("--l2", type=finite_float(0.0), default=0.0,
+                      help="the head's ridge penalty (verl-prm train --head-l2; 0, its default, suits 4 features)")
     comp.add_argument("--seed", type=at_least(0), default=0)
     comp.add_argument("--resamples", type=at_least(1), default=2000)
     comp.add_argument("--level", type=finite_float(0.0, 1.0, low_open=True, high_open=True), default=0.95)

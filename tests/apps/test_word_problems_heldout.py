@@ -131,8 +131,10 @@ def loop_bootstrap_difference(scores_a, scores_b, labels, groups, resamples, see
                 pairwise_auroc([scores_a[i] for i in items if labels[i]], [scores_a[i] for i in items if not labels[i]])
                 - pairwise_auroc([scores_b[i] for i in items if labels[i]],
                                  [scores_b[i] for i in items if not labels[i]]))
-    point = (pairwise_auroc([s for s, y in zip(scores_a, labels) if y], [s for s, y in zip(scores_a, labels) if not y])
-             - pairwise_auroc([s for s, y in zip(scores_b, labels) if y], [s for s, y in zip(scores_b, labels) if not y]))
+    def whole(scores):
+        return pairwise_auroc([s for s, y in zip(scores, labels) if y], [s for s, y in zip(scores, labels) if not y])
+
+    point = whole(scores_a) - whole(scores_b)
     low, high = np.percentile(differences, [50 * (1 - level), 50 * (1 + level)])
     return point, low, high, resamples - len(differences)
 
@@ -386,20 +388,22 @@ def test_label_budget_compare_trains_a_critic_per_setting_and_pairs_them_on_the_
     assert study.main(argv) == 0
     results = json.loads((out / "compare.json").read_text())
     [budget] = results["budgets"]
-    assert budget["settings"] == {"2": "every,n_mc=2,problems=2,seed=0", "4": "every,n_mc=4,problems=1,seed=0",
-                                  "first_pit": "first_pit,n_mc=4,problems=2,seed=0"}
-    drawn = read_labels(out / "labels_n2_p2_s0")
+    assert budget["settings"] == {"2": "every,n_mc=2,problems=2,l2=0,seed=0",
+                                  "4": "every,n_mc=4,problems=1,l2=0,seed=0",
+                                  "first_pit": "first_pit,n_mc=4,problems=2,l2=0,seed=0"}
+    drawn = read_labels(out / "labels_n2_p2_l2-0_s0")
     assert sorted(drawn["prompt_index"].unique()) == [0, 1] and {n for c in drawn["n_mc"] for n in c} == {2}
-    assert sorted(read_labels(out / "labels_n4_p1_s0")["prompt_index"].unique()) == [0]
-    pit = read_labels(out / "labels_first_pit_n4_p2_s0")
+    assert sorted(read_labels(out / "labels_n4_p1_l2-0_s0")["prompt_index"].unique()) == [0]
+    pit = read_labels(out / "labels_first_pit_n4_p2_l2-0_s0")
     assert set(pit["strategy"]) == {"first_pit"} and len(pit) == 6
     settings = results["settings"]
-    assert settings["every,n_mc=2,problems=2,seed=0"]["labelled_steps"] == 18  # 2 problems x 3 rollouts x 3
+    assert settings["every,n_mc=2,problems=2,l2=0,seed=0"]["labelled_steps"] == 18  # 2 problems x 3 rollouts x 3
     unlabelled = sum(math.isnan(q) for row in first_pit_rows(shards["train"]) for q in row["q"])
-    assert settings["first_pit,n_mc=4,problems=2,seed=0"]["labelled_steps"] == 18 - unlabelled < 18
+    assert settings["first_pit,n_mc=4,problems=2,l2=0,seed=0"]["labelled_steps"] == 18 - unlabelled < 18
 
     rows = {name: [json.loads(line) for line in (out / f"heldout_{tag}" / "pav_heldout.jsonl").open()]
-            for name, tag in (("2", "n2_p2_s0"), ("4", "n4_p1_s0"), ("first_pit", "first_pit_n4_p2_s0"))}
+            for name, tag in (("2", "n2_p2_l2-0_s0"), ("4", "n4_p1_l2-0_s0"),
+                              ("first_pit", "first_pit_n4_p2_l2-0_s0"))}
 
     def auroc_of(name):
         positives = [r["score"] for r in rows[name] if r["prefix_correct"]]
@@ -415,8 +419,8 @@ def test_label_budget_compare_trains_a_critic_per_setting_and_pairs_them_on_the_
     assert [line.split(" | ")[1:4] for line in table[2:]] == [
         ["n_mc 2", "2", "18"], ["n_mc 4", "1", "9"], ["n_mc 4, first pit", "2", str(18 - unlabelled)]]
     # a rerun trains nothing again; a budget the labels cannot pay, or labels of fewer continuations, are refused
-    before = (out / "pav_n2_p2_s0").stat().st_mtime_ns
-    assert study.main(argv) == 0 and (out / "pav_n2_p2_s0").stat().st_mtime_ns == before
+    before = (out / "pav_n2_p2_l2-0_s0").stat().st_mtime_ns
+    assert study.main(argv) == 0 and (out / "pav_n2_p2_l2-0_s0").stat().st_mtime_ns == before
     with pytest.raises(SystemExit, match="--budget-problems 2 needs 4 labelled problems for 2 but"):
         study.main(argv[:-7] + ["2", "--n-mc", "2,4", "--out", str(out)])
     with pytest.raises(SystemExit, match="--first-pit-labels .*: labels of \\['every'\\]"):

@@ -308,7 +308,7 @@ def write_shard(rows: list[dict], path) -> str:
     return str(path)
 
 
-def test_fit_recovers_a_planted_dependence_and_writes_a_loadable_checkpoint(policy, tmp_path):
+def test_fit_recovers_a_planted_dependence_and_writes_a_loadable_checkpoint(policy, tmp_path, capsys):
     from verl_prm.critic import ProverCritic
     from verl_prm.critic.loading import load_critic_tokenizer
     from verl_prm.critic.token_logprob_format import TokenLogprobFormat
@@ -352,8 +352,14 @@ def test_fit_recovers_a_planted_dependence_and_writes_a_loadable_checkpoint(poli
     # a second fit into the same directory: refused, unless --overwrite; a directory of other files: refused
     with pytest.raises(FileExistsError, match="--overwrite"):
         main(argv)
+    assert head.fit["calibration_slope"] == pytest.approx(1.0, abs=1e-3)  # the planted values' own size
+    assert "warning" not in capsys.readouterr().out
     assert main([*argv, "--overwrite", "--head-l2", "1.0"]) == 0
     assert read_head(output).fit["l2"] == 1.0 and not list(tmp_path.glob(".critic.*"))
+    assert read_head(output).fit["calibration_slope"] > 1.0  # a ridge shrinks the values
+    assert main([*argv, "--overwrite", "--head-l2", "1000"]) == 0  # so much that they are too flat for Eq. 5
+    assert read_head(output).fit["calibration_slope"] > 2.0
+    assert "warning: on the training steps the labels rise" in capsys.readouterr().out
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="not a checkpoint"):

@@ -32,7 +32,7 @@ from verl_prm.training.data import (
     split_by_prompt,
 )
 from verl_prm.training.losses import gather_step_logits, soft_label_bce, warmup_cosine_factor
-from verl_prm.training.metrics import auroc, expected_calibration_error, mse, value_metrics
+from verl_prm.training.metrics import auroc, calibration_slope, expected_calibration_error, mse, value_metrics
 from verl_prm.training.config import TrainConfig
 from verl_prm.training.resume import latest_checkpoint
 from verl_prm.training.trainer import train
@@ -68,6 +68,21 @@ def test_ece_and_mse_hand_computed():
     assert mse([0.0, 1.0], [0.5, 0.5]) == 0.25
     metrics = value_metrics([0.2, 0.8], [0.0, 1.0])
     assert metrics["auroc"] == 1.0 and metrics["mse_constant"] == 0.25
+
+
+def test_calibration_slope_is_the_weighted_least_squares_slope():
+    rng = np.random.default_rng(2)
+    p, w = rng.random(30), rng.random(30) + 0.1
+    q = 0.2 + 3.0 * p  # labels rising 3x as fast as the predictions: slope 3 exactly
+    assert calibration_slope(p, q, w) == pytest.approx(3.0, abs=1e-12)
+    noisy = q + rng.normal(0, 0.1, 30)
+    # the normal equations of min_{a, b} sum w (q - a - b p)^2 by a direct solve
+    design = np.stack([np.ones(30), p], 1) * np.sqrt(w)[:, None]
+    slope = np.linalg.lstsq(design, noisy * np.sqrt(w), rcond=None)[0][1]
+    assert calibration_slope(p, noisy, w) == pytest.approx(slope, abs=1e-10)
+    assert math.isnan(calibration_slope([0.4, 0.4], [0.0, 1.0])) and math.isnan(calibration_slope([], []))
+    with pytest.raises(ValueError, match="2 predictions, 3 targets"):
+        calibration_slope([0.1, 0.2], [0.0, 1.0, 1.0])
 
 
 # ------------------------------------------------------------------------------------------------ loss, schedule

@@ -10,7 +10,8 @@ from typing import NamedTuple
 import numpy as np
 
 __all__ = ["mse", "auroc", "expected_calibration_error", "GroupedAUROC", "grouped_bootstrap_auroc",
-           "grouped_bootstrap_auroc_difference", "plot_reliability", "reliability_bins", "value_metrics"]
+           "grouped_bootstrap_auroc_difference", "calibration_slope", "plot_reliability", "reliability_bins",
+           "value_metrics"]
 
 
 def _flat(values) -> np.ndarray:
@@ -279,6 +280,28 @@ def plot_reliability(path, curves: dict, num_bins: int = 10, title: str = "relia
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def calibration_slope(predictions, targets, weights=None) -> float:
+    """The weighted least-squares slope of the targets on the predictions,
+
+        slope = sum_n w_n (p_n - p_bar) (q_n - q_bar) / sum_n w_n (p_n - p_bar)^2,   bars: w-weighted means.
+
+    1 when the predictions have the targets' size (a calibrated predictor's E[q | p] = p); above 1 when they are
+    flatter than the labels (a shrunk head), below 1 when steeper. NaN when the predictions are constant or
+    there is no item.
+    """
+    p, q = _flat(predictions), _flat(targets)
+    w = np.ones_like(p) if weights is None else _flat(weights)
+    if not p.shape == q.shape == w.shape:
+        raise ValueError(f"calibration_slope: {p.size} predictions, {q.size} targets, {w.size} weights")
+    if p.size == 0 or not w.sum() > 0:
+        return float("nan")
+    dp = p - np.average(p, weights=w)
+    spread = float(np.sum(w * dp * dp))
+    if spread <= 1e-12 * float(np.sum(w)):
+        return float("nan")
+    return float(np.sum(w * dp * (q - np.average(q, weights=w))) / spread)
 
 
 def value_metrics(predictions, targets, num_bins: int = 10) -> dict[str, float]:

@@ -48,13 +48,15 @@ from verl_prm.training.data import (EncodedRollout, class_balanced_weights, labe
                                     read_frames)
 from verl_prm.training.evaluation import auroc_note, calibrate_held_out, check_calibration_labels
 from verl_prm.training.head_fit import fit_logistic_head
-from verl_prm.training.metrics import value_metrics
+from verl_prm.training.metrics import calibration_slope, value_metrics
 
 __all__ = ["RolloutSteps", "encode_rollouts", "extract_step_features", "step_weights", "prompt_logit",
            "fit_token_logprob_head", "held_out_labels", "held_out_values", "fit_token_logprob_critic"]
 
 # the prompt value's mean is clipped into [PROMPT_VALUE_CLIP, 1 - PROMPT_VALUE_CLIP] before its logit
 PROMPT_VALUE_CLIP = 1e-6
+# a calibration slope above this on the training steps is reported: the values are too flat for Eq. 5
+FLAT_VALUES_SLOPE = 2.0
 
 
 @dataclass
@@ -186,7 +188,11 @@ def fit_token_logprob_head(features: list[np.ndarray], rollouts: list[RolloutSte
     std = np.where(std > 1e-12, std, 1.0)
     weight = fit.weight.numpy()
     logit, prompt = prompt_logit(rollouts)
+    # how much faster the labels rise than the fitted values (1: the values have the labels' size)
+    fitted = 1.0 / (1.0 + np.exp(-(x[labelled] @ weight + fit.bias)))
+    slope = calibration_slope(fitted, q[labelled], weights)
     record = {"labelled_steps": int(labelled.sum()), "rollouts": len(rollouts), "l2": l2, "loss": fit.loss,
+              "calibration_slope": None if math.isnan(slope) else slope,
               "iterations": fit.iterations, "converged": fit.converged, "gradient_norm": fit.gradient_norm,
               "weights": "class-balanced" if balance else "uniform", "prompt_value": prompt}
     return TokenLogprobHead(feature_names(result_regex is not None), result_regex, weight * std, mean, std,
@@ -308,6 +314,12 @@ def fit_token_logprob_critic(config: TrainConfig) -> dict:
         shutil.rmtree(staging, ignore_errors=True)
     print(f"verl-prm train: wrote the token_logprob critic {output} ({head.fit['labelled_steps']} labelled steps, "
           f"{len(head.features)} features)")
+    slope = head.fit["calibration_slope"]
+    if slope is not None and slope > FLAT_VALUES_SLOPE:
+        print(f"verl-prm train: warning: on the training steps the labels rise {slope:.1f}x as fast as the critic's "
+              f"values (calibration slope; 1: the values have the labels' size). --head-l2 {config.head_l2:g} "
+              "shrinks the head, and the process term alpha * (v_h - v_{h-1}) shrinks with it; lower --head-l2 "
+              "(0, the default, suits a few features)")
     return {"checkpoint": str(output), "metrics": metrics, "calibration": str(calibration) if calibration else None,
             "train_rollouts": len(train), "eval_rollouts": len(evaluation), "fit": head.fit}
 

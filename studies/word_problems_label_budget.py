@@ -16,18 +16,22 @@ problems and records the process CPU seconds per problem (``resource.getrusage``
 not the time other processes held the cores) and the sequences generated. ``compare`` fixes a budget, the CPU time
 of ``--budget-problems`` problems at the largest ``n_mc``, and for each ``n_mc`` takes as many problems as that
 budget pays for (``budget / cost(n_mc)``), their labels drawn from the ``n_mc = 4`` run's counts
-(``verl_prm.labeling.subsample``: the law of fresh continuations), trains a PAV on them (format ``token_logprob``:
+(``verl_prm.labeling.subsample``: the law of fresh continuations), fits a PAV on them (format ``token_logprob``:
 a logistic head on the policy's own token log-probs, the critic that ranks these steps; docs/real_model.md) and
-reports the held-out AUROC against ``prefix_correct`` and the
-Monte-Carlo label with bootstrap intervals over problems (``studies.word_problems_pav``), and each setting's
-AUROC minus the largest n_mc's, paired on the same held-out steps and bootstrap resamples
-(``verl_prm.training.metrics.grouped_bootstrap_auroc_difference``). Several budgets may be given; a setting
-judged before (``compare.json``) is not trained again. Writes ``compare.json`` and ``results.md``.
+reports the held-out AUROC against ``prefix_correct`` and the Monte-Carlo label with bootstrap intervals over
+problems (``studies.word_problems_pav``), and each setting's AUROC minus the largest n_mc's, paired on the same
+held-out steps and bootstrap resamples (``verl_prm.training.metrics.grouped_bootstrap_auroc_difference``).
+The head is what ``verl-prm train --format token_logprob`` fits (``encode_rollouts``, ``fit_token_logprob_head``
+with train's defaults, ``--l2`` its ``--head-l2``) and its held-out values what the checkpoint would score, but
+the policy reads each rollout once: the features depend on the rollout, not on its labels, so every setting and
+the held-out set share one extraction (``OUT/features.npz``, kept for reruns). Several budgets may be given.
+Writes ``compare.json``, ``results.md`` and each setting's held-out scores (``OUT/heldout/*.jsonl``).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import resource
 import sys
@@ -35,7 +39,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-import pyarrow.parquet as pq
+import numpy as np
+import torch
 
 from studies import word_problems_pav as heldout
 from verl_prm.cli_types import finite_float
@@ -81,7 +86,6 @@ def cost_key(n_mc: int, prefix_rule: str = "every") -> str:
 def measure_cost(args) -> dict:
     """CPU seconds per problem of the recipe's labeller at each n_mc (one torch thread, the same problems), every
     step prefix or (``--prefix-rule first_pit``) the first-pit search."""
-    import torch
 
     from verl_prm.apps.word_problems.pipeline import MAX_STEPS, RecipeConfig, generator
     from verl_prm.apps.word_problems.task import STEP_DELIMITER
@@ -142,13 +146,11 @@ def paired_differences(rows: dict[str, list[dict]], reference: str, *, resamples
     against the Monte-Carlo label (``q > 0.5``, the steps that carry one).
 
     Args:
-        rows: per setting, the held-out rows its critic scored (``pav_heldout.jsonl``: problem, step, score,
-            prefix_correct, mc_label), the same steps in the same order for every setting.
+        rows: per setting, the held-out rows its critic scored (problem, step, score, prefix_correct, mc_label),
+            the same steps in the same order for every setting.
     Raises:
         ValueError: rows that are not the same steps (naming the setting and the first row that differs).
     """
-    import numpy as np
-
     from verl_prm.training.metrics import grouped_bootstrap_auroc_difference
 
     base = rows[reference]
@@ -206,13 +208,86 @@ def sampled_n_mc(labels) -> set[int]:
     return {int(n) for counts in labels["n_mc"] for n in counts if n > 0}
 
 
-def compare(args) -> dict:
-    import numpy as np
-    import torch
+class PolicyFeatures:
+    """The ``token_logprob`` critic's step features of label rows under the policy, each rollout read once: they
+    depend on the rollout's tokens and step ends, not on its labels, so every label set of the comparison and the
+    held-out set share one extraction (``verl_prm.training.token_logprob.extract_step_features``, what ``verl-prm
+    train`` runs), kept in ``path`` (npz) across runs."""
 
-    from verl_prm.labeling.format import read_labels, rows_to_table
+    def __init__(self, policy: Path, path: Path, device: str | None) -> None:
+        from verl_prm.critic.loading import load_critic_tokenizer
+
+        self.policy, self.path, self.device = policy, path, device
+        self.tokenizer = load_critic_tokenizer(str(policy))
+        self.critic = None
+        self.cache: dict[str, np.ndarray] = {}
+        if path.is_file():
+            with np.load(path, allow_pickle=False) as stored:
+                bounds = stored["offsets"]
+                self.cache = {key: stored["features"][a:b] for key, a, b in zip(stored["keys"].tolist(), bounds[:-1],
+                                                                             bounds[1:])}
+
+    @staticmethod
+    def key(input_ids, step_ends) -> str:
+        return hashlib.sha1(np.asarray([*input_ids, -1, *step_ends], dtype=np.int64).tobytes()).hexdigest()
+
+    def of(self, rollouts) -> list[np.ndarray]:
+        """[H_i, F] features of each rollout (``RolloutSteps``), extracting those not read before."""
+        from verl_prm.training.token_logprob import extract_step_features
+
+        keys = [self.key(r.input_ids, r.step_ends) for r in rollouts]
+        missing = {k: r for k, r in zip(keys, rollouts) if k not in self.cache}
+        if missing:
+            extracted = extract_step_features(self._critic(), list(missing.values()))
+            self.cache.update(zip(missing, extracted))
+            self._save()
+        return [self.cache[k] for k in keys]
+
+    def _critic(self):
+        from verl_prm.critic import ProverCritic
+        from verl_prm.critic.loading import default_attn_implementation, resolve_dtype
+        from verl_prm.critic.token_logprob_format import TokenLogprobFormat
+
+        if self.critic is None:  # as verl-prm train --format token_logprob builds it
+            device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            dtype = resolve_dtype(None, device)
+            adapter = TokenLogprobFormat.load_lm(str(self.policy), self.tokenizer, dtype=dtype, device=device,
+                                                 attn_implementation=default_attn_implementation(device, dtype))
+            self.critic = ProverCritic(adapter.to(device), self.tokenizer, device=device)
+        return self.critic
+
+    def _save(self) -> None:
+        keys = list(self.cache)
+        features = [self.cache[k] for k in keys]
+        offsets = np.concatenate([[0], np.cumsum([len(f) for f in features])]).astype(np.int64)
+        staging = self.path.with_name(self.path.name + ".tmp.npz")
+        np.savez(staging, keys=np.asarray(keys), offsets=offsets, features=np.concatenate(features))
+        staging.replace(self.path)
+
+
+def held_out_rollouts(frame, tokenizer) -> list:
+    """The held-out label rows as ``RolloutSteps`` encoded as ``studies.word_problems_pav.critic_values`` encodes
+    them (every row, every step; the labels are not read)."""
+    from verl_prm.steps import encode_with_step_ends
+    from verl_prm.training.token_logprob import RolloutSteps
+
+    out = []
+    for row in frame.itertuples(index=False):
+        encoded = encode_with_step_ends(tokenizer, row.prompt, row.response, list(zip(row.step_starts, row.step_ends)),
+                                        sample=heldout.row_name(row))
+        ends = [int(e) for e in encoded.step_ends]
+        out.append(RolloutSteps([int(t) for t in encoded.input_ids], int(encoded.prompt_end), ends,
+                                np.zeros(len(ends)), np.zeros(len(ends), dtype=np.int64), row.prompt))
+    return out
+
+
+def compare(args) -> dict:
+    from dataclasses import fields
+
+    from verl_prm.labeling.format import read_labels
     from verl_prm.labeling.subsample import subsample_labels
-    from verl_prm.training import TrainConfig, train
+    from verl_prm.training import TrainConfig
+    from verl_prm.training.token_logprob import encode_rollouts, fit_token_logprob_head
 
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -254,61 +329,60 @@ def compare(args) -> dict:
             sizes["first_pit"] = ("first_pit", largest,
                                   int(cpu / costs[cost_key(largest, "first_pit")]["cpu_seconds_per_problem"] + 1e-9))
         budgets[budget] = sizes
-    for budget, sizes in budgets.items():  # every budget checked before any critic is trained
+    for budget, sizes in budgets.items():  # every budget checked before any feature is extracted
         for name, (rule, m, problems) in sizes.items():
             held = sources[rule]["prompt_index"].nunique()
             if problems > held:
                 source = args.labels if rule == "every" else args.first_pit_labels
                 raise SystemExit(f"--budget-problems {budget} needs {problems} labelled problems for {name} but "
                                  f"{source} holds {held}: lower it or label more")
+    judged = heldout.held_out_steps(argparse.Namespace(work_dir=Path(args.work_dir), labels=args.labels,
+                                                       eval_labels=args.eval_labels))
+    features = PolicyFeatures(Path(args.work_dir) / "policy", out / "features.npz", args.device)
+    held_features = features.of(held_out_rollouts(judged.rows, features.tokenizer))
+    # verl-prm train's defaults for what the comparison does not set
+    train = {f.name: f.default for f in fields(TrainConfig)}
     results_path = out / "compare.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     results.setdefault("settings", {})
-    results["budgets"] = []
+    # another seed's budgets are kept (a rerun with --seed S draws other n_mc < max subsamples beside them)
+    results["budgets"] = [b for b in results.get("budgets", []) if b["seed"] != args.seed]
     for budget, sizes in budgets.items():
         keys, rows = {}, {}
         for name, (rule, m, problems) in sizes.items():
-            tag = (f"n{m}" if rule == "every" else f"{rule}_n{m}") + f"_p{problems}_l2-{args.l2:g}_s{args.seed}"
             key = keys[name] = f"{rule},n_mc={m},problems={problems},l2={args.l2:g},seed={args.seed}"
-            judged_dir = out / f"heldout_{tag}"
-            if key not in results["settings"]:
-                source = sources[rule]
-                chosen = set(sorted(source["prompt_index"].unique())[:problems])
-                frame = source[source["prompt_index"].isin(chosen)].reset_index(drop=True)
-                if rule == "every" and m < labels_n_mc:
-                    frame = subsample_labels(frame, m, seed=args.seed)
-                shard_dir = out / f"labels_{tag}"
-                shard_dir.mkdir(parents=True, exist_ok=True)
-                pq.write_table(rows_to_table(frame.drop(columns=[c for c in frame.columns if c.startswith("_")])
-                                             .to_dict("records")), shard_dir / "shard-00000.parquet")
-                critic_dir = out / f"pav_{tag}"
-                if not (critic_dir / "config.json").is_file():
-                    train(TrainConfig(labels=[str(shard_dir)], output_dir=str(critic_dir),
-                                      init=str(Path(args.work_dir) / "policy"), format="token_logprob",
-                                      eval_fraction=0.0, head_l2=args.l2, cpu=True, progress=False,
-                                      calibration="none", seed=args.seed))
-                judged = heldout.run(argparse.Namespace(
-                    critic=[f"pav={critic_dir}"], export_critic=None, work_dir=Path(args.work_dir),
-                    labels=[shard_dir], eval_labels=args.eval_labels, out=judged_dir, export_heldout=None,
-                    export_train_problems=None, resamples=args.resamples, seed=args.seed, level=args.level,
-                    device=args.device))
-                metrics = {label: judged["critics"]["pav"][label] for label in ("prefix_correct", "mc_label",
-                                                                                 "prompt_value")}
-                labelled = np.concatenate([np.asarray(q, dtype=np.float64) for q in frame["q"]] or [np.zeros(0)])
-                cost = costs[cost_key(m, rule)]["cpu_seconds_per_problem"]
-                results["settings"][key] = {"prefix_rule": rule, "n_mc": m, "problems": problems,
-                                            "labelled_steps": int(np.isfinite(labelled).sum()),
-                                            "budget_cpu_seconds": round(problems * cost, 1), **metrics}
-                results_path.write_text(json.dumps(heldout.json_safe(results), indent=2))
-                print(f"[budget] {key}: {json.dumps(heldout.json_safe(metrics))}", flush=True)
-            else:
-                print(f"[budget] {key}: done before")
-            with open(judged_dir / "pav_heldout.jsonl") as f:
-                rows[name] = [json.loads(line) for line in f]
+            source = sources[rule]
+            chosen = set(sorted(source["prompt_index"].unique())[:problems])
+            frame = source[source["prompt_index"].isin(chosen)].reset_index(drop=True)
+            if rule == "every" and m < labels_n_mc:
+                frame = subsample_labels(frame, m, seed=args.seed)
+            rollouts = encode_rollouts(frame, features.tokenizer, max_length=train["max_length"],
+                                       best_of_k=train["best_of_k"], use_prompt_value=train["use_prompt_value"],
+                                       note=print)
+            head = fit_token_logprob_head(features.of(rollouts), rollouts, result_regex=None, l2=args.l2,
+                                          max_iterations=train["max_steps"], balance=train["balance"])
+            values = np.concatenate([head.values(f) for f in held_features])
+            if len(values) != len(judged.steps):  # both follow the labels' spans
+                raise RuntimeError(f"{key}: {len(values)} step values for {len(judged.steps)} held-out steps")
+            prompt_values = np.full(int(judged.carriers.sum()), head.prompt_value)
+            metrics = heldout.critic_metrics(judged.steps, values, judged.prompts, prompt_values, args)
+            labelled = np.concatenate([r.q for r in rollouts])
+            results["settings"][key] = {"prefix_rule": rule, "n_mc": m, "problems": problems,
+                                        "labelled_steps": int(np.isfinite(labelled).sum()),
+                                        "budget_cpu_seconds": round(problems * costs[cost_key(m, rule)]
+                                                                    ["cpu_seconds_per_problem"], 1),
+                                        "calibration_slope": head.fit["calibration_slope"], **metrics}
+            rows[name] = [{"problem": r.problem, "step": int(r.step), "score": float(v),
+                           "prefix_correct": bool(r.prefix_correct), "mc_label": heldout.json_safe(r.mc_label)}
+                          for r, v in zip(judged.steps.itertuples(index=False), values)]
+            tag = (f"n{m}" if rule == "every" else f"{rule}_n{m}") + f"_p{problems}_l2-{args.l2:g}_s{args.seed}"
+            (out / "heldout").mkdir(exist_ok=True)
+            (out / "heldout" / f"{tag}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[name]))
+            print(f"[budget] {key}: {json.dumps(heldout.json_safe(metrics))}", flush=True)
         paired = paired_differences(rows, str(largest), resamples=args.resamples, seed=args.seed, level=args.level)
         results["budgets"].append({"budget_problems": budget, "seed": args.seed, "settings": keys,
                                    "paired": {name: paired.get(name, {}) for name in sizes}})
-    results_path.write_text(json.dumps(heldout.json_safe(results), indent=2))
+        results_path.write_text(json.dumps(heldout.json_safe(results), indent=2))
     (out / "results.md").write_text(report(heldout.json_safe(results)))
     print(report(heldout.json_safe(results)), end="")
     return results

@@ -39,7 +39,7 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import pandas as pd
@@ -227,12 +227,20 @@ def read_held_out(args) -> tuple[pd.DataFrame, list[str], list[str], dict[str, s
     return held_out, questions, train_questions, problems
 
 
-def run(args) -> dict:
-    """Score the held-out steps with every critic, write metrics.json and the exports; returns the metrics."""
-    critics = parse_critics(args.critic)
-    export_critic = args.export_critic or next(iter(critics))
-    if export_critic not in critics:
-        raise ValueError(f"--export-critic {export_critic!r} is none of the --critic names {sorted(critics)}")
+class HeldOut(NamedTuple):
+    """The held-out label rows, one row per step (:func:`step_rows`), the rows that carry a problem's prompt value
+    (once per problem) with those values, the counts, and the training questions."""
+
+    rows: pd.DataFrame
+    steps: pd.DataFrame
+    carriers: np.ndarray
+    prompts: pd.DataFrame
+    counts: dict
+    train_questions: list[str]
+
+
+def held_out_steps(args) -> HeldOut:
+    """What every critic is judged on (:class:`HeldOut`); refuses held-out problems among the training ones."""
     held_out, questions, train_questions, problems = read_held_out(args)
     steps = step_rows(held_out, questions, problems)
     # one prompt value per problem: the first row that carries one (prompt_value_carriers: once per prompt value)
@@ -245,6 +253,18 @@ def run(args) -> dict:
               "step_right": int(steps["step_right"].sum()), "mc_labelled_steps": int(steps["mc_label"].notna().sum()),
               "mc_positives": int((steps["mc_label"] > MC_POSITIVE).sum()), "prompt_values": len(prompts),
               "training_problems": len(train_questions)}
+    return HeldOut(held_out, steps, carriers, prompts, counts, train_questions)
+
+
+def run(args) -> dict:
+    """Score the held-out steps with every critic, write metrics.json and the exports; returns the metrics."""
+    critics = parse_critics(args.critic)
+    export_critic = args.export_critic or next(iter(critics))
+    if export_critic not in critics:
+        raise ValueError(f"--export-critic {export_critic!r} is none of the --critic names {sorted(critics)}")
+    judged = held_out_steps(args)
+    held_out, steps, carriers, prompts = judged.rows, judged.steps, judged.carriers, judged.prompts
+    counts, train_questions = judged.counts, judged.train_questions
     results, exported = {}, None
     for name, path in critics.items():
         checkpoint = resolve_critic(path)

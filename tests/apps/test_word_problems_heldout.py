@@ -363,47 +363,57 @@ def first_pit_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
-def test_label_budget_compare_trains_a_critic_per_setting_and_pairs_them_on_the_held_out_steps(study_inputs):
+def test_label_budget_compare_fits_a_critic_per_setting_and_pairs_them_on_the_held_out_steps(study_inputs):
     """``studies.word_problems_label_budget compare`` on the hand-made labels (n_mc 4): at a budget of 1 problem
     at n_mc 4 (cost 2) n_mc 2 (cost 1) gets 2 problems, its labels drawn from the n_mc 4 counts, and the first-pit
     search (cost 1) 2 problems of its own labels; each critic is judged on the same held-out steps and paired
-    against n_mc 4's."""
+    against n_mc 4's. Its held-out scores are those of the checkpoint `verl-prm train` fits on the same labels."""
     import pyarrow.parquet as pq
 
     from studies import word_problems_label_budget as study
-    from verl_prm.labeling.format import read_labels, rows_to_table
+    from studies import word_problems_pav
+    from verl_prm.labeling.format import rows_to_table
+    from verl_prm.training import TrainConfig, train
 
     root, _, _, shards = study_inputs
     (root / "work" / "policy").symlink_to(root / "tiny")  # the tiny LM as the policy whose log-probs are features
     out = root / "budget"
-    (root / "first_pit").mkdir()
-    pq.write_table(rows_to_table(first_pit_rows(shards["train"])), root / "first_pit" / "shard-00000.parquet")
+    for name, rows in (("first_pit", first_pit_rows(shards["train"])),
+                       ("train_first", [r for r in shards["train"] if r["prompt_index"] == 0])):
+        (root / name).mkdir()
+        pq.write_table(rows_to_table(rows), root / name / "shard-00000.parquet")
     out.mkdir()
     (out / "cost.json").write_text(json.dumps({"2": {"cpu_seconds_per_problem": 1.0},
                                                "4": {"cpu_seconds_per_problem": 2.0},
                                                "first_pit:4": {"cpu_seconds_per_problem": 1.0}}))
     argv = ["compare", "--work-dir", str(root / "work"), "--labels", str(root / "train"), "--eval-labels",
             str(root / "heldout"), "--first-pit-labels", str(root / "first_pit"), "--budget-problems", "1",
-            "--n-mc", "2,4", "--resamples", "200", "--out", str(out)]
+            "--n-mc", "2,4", "--resamples", "200", "--device", "cpu", "--out", str(out)]
     assert study.main(argv) == 0
     results = json.loads((out / "compare.json").read_text())
     [budget] = results["budgets"]
     assert budget["settings"] == {"2": "every,n_mc=2,problems=2,l2=0,seed=0",
                                   "4": "every,n_mc=4,problems=1,l2=0,seed=0",
                                   "first_pit": "first_pit,n_mc=4,problems=2,l2=0,seed=0"}
-    drawn = read_labels(out / "labels_n2_p2_l2-0_s0")
-    assert sorted(drawn["prompt_index"].unique()) == [0, 1] and {n for c in drawn["n_mc"] for n in c} == {2}
-    assert sorted(read_labels(out / "labels_n4_p1_l2-0_s0")["prompt_index"].unique()) == [0]
-    pit = read_labels(out / "labels_first_pit_n4_p2_l2-0_s0")
-    assert set(pit["strategy"]) == {"first_pit"} and len(pit) == 6
     settings = results["settings"]
     assert settings["every,n_mc=2,problems=2,l2=0,seed=0"]["labelled_steps"] == 18  # 2 problems x 3 rollouts x 3
     unlabelled = sum(math.isnan(q) for row in first_pit_rows(shards["train"]) for q in row["q"])
     assert settings["first_pit,n_mc=4,problems=2,l2=0,seed=0"]["labelled_steps"] == 18 - unlabelled < 18
-
-    rows = {name: [json.loads(line) for line in (out / f"heldout_{tag}" / "pav_heldout.jsonl").open()]
+    rows = {name: [json.loads(line) for line in (out / "heldout" / f"{tag}.jsonl").open()]
             for name, tag in (("2", "n2_p2_l2-0_s0"), ("4", "n4_p1_l2-0_s0"),
                               ("first_pit", "first_pit_n4_p2_l2-0_s0"))}
+
+    # n_mc 4 on 1 problem is the first problem's labels as they are: verl-prm train on them, judged by the study
+    train(TrainConfig(labels=[str(root / "train_first")], output_dir=str(root / "critic_first"),
+                      init=str(root / "tiny"), format="token_logprob", eval_fraction=0.0, cpu=True, progress=False,
+                      calibration="none"))
+    word_problems_pav.main(["--work-dir", str(root / "work"), "--labels", str(root / "train_first"), "--eval-labels",
+                            str(root / "heldout"), "--critic", f"pav={root / 'critic_first'}", "--out",
+                            str(root / "judged_first"), "--resamples", "200", "--device", "cpu"])
+    judged = [json.loads(line) for line in (root / "judged_first" / "pav_heldout.jsonl").open()]
+    assert [r["step"] for r in judged] == [r["step"] for r in rows["4"]]
+    # (the checkpoint scores in float32, the study in float64: equal to rounding, so ties may break otherwise)
+    assert np.allclose([r["score"] for r in judged], [r["score"] for r in rows["4"]], atol=1e-5, rtol=0)
 
     def auroc_of(name):
         positives = [r["score"] for r in rows[name] if r["prefix_correct"]]
@@ -418,11 +428,13 @@ def test_label_budget_compare_trains_a_critic_per_setting_and_pairs_them_on_the_
     table = (out / "results.md").read_text().splitlines()
     assert [line.split(" | ")[1:4] for line in table[2:]] == [
         ["n_mc 2", "2", "18"], ["n_mc 4", "1", "9"], ["n_mc 4, first pit", "2", str(18 - unlabelled)]]
-    # a rerun trains nothing again; a budget the labels cannot pay, or labels of fewer continuations, are refused
-    before = (out / "pav_n2_p2_l2-0_s0").stat().st_mtime_ns
-    assert study.main(argv) == 0 and (out / "pav_n2_p2_l2-0_s0").stat().st_mtime_ns == before
+    # a rerun reads the policy's features from the cache and gives the same results
+    cached = (out / "features.npz").stat().st_mtime_ns
+    assert study.main(argv) == 0 and (out / "features.npz").stat().st_mtime_ns == cached
+    assert json.loads((out / "compare.json").read_text()) == results
+    # a budget the labels cannot pay, labels of other problems or of fewer continuations: refused
     with pytest.raises(SystemExit, match="--budget-problems 2 needs 4 labelled problems for 2 but"):
-        study.main(argv[:-7] + ["2", "--n-mc", "2,4", "--out", str(out)])
+        study.main(argv[:-9] + ["2", "--n-mc", "2,4", "--out", str(out)])
     with pytest.raises(SystemExit, match="--first-pit-labels .*: labels of \\['every'\\]"):
         study.main(argv[:8] + [str(root / "train")] + argv[9:])
     (root / "first_pit_other").mkdir()

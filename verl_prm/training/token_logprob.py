@@ -189,7 +189,7 @@ def fit_token_logprob_head(features: list[np.ndarray], rollouts: list[RolloutSte
     weight = fit.weight.numpy()
     logit, prompt = prompt_logit(rollouts)
     # how much faster the labels rise than the fitted values (1: the values have the labels' size)
-    fitted = 1.0 / (1.0 + np.exp(-(x[labelled] @ weight + fit.bias)))
+    fitted = 0.5 * (1.0 + np.tanh(0.5 * (x[labelled] @ weight + fit.bias)))  # the sigmoid, without overflow
     slope = calibration_slope(fitted, q[labelled], weights)
     record = {"labelled_steps": int(labelled.sum()), "rollouts": len(rollouts), "l2": l2, "loss": fit.loss,
               "calibration_slope": None if math.isnan(slope) else slope,

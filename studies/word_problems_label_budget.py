@@ -181,11 +181,13 @@ def paired_differences(rows: dict[str, list[dict]], reference: str, *, resamples
 
 
 def report(results: dict) -> str:
-    """results.md: per budget, each setting's problems, labelled steps and held-out AUROCs, and its paired
-    difference from the largest n_mc's (every step prefix)."""
-    lines = [("| budget (problems at the largest n_mc) | labels | problems | labelled steps | AUROC vs prefix_correct "
-              "| paired difference from the largest n_mc | AUROC vs the Monte-Carlo label | paired difference |"),
-             "|---|---|---|---|---|---|---|---|"]
+    """results.md: per budget and seed (the draw of the subsampled labels and of the bootstrap), each setting's
+    problems, labelled steps and held-out AUROCs, and its paired difference from the largest n_mc's (every step
+    prefix)."""
+    lines = [("| budget (problems at the largest n_mc) | seed | labels | problems | labelled steps | AUROC vs "
+              "prefix_correct | paired difference from the largest n_mc | AUROC vs the Monte-Carlo label | paired "
+              "difference |"),
+             "|---|---|---|---|---|---|---|---|---|"]
 
     def cell(r):
         return f"{r['auroc']:.3f} [{r['low']:.3f}, {r['high']:.3f}]"
@@ -193,11 +195,12 @@ def report(results: dict) -> str:
     def difference(d):
         return f"{d['difference']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]" if d else ""
 
-    for budget in results["budgets"]:
+    for budget in sorted(results["budgets"], key=lambda b: (b["budget_problems"], b["seed"])):
         for name, key in budget["settings"].items():
             r, paired = results["settings"][key], budget["paired"].get(name, {})
             labels = f"n_mc {r['n_mc']}" + (", first pit" if r["prefix_rule"] == "first_pit" else "")
-            lines.append(f"| {budget['budget_problems']} | {labels} | {r['problems']} | {r['labelled_steps']:,} | "
+            lines.append(f"| {budget['budget_problems']} | {budget['seed']} | {labels} | {r['problems']} | "
+                         f"{r['labelled_steps']:,} | "
                          f"{cell(r['prefix_correct'])} | {difference(paired.get('prefix_correct'))} | "
                          f"{cell(r['mc_label'])} | {difference(paired.get('mc_label'))} |")
     return "\n".join(lines) + "\n"

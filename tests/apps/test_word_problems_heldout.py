@@ -426,8 +426,9 @@ def test_label_budget_compare_fits_a_critic_per_setting_and_pairs_them_on_the_he
         assert paired["low"] <= paired["difference"] <= paired["high"]
     assert budget["paired"]["4"] == {}  # the reference
     table = (out / "results.md").read_text().splitlines()
-    assert [line.split(" | ")[1:4] for line in table[2:]] == [
-        ["n_mc 2", "2", "18"], ["n_mc 4", "1", "9"], ["n_mc 4, first pit", "2", str(18 - unlabelled)]]
+    assert [line.split(" | ")[:5] for line in table[2:]] == [
+        ["| 1", "0", "n_mc 2", "2", "18"], ["| 1", "0", "n_mc 4", "1", "9"],
+        ["| 1", "0", "n_mc 4, first pit", "2", str(18 - unlabelled)]]
     # a rerun reads the policy's features from the cache and gives the same results
     cached = (out / "features.npz").stat().st_mtime_ns
     assert study.main(argv) == 0 and (out / "features.npz").stat().st_mtime_ns == cached

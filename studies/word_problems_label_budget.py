@@ -423,8 +423,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from verl_prm.locking import DirectoryLock
+
     args = parser().parse_args(argv)
-    (measure_cost if args.command == "cost" else compare)(args)
+    with DirectoryLock(args.out, f"studies.word_problems_label_budget {args.command}"):  # one writer of OUT
+        (measure_cost if args.command == "cost" else compare)(args)
     return 0
 
 

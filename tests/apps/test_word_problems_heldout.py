@@ -433,7 +433,23 @@ def test_label_budget_compare_fits_a_critic_per_setting_and_pairs_them_on_the_he
     cached = (out / "features.npz").stat().st_mtime_ns
     assert study.main(argv) == 0 and (out / "features.npz").stat().st_mtime_ns == cached
     assert json.loads((out / "compare.json").read_text()) == results
-    # a budget the labels cannot pay, labels of other problems or of fewer continuations: refused
+    # another writer of OUT, a budget the labels cannot pay, labels of other problems or of fewer continuations:
+    # refused
+    import subprocess
+    import sys
+
+    from verl_prm.locking import DirectoryLockedError
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from verl_prm.locking import DirectoryLock; "
+                               f"DirectoryLock({str(out)!r}, 'test').acquire(); print('held', flush=True); "
+                               "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(DirectoryLockedError):
+            study.main(argv)
+    finally:
+        holder.kill()
+        holder.wait()
     with pytest.raises(SystemExit, match="--budget-problems 2 needs 4 labelled problems for 2 but"):
         study.main(argv[:-9] + ["2", "--n-mc", "2,4", "--out", str(out)])
     with pytest.raises(SystemExit, match="--first-pit-labels .*: labels of \\['every'\\]"):

@@ -63,6 +63,9 @@ class LoopSize:
     val_problems: int = 8
 
 
+CRITIC_CONTEXT_FACTOR = 4  # the critic's context over the policy's (prompt + response)
+
+
 def prepare(work_dir: str | Path, size: LoopSize = LoopSize(), seed: int = 0) -> dict[str, str]:
     """Write the policy, the critic and the data under ``work_dir`` (idempotent: existing parts are kept)."""
     import pandas as pd
@@ -87,7 +90,9 @@ def prepare(work_dir: str | Path, size: LoopSize = LoopSize(), seed: int = 0) ->
             hidden_size=model_config.hidden_size, intermediate_size=model_config.intermediate_size,
             num_hidden_layers=model_config.num_hidden_layers, num_attention_heads=model_config.num_attention_heads,
             num_key_value_heads=model_config.num_key_value_heads,
-            max_position_embeddings=model_config.max_position_embeddings,
+            # the critic reads the policy's text re-encoded, where a special token a random policy sampled is
+            # plain text of several tokens: room for that, so a run does not stop on a long re-encoding
+            max_position_embeddings=CRITIC_CONTEXT_FACTOR * model_config.max_position_embeddings,
         )
         torch.manual_seed(seed + 1)
         critic = Qwen2ForTokenClassification(critic_config)

@@ -218,14 +218,24 @@ class PolicyFeatures:
     train`` runs), kept in ``path`` (npz) across runs."""
 
     def __init__(self, policy: Path, path: Path, device: str | None) -> None:
-        from verl_prm.critic.loading import load_critic_tokenizer
+        from verl_prm.critic.loading import load_critic_tokenizer, resolve_dtype
 
-        self.policy, self.path, self.device = policy, path, device
+        self.policy, self.path = policy, path
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = resolve_dtype(None, self.device)
         self.tokenizer = load_critic_tokenizer(str(policy))
         self.critic = None
         self.cache: dict[str, np.ndarray] = {}
+        # what the features depend on besides the rollout: the policy's weights and the extraction's dtype
+        weights = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(policy).glob("*.safetensors"))
+        self.identity = json.dumps({"policy": str(Path(policy).resolve()), "weights": weights,
+                                    "dtype": str(self.dtype)})
         if path.is_file():
             with np.load(path, allow_pickle=False) as stored:
+                made = str(stored["identity"]) if "identity" in stored.files else "not recorded"
+                if made != self.identity:
+                    raise SystemExit(f"{path} holds features of another policy or dtype ({made}; now "
+                                     f"{self.identity}): remove it, or use another --out")
                 bounds = stored["offsets"]
                 self.cache = {key: stored["features"][a:b] for key, a, b in zip(stored["keys"].tolist(), bounds[:-1],
                                                                              bounds[1:])}
@@ -248,15 +258,14 @@ class PolicyFeatures:
 
     def _critic(self):
         from verl_prm.critic import ProverCritic
-        from verl_prm.critic.loading import default_attn_implementation, resolve_dtype
+        from verl_prm.critic.loading import default_attn_implementation
         from verl_prm.critic.token_logprob_format import TokenLogprobFormat
 
         if self.critic is None:  # as verl-prm train --format token_logprob builds it
-            device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-            dtype = resolve_dtype(None, device)
-            adapter = TokenLogprobFormat.load_lm(str(self.policy), self.tokenizer, dtype=dtype, device=device,
-                                                 attn_implementation=default_attn_implementation(device, dtype))
-            self.critic = ProverCritic(adapter.to(device), self.tokenizer, device=device)
+            adapter = TokenLogprobFormat.load_lm(str(self.policy), self.tokenizer, dtype=self.dtype, device=self.device,
+                                                 attn_implementation=default_attn_implementation(self.device,
+                                                                                                 self.dtype))
+            self.critic = ProverCritic(adapter.to(self.device), self.tokenizer, device=self.device)
         return self.critic
 
     def _save(self) -> None:
@@ -264,7 +273,8 @@ class PolicyFeatures:
         features = [self.cache[k] for k in keys]
         offsets = np.concatenate([[0], np.cumsum([len(f) for f in features])]).astype(np.int64)
         staging = self.path.with_name(self.path.name + ".tmp.npz")
-        np.savez(staging, keys=np.asarray(keys), offsets=offsets, features=np.concatenate(features))
+        np.savez(staging, keys=np.asarray(keys), offsets=offsets, features=np.concatenate(features),
+                 identity=np.asarray(self.identity))
         staging.replace(self.path)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -433,6 +434,12 @@ def test_label_budget_compare_fits_a_critic_per_setting_and_pairs_them_on_the_he
     cached = (out / "features.npz").stat().st_mtime_ns
     assert study.main(argv) == 0 and (out / "features.npz").stat().st_mtime_ns == cached
     assert json.loads((out / "compare.json").read_text()) == results
+    # features of another policy are not reused: new weights make the cache an error naming it
+    weights = next((root / "tiny").glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    with pytest.raises(SystemExit, match="features.npz holds features of another policy or dtype"):
+        study.main(argv)
+    (out / "features.npz").unlink()
     # another writer of OUT, a budget the labels cannot pay, labels of other problems or of fewer continuations:
     # refused
     import subprocess

@@ -337,7 +337,7 @@ def compare(args) -> dict:
     budgets = {}
     for budget in sorted(set(args.budget_problems)):
         cpu = budget * costs[cost_key(largest)]["cpu_seconds_per_problem"]
-        sizes = {str(m): ("every", m, budget_sizes(costs, args.n_mc, budget)[m]) for m in args.n_mc}
+        sizes = {str(m): ("every", m, problems) for m, problems in budget_sizes(costs, args.n_mc, budget).items()}
         if args.first_pit_labels:
             sizes["first_pit"] = ("first_pit", largest,
                                   int(cpu / costs[cost_key(largest, "first_pit")]["cpu_seconds_per_problem"] + 1e-9))

@@ -188,15 +188,15 @@ def fit_token_logprob_head(features: list[np.ndarray], rollouts: list[RolloutSte
     std = np.where(std > 1e-12, std, 1.0)
     weight = fit.weight.numpy()
     logit, prompt = prompt_logit(rollouts)
-    # how much faster the labels rise than the fitted values (1: the values have the labels' size)
-    fitted = 0.5 * (1.0 + np.tanh(0.5 * (x[labelled] @ weight + fit.bias)))  # the sigmoid, without overflow
-    slope = calibration_slope(fitted, q[labelled], weights)
     record = {"labelled_steps": int(labelled.sum()), "rollouts": len(rollouts), "l2": l2, "loss": fit.loss,
-              "calibration_slope": None if math.isnan(slope) else slope,
               "iterations": fit.iterations, "converged": fit.converged, "gradient_norm": fit.gradient_norm,
               "weights": "class-balanced" if balance else "uniform", "prompt_value": prompt}
-    return TokenLogprobHead(feature_names(result_regex is not None), result_regex, weight * std, mean, std,
+    head = TokenLogprobHead(feature_names(result_regex is not None), result_regex, weight * std, mean, std,
                             fit.bias + float(weight @ mean), logit, record)
+    # how much faster the labels rise than the fitted values (1: the values have the labels' size)
+    slope = calibration_slope(head.values(x[labelled]), q[labelled], weights)
+    head.fit["calibration_slope"] = None if math.isnan(slope) else slope
+    return head
 
 
 def held_out_labels(rollouts: list[RolloutSteps]) -> list[EncodedRollout]:

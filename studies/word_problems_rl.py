@@ -25,7 +25,10 @@ A run lives in ``OUT/<arm>_seed<seed>``: ``settings.json`` (a later start with o
 ``metrics.jsonl`` (verl's file logger; an earlier start's records kept as ``metrics-<n>.jsonl``), ``main_ppo.log``,
 ``starts.jsonl`` (per start: seconds, exit status, peak memory, the machine's load average: whether other work
 shared the cores), checkpoints at every evaluation (``trainer.resume_mode=auto``: a stopped run resumes from the
-last), and ``DONE.json`` when it trained every step (a finished run is not started again).
+last), and ``DONE.json`` when it trained every step (a finished run is not started again). ``settings.json`` names
+the policy by its weights (``policy_sha256``). With ``--archive DIR`` a finished run's records, all but checkpoints
+and data, are copied to ``DIR/<arm>_seed<seed>``, and a run finished there is skipped: a queue spread over
+sessions on fresh machines keeps its finished runs in the repository and reports them all.
 ``python -m studies.word_problems_rl_report`` makes the tables, the plot and the ``runs.json`` export.
 """
 
@@ -51,8 +54,8 @@ from verl_prm.apps.word_problems import score
 from verl_prm.choices import PRECISIONS
 from verl_prm.cli_types import finite_float
 
-__all__ = ["ARMS", "VALIDATION_KEY", "RunSettings", "check_settings", "command", "default_skip", "main", "rl_data",
-           "run", "run_dir_of", "summary"]
+__all__ = ["ARMS", "VALIDATION_KEY", "RunSettings", "archive_run", "archived", "check_settings", "command",
+           "default_skip", "main", "policy_digest", "rl_data", "run", "run_dir_of", "summary"]
 
 ARMS = ("grpo", "pav_tree", "pav_learned")
 # the arms that run the plugin's hook (steps: one a line)
@@ -133,6 +136,19 @@ def default_skip(work_dir: str | Path) -> int:
     return record["limit"]
 
 
+def policy_digest(work_dir: Path) -> str:
+    """The recipe's policy (``work_dir/policy``) by its weights (``checkpoints.weights_digest``): a run resumed on
+    other weights is refused, and runs archived by earlier sessions (another machine's SFT) say which policy they
+    started from."""
+    from verl_prm.checkpoints import CheckpointError, weights_digest
+
+    try:
+        return weights_digest(work_dir / "policy")
+    except CheckpointError as error:
+        raise ValueError(f"{error}: run the recipe's sft stage first (verl-prm recipe word-problems --work-dir "
+                         f"{work_dir} --stages data,sft)") from None
+
+
 def rl_data(work_dir: Path, settings: RunSettings) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The RL problems (the label pool after its first ``skip``) and the held-out problems (the first
     ``val_problems`` test problems) of the recipe's work dir; too few of either is an error naming the file."""
@@ -179,7 +195,8 @@ def command(work_dir: str | Path, out: str | Path, settings: RunSettings) -> tup
     # exhausted dataloader (no batch), which uses up one of fit's epochs
     epochs = math.ceil(settings.steps / (problems // settings.prompts_per_step)) + 1
     record = {**asdict(settings), "critic": None if settings.critic is None else str(Path(settings.critic).resolve()),
-              "policy": str(work_dir / "policy"), "label_pool": str(work_dir / "data" / "label.parquet"),
+              "policy": str(work_dir / "policy"), "policy_sha256": policy_digest(work_dir),
+              "label_pool": str(work_dir / "data" / "label.parquet"),
               "rl_problems": problems, "max_prompt_length": MAX_PROMPT_LENGTH,
               "max_response_length": MAX_RESPONSE_LENGTH}
     check_settings(run_dir, record)  # before the data is written: another run's directory is left as it is
@@ -260,11 +277,53 @@ def _watch(started_run) -> tuple[int, list[float]]:
             loads.append(os.getloadavg()[0])
 
 
-def run(work_dir: str | Path, out: str | Path, settings: RunSettings, log=print) -> int:
-    """Start (or resume) one run and wait for it; a finished run (``DONE.json``) is not started again. Returns
-    main_ppo's exit status (0 for a finished run)."""
+ARCHIVE_LEFT_OUT = ("checkpoints", "data")
+
+
+def archived(archive: str | Path, settings: RunSettings) -> dict | None:
+    """The settings of this arm and seed's finished run in ``archive`` (None if it has none). An archived run with
+    other settings (besides the policy's weights, which another machine's SFT may round differently: the report
+    shows each run's) is an error naming them."""
+    from verl_prm.resume import settings_differences
+
+    done = Path(archive) / f"{settings.arm}_seed{settings.seed}"
+    if not (done / "DONE.json").exists():
+        return None
+    saved = json.loads((done / "settings.json").read_text())
+    mine = {**asdict(settings), "critic": None if settings.critic is None else str(Path(settings.critic).resolve())}
+    changed = settings_differences({key: saved.get(key) for key in mine}, mine)
+    if changed:
+        raise ValueError(f"{done} holds this arm and seed, finished with other settings ({'; '.join(changed[:6])}): "
+                         "give another --archive, or remove that directory to run it again")
+    return saved
+
+
+def archive_run(run_dir: Path, archive: str | Path) -> Path:
+    """Copy a finished run's records (all but its checkpoints and data) to ``archive/<run>``: what the report reads,
+    small enough to commit, so that later sessions on fresh machines skip the run and report it. Written beside
+    and renamed: an interrupted copy leaves no run behind."""
+    import shutil
+
+    target = Path(archive).resolve() / run_dir.name
+    partial = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(run_dir, partial, ignore=shutil.ignore_patterns(*ARCHIVE_LEFT_OUT))
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
+    return target
+
+
+def run(work_dir: str | Path, out: str | Path, settings: RunSettings, log=print,
+        archive: str | Path | None = None) -> int:
+    """Start (or resume) one run and wait for it; a finished run (``DONE.json`` in its directory or in
+    ``archive``) is not started again, and a run that finishes is copied to ``archive`` (:func:`archive_run`).
+    Returns main_ppo's exit status (0 for a finished run)."""
     from verl_prm.apps.arithmetic.pipeline import environment
 
+    if archive is not None and (saved := archived(archive, settings)) is not None:
+        log(f"[word_problems_rl] {settings.arm}_seed{settings.seed}: finished before, archived in {archive} "
+            f"(policy {str(saved.get('policy_sha256'))[:12]})")
+        return 0
     cmd, run_dir, record = command(work_dir, out, settings)
     if (run_dir / "DONE.json").exists():
         log(f"[word_problems_rl] {run_dir.name}: finished before ({run_dir / 'DONE.json'})")
@@ -291,6 +350,8 @@ def run(work_dir: str | Path, out: str | Path, settings: RunSettings, log=print)
         done = {"settings": record, "outputs": outputs, "seconds": sum(s["seconds"] for s in all_starts),
                 "environment": env}
         (run_dir / "DONE.json").write_text(json.dumps(done, indent=1))
+    if archive is not None and (run_dir / "DONE.json").exists():
+        log(f"[word_problems_rl] {run_dir.name}: archived in {archive_run(run_dir, archive)}")
     log(f"[word_problems_rl] {run_dir.name}: exit {returncode} after {seconds:.0f} s, "
         f"{len(trained)} of {settings.steps} steps trained")
     return returncode
@@ -324,6 +385,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-probs", action="store_true",
                         help="the rollout returns log-probs: verl logs their gap to the actor's")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each of the run's processes")
+    parser.add_argument("--archive", type=Path, default=None,
+                        help="finished runs' records (no checkpoints) are copied here, and a run finished here "
+                             "is not started again (e.g. a directory of the repository: runs outlive the machine)")
     return parser
 
 
@@ -349,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = []
     for settings in queue:  # seed by seed, so that a stopped queue leaves every arm with as many seeds
         try:
-            returncode = run(args.work_dir, args.out, settings)
+            returncode = run(args.work_dir, args.out, settings, archive=args.archive)
         except ValueError as error:
             returncode = f"refused: {error}"
         if returncode != 0:

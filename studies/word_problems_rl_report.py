@@ -17,8 +17,8 @@
 With ``--export`` the finished runs go to one JSON file in the arithmetic recipe's ``verl-prm arithmetic runs v1``
 format (``studies.arithmetic_curves.read_runs`` and ``studies.arithmetic_significance`` read it).
 
-    python -m studies.word_problems_rl_report --runs runs/wp_rl40 --plot docs/real_model/rl_curves_40.png \\
-        --export docs/real_model/runs.json
+    python -m studies.word_problems_rl_report --runs docs/real_model/rl40_runs runs/wp_rl40 \\
+        --plot docs/real_model/rl_curves_40.png --export docs/real_model/runs.json
 """
 
 from __future__ import annotations
@@ -49,17 +49,30 @@ COSTS = {"generated_tokens": "generated tokens", "step_seconds": "training secon
 REFERENCE = "grpo"
 
 
-def read_runs(root: str | Path) -> dict[str, dict[int, dict]]:
-    """``{arm: {seed: run}}`` of ``<root>/<arm>_seed<seed>``: ``settings`` (``settings.json``, else
-    :data:`PILOT_SETTINGS`), ``outputs`` (``verl_rl.run_curves`` of every start's records), ``starts``
-    (``starts.jsonl``), ``finished`` (trained every step), ``run_dir``. A run directory without records is refused,
-    naming it."""
+def _same_finished_run(first: Path, second: Path) -> bool:
+    done = [first / "DONE.json", second / "DONE.json"]
+    return all(path.exists() for path in done) and done[0].read_bytes() == done[1].read_bytes()
+
+
+def read_runs(*roots: str | Path) -> dict[str, dict[int, dict]]:
+    """``{arm: {seed: run}}`` of ``<root>/<arm>_seed<seed>`` over every root (the study's ``--out``, its
+    ``--archive``): ``settings`` (``settings.json``, else :data:`PILOT_SETTINGS`), ``outputs``
+    (``verl_rl.run_curves`` of every start's records), ``starts`` (``starts.jsonl``), ``finished`` (trained every
+    step), ``run_dir``. A run directory without records, or one arm and seed in two roots (other than a finished
+    run and its archived copy: the same ``DONE.json``), is refused, naming them."""
     from verl_prm.apps.arithmetic.verl_rl import read_records, run_curves
 
-    root = Path(root)
     runs: dict[str, dict[int, dict]] = {}
-    for run_dir in sorted(p for p in root.iterdir() if p.is_dir() and RUN_DIR.match(p.name)):
+    run_dirs = [p for root in map(Path, roots) for p in sorted(Path(root).iterdir())
+                if p.is_dir() and RUN_DIR.match(p.name)]
+    for run_dir in run_dirs:
         match = RUN_DIR.match(run_dir.name)
+        if int(match["seed"]) in runs.get(match["arm"], {}):
+            first = runs[match["arm"]][int(match["seed"])]["run_dir"]
+            if _same_finished_run(first, run_dir):  # a finished run and its archived copy
+                continue
+            raise ValueError(f"{run_dir} and {first} hold the same arm and seed, not one finished run and its "
+                             "archived copy: pass one of them")
         records = read_records(run_dir) if (run_dir / "metrics.jsonl").exists() else []
         if not records:
             raise ValueError(f"{run_dir}: no metrics.jsonl records; run studies.word_problems_rl for it first")
@@ -74,7 +87,7 @@ def read_runs(root: str | Path) -> dict[str, dict[int, dict]]:
             "settings": settings, "outputs": outputs, "starts": starts, "run_dir": run_dir,
             "finished": bool(trained) and trained[-1] == settings["steps"]}
     if not runs:
-        raise ValueError(f"{root}: no <arm>_seed<seed> run directories")
+        raise ValueError(f"{', '.join(map(str, roots))}: no <arm>_seed<seed> run directories")
     return runs
 
 
@@ -105,10 +118,16 @@ def _number(value: float, spec: str) -> str:
     return "-" if not math.isfinite(value) else format(value, spec)
 
 
+def _policy(settings: dict) -> str:
+    """The start policy's weights, the first 12 hex digits of ``policy_sha256`` ("-" before runs recorded it)."""
+    digest = settings.get("policy_sha256")
+    return f"`{digest[:12]}`" if digest else "-"
+
+
 def run_table(runs: dict[str, dict[int, dict]]) -> list[str]:
     lines = ["| arm | seed | steps | held-out accuracy by step (± s.e. over problems) | training reward, first / "
-             "second half | s / step | tokens a step: generated (trained) | run s | peak load |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+             "second half | s / step | tokens a step: generated (trained) | run s | peak load | policy |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---|"]
     for arm, seeds in runs.items():
         for seed, run in sorted(seeds.items()):
             m, problems = run_measures(run), run["settings"]["val_problems"]
@@ -117,7 +136,7 @@ def run_table(runs: dict[str, dict[int, dict]]) -> list[str]:
             lines.append(f"| {arm} | {seed} | {m['steps']}/{run['settings']['steps']} | {curve or '-'} | "
                          f"{m['reward_first']:.3f} / {m['reward_second']:.3f} | {m['step_s']:.1f} | "
                          f"{m['generated']:,.0f} ({m['trained']:,.0f}) | {_number(m['seconds'], ',.0f')} | "
-                         f"{_number(m['load_max'], '.1f')} |")
+                         f"{_number(m['load_max'], '.1f')} | {_policy(run['settings'])} |")
     return lines
 
 
@@ -355,7 +374,8 @@ def report(runs: dict[str, dict[int, dict]], resamples: int = 2000) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m studies.word_problems_rl_report",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=Path, required=True, help="the --out directory of studies.word_problems_rl")
+    parser.add_argument("--runs", type=Path, nargs="+", required=True,
+                        help="the --out (and --archive) directories of studies.word_problems_rl")
     parser.add_argument("--plot", type=Path, default=None, help="also write the curves to this PNG")
     parser.add_argument("--export", type=Path, default=None,
                         help="write the finished runs to this JSON file (verl-prm arithmetic runs v1)")
@@ -363,7 +383,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.resamples < 2:
         parser.error(f"--resamples must be >= 2, got {args.resamples}")
-    runs = read_runs(args.runs)
+    try:
+        runs = read_runs(*args.runs)
+    except ValueError as error:
+        parser.error(str(error))
     print(report(runs, args.resamples))
     if args.plot is not None:
         print(f"written: {plot(runs, args.plot)}")

@@ -25,6 +25,8 @@ def _work_dir(tmp_path, pool=40, test=20):
     (work / "data").mkdir(parents=True)
     pd.DataFrame(rows(pool, "label")).to_parquet(work / "data" / "label.parquet")
     pd.DataFrame(rows(test, "test")).to_parquet(work / "data" / "test.parquet")
+    (work / "policy").mkdir()
+    (work / "policy" / "model.safetensors").write_bytes(b"weights")
     return work
 
 
@@ -204,9 +206,13 @@ def test_the_queue_runs_every_arm_and_seed_seed_by_seed_with_the_default_skip(tm
     (work / "labels" / "labels_config.json").write_text(
         json.dumps({"input": str(work / "data" / "label.parquet"), "limit": 24}))
     started = []
-    monkeypatch.setattr(study, "run", lambda work_dir, out, settings: started.append(settings) or 0)
+    archives = set()
+    monkeypatch.setattr(study, "run", lambda work_dir, out, settings, archive: archives.add(archive)
+                        or started.append(settings) or 0)
     assert main(["--work-dir", str(work), "--out", str(tmp_path / "rl"), "--arm", "grpo", "pav_tree",
-                 "pav_learned", "--seed", "0", "1", "2", "--critic", str(critic)]) == 0
+                 "pav_learned", "--seed", "0", "1", "2", "--critic", str(critic), "--archive",
+                 str(tmp_path / "kept")]) == 0
+    assert archives == {tmp_path / "kept"}
     assert [(s.arm, s.seed) for s in started] == [(arm, seed) for seed in range(3) for arm in study.ARMS]
     assert {s.skip for s in started} == {24} and {(s.steps, s.prompts_per_step, s.val_problems) for s in started} == {
         (40, 8, 128)}
@@ -262,3 +268,62 @@ def test_a_start_records_itself_and_a_run_that_trained_every_step_is_marked_done
     exported = tmp_path / "runs.json"
     exported.write_text(json.dumps({"format": "verl-prm arithmetic runs v1", "runs": [done]}))
     assert read_exported([exported])["grpo"][2]["settings"]["skip"] == 24
+
+
+def test_the_settings_name_the_policy_by_its_weights_and_a_resume_on_other_weights_is_refused(tmp_path):
+    import hashlib
+
+    work = _work_dir(tmp_path)
+    _, run_dir, record = command(work, tmp_path / "rl", _settings("grpo"))
+    # weights_digest's definition: sha256 over "name\0sha256(file)\n" of each *.safetensors file
+    expected = hashlib.sha256(f"model.safetensors\0{hashlib.sha256(b'weights').hexdigest()}\n".encode()).hexdigest()
+    assert record["policy_sha256"] == expected
+    assert json.loads((run_dir / "settings.json").read_text())["policy_sha256"] == expected
+    (work / "policy" / "model.safetensors").write_bytes(b"other weights")
+    with pytest.raises(ValueError, match="holds a run with other settings \\(policy_sha256: "):
+        command(work, tmp_path / "rl", _settings("grpo"))
+    (work / "policy" / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="no \\*.safetensors weights .*run the recipe's sft stage first"):
+        command(work, tmp_path / "rl2", _settings("grpo"))
+
+
+def test_a_finished_run_is_archived_without_its_checkpoints_and_an_archived_run_is_not_started_again(
+        tmp_path, monkeypatch):
+    import types
+
+    from verl_prm.apps.arithmetic import verl_rl
+
+    work, archive = _work_dir(tmp_path), tmp_path / "archive"
+    val = study.VALIDATION_KEY
+    step = {"critic/score/mean": 0.5, "response_length/mean": 10.0, "timing_s/step": 30.0}
+
+    def start(cmd, metrics_path, log_path, env, cwd, append_log):  # main_ppo stood in for: one step and its checkpoint
+        Path(metrics_path).write_text("".join(json.dumps({"step": s, "data": d}) + "\n"
+                                              for s, d in [(0, {val: 0.25}), (1, step), (1, {val: 0.5})]))
+        (Path(cwd) / "checkpoints" / "global_step_1").mkdir(parents=True)
+        (Path(cwd) / "checkpoints" / "global_step_1" / "actor.pt").write_bytes(b"x" * 1000)
+        (Path(cwd) / "validation").mkdir(exist_ok=True)
+        (Path(cwd) / "validation" / "1.jsonl").write_text("{}\n")
+        return types.SimpleNamespace(poll=lambda: 0, process=types.SimpleNamespace(returncode=0), stop=lambda: None,
+                                     peak_bytes=2 ** 30)
+
+    monkeypatch.setattr(verl_rl, "start_main_ppo", start)
+    settings = _settings("grpo", steps=1, test_freq=1)
+    lines = []
+    assert study.run(work, tmp_path / "rl", settings, log=lines.append, archive=archive) == 0
+    kept = archive / "grpo_seed2"
+    assert {p.name for p in kept.iterdir()} >= {"settings.json", "metrics.jsonl", "starts.jsonl", "DONE.json",
+                                                "validation"}
+    assert not (kept / "checkpoints").exists() and not (kept / "data").exists()
+    assert (kept / "validation" / "1.jsonl").read_text() == "{}\n" and any("archived in" in line for line in lines)
+
+    def no_start(*args, **kwargs):
+        raise AssertionError("an archived run was started again")
+
+    monkeypatch.setattr(verl_rl, "start_main_ppo", no_start)
+    # on a fresh machine: no run directory, another SFT's weights; the archive's run is finished
+    (work / "policy" / "model.safetensors").write_bytes(b"another machine's weights")
+    assert study.run(work, tmp_path / "fresh", settings, log=lines.append, archive=archive) == 0
+    assert "finished before, archived" in lines[-1] and not (tmp_path / "fresh").exists()
+    with pytest.raises(ValueError, match="finished with other settings \\(lr: 2e-06 -> 1e-05\\)"):
+        study.run(work, tmp_path / "fresh", _settings("grpo", steps=1, test_freq=1, lr=1e-5), archive=archive)

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
 
 from studies.word_problems_rl_report import (
-    cost_table, export_runs, final_table, main, read_runs, run_measures, step_table)
+    cost_table, export_runs, final_table, main, read_runs, run_measures, run_table, step_table)
 
 VAL = "val-core/word_problems/acc/mean@1"
 ENVIRONMENT = {"cpu": "Test CPU", "logical_cpus": 2, "cpus_available": 2, "cpu_flags": ["avx2"], "gpus": []}
@@ -210,3 +211,20 @@ def test_a_run_without_records_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--runs", str(tmp_path), "--resamples", "1"])
     assert "--resamples must be >= 2" in capsys.readouterr().err
+
+
+def test_runs_are_read_from_several_directories_and_one_arm_and_seed_twice_is_refused(tmp_path, capsys):
+    step = [(0, {VAL: 0.25}), (1, _step(0.5)), (1, {VAL: 0.5})]
+    _write_run(tmp_path / "out", "grpo", 0, step, steps=1, policy_sha256="ab" * 32)
+    _write_run(tmp_path / "archive", "grpo", 1, step, steps=1)
+    runs = read_runs(tmp_path / "out", tmp_path / "archive")
+    assert sorted(runs["grpo"]) == [0, 1]
+    table = "\n".join(run_table(runs))
+    assert "| policy |" in table and f"`{'ab' * 6}`" in table  # each run's start policy (- before it was recorded)
+    (tmp_path / "out" / "grpo_seed0" / "DONE.json").write_text('{"seconds": 1}')
+    shutil.copytree(tmp_path / "out" / "grpo_seed0", tmp_path / "archive" / "grpo_seed0")  # archived: read once
+    assert read_runs(tmp_path / "out", tmp_path / "archive")["grpo"][0]["run_dir"] == tmp_path / "out" / "grpo_seed0"
+    _write_run(tmp_path / "other", "grpo", 1, step, steps=1)
+    with pytest.raises(SystemExit):
+        main(["--runs", str(tmp_path / "archive"), str(tmp_path / "other")])
+    assert "hold the same arm and seed" in capsys.readouterr().err

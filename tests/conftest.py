@@ -85,6 +85,23 @@ def one_torch_thread():
 
 
 @pytest.fixture
+def assert_umask_modes():
+    """A check that every file under a written directory has mode ``0o666 & ~umask`` and every folder
+    ``0o777 & ~umask``, what ``open`` and ``mkdir`` give (safetensors alone writes its files 0600)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+
+    def check(directory: Path) -> None:
+        directory = Path(directory)
+        modes = {path: path.stat().st_mode & 0o777 for path in [directory, *directory.rglob("*")]}
+        wrong = {str(path): oct(mode) for path, mode in modes.items()
+                 if mode != (0o777 if path.is_dir() else 0o666) & ~mask}
+        assert not wrong, f"not the modes of umask {oct(mask)}: {wrong}"
+
+    return check
+
+
+@pytest.fixture
 def restored_environ():
     """The whole process environment restored after the test: verl's ``Worker`` writes LOCAL_RANK and other keys
     into ``os.environ`` itself, which would make later tests (accelerate, TRL) start torch.distributed."""

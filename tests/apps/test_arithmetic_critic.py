@@ -139,7 +139,7 @@ def _tiny_policy(path):
         max_position_embeddings=64)), tokenizer, path)
 
 
-def test_an_interrupted_critic_init_resumes_to_the_uninterrupted_result(tmp_path):
+def test_an_interrupted_critic_init_resumes_to_the_uninterrupted_result(tmp_path, assert_umask_modes):
     from safetensors.torch import load_file
 
     from verl_prm.apps.arithmetic.critic_init import CriticInitConfig, train_critic_init
@@ -167,6 +167,8 @@ def test_an_interrupted_critic_init_resumes_to_the_uninterrupted_result(tmp_path
         want, got = load_file(tmp_path / "whole" / name), load_file(tmp_path / "resumed" / name)
         assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     assert not (tmp_path / "resumed" / "critic_init_state.pt").exists()
+    assert_umask_modes(tmp_path / "p")  # the policy (save_policy)
+    assert_umask_modes(tmp_path / "resumed")
     # a state left by other settings is refused, naming the file
     with pytest.raises(_Interrupt):
         train_critic_init(policy, tmp_path / "other", prompts, responses, 7, config, progress=False,

@@ -171,11 +171,14 @@ def tiny_run(tmp_path_factory):
     return pipeline, config, root / "work", records, lines
 
 
-def test_every_stage_on_a_tiny_model(tiny_run):
+def test_every_stage_on_a_tiny_model(tiny_run, assert_umask_modes):
     from verl_prm.labeling.format import read_labels
     from verl_prm.labeling.inputs import read_prompts
 
     pipeline, config, work, records, _ = tiny_run
+    for written in ("policy", *(c.relative_to(work) for c in work.glob("pav/checkpoint-*"))):  # SFT, verl-prm train
+        assert_umask_modes(work / written)
+    assert list(work.glob("pav/checkpoint-*"))
     assert list(records) == list(pipeline.STAGES)
     splits = pipeline.split_problems(config)
     questions = [{p.question for p in problems} for problems in splits.values()]

@@ -211,6 +211,11 @@ def loop_dir(tmp_path_factory):
     return work
 
 
+def test_the_loops_policy_and_critic_have_the_users_umask_modes(loop_dir, assert_umask_modes):
+    assert_umask_modes(loop_dir / "policy")
+    assert_umask_modes(loop_dir / "critic")
+
+
 def _server(loop_dir, **config):
     from omegaconf import OmegaConf
 

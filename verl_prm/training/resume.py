@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from verl_prm.checkpoints import (CheckpointError, check_weights, file_digest, safetensors_problem,
+from verl_prm.checkpoints import (CheckpointError, apply_umask_modes, check_weights, file_digest, safetensors_problem,
                                   tokenizer_files_problem)
 from verl_prm.labeling.format import label_files
 from verl_prm.resume import check_same_settings
@@ -226,6 +226,7 @@ def save_checkpoint(run: TrainingRun, step: int) -> Path:
         run.tokenizer.save_pretrained(temp)
         torch.save({"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(), "step": step,
                     "config": asdict(run.config), "inputs": run.inputs}, temp / "training_state.pt")
+        apply_umask_modes(temp)  # safetensors writes 0600: a critic worker under another user reads it
         if final.exists():
             shutil.rmtree(final)
         os.replace(temp, final)

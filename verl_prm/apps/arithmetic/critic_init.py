@@ -184,12 +184,15 @@ def _save(output_dir: Path, model, tokenizer, head, curve: list[dict]) -> None:
     studies that read them directly) and the curve."""
     from safetensors.torch import save_file
 
+    from verl_prm.checkpoints import apply_umask_modes
+
     output_dir.mkdir(parents=True, exist_ok=True)
     model.to("cpu").save_pretrained(str(output_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(output_dir))
     save_file({f"heads.{k}": v.detach().cpu().contiguous() for k, v in head.state_dict().items()},
               str(output_dir / "critic_init_heads.safetensors"))
     (output_dir / "critic_init_metrics.json").write_text(json.dumps(curve, indent=2))
+    apply_umask_modes(output_dir)  # safetensors writes 0600
 
 
 _STATE = "critic_init_state.pt"

@@ -189,9 +189,12 @@ def save_policy(model, tokenizer, path: str | Path) -> Path:
     """Hugging Face format: safetensors weights, config, generation config (EOS, pad) and the tokenizer."""
     from transformers import GenerationConfig
 
+    from verl_prm.checkpoints import apply_umask_modes
+
     path = Path(path)
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                                                bos_token_id=tokenizer.eos_token_id)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
+    apply_umask_modes(path)  # safetensors writes 0600
     return path

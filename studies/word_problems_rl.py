@@ -26,9 +26,10 @@ A run lives in ``OUT/<arm>_seed<seed>``: ``settings.json`` (a later start with o
 ``starts.jsonl`` (per start: seconds, exit status, peak memory, the machine's load average: whether other work
 shared the cores), checkpoints at every evaluation (``trainer.resume_mode=auto``: a stopped run resumes from the
 last), and ``DONE.json`` when it trained every step (a finished run is not started again). ``settings.json`` names
-the policy by its weights (``policy_sha256``). With ``--archive DIR`` a finished run's records, all but checkpoints
-and data, are copied to ``DIR/<arm>_seed<seed>``, and a run finished there is skipped: a queue spread over
-sessions on fresh machines keeps its finished runs in the repository and reports them all.
+the policy by its weights (``policy_sha256``) and the dtype the run computes in (``compute_dtype``). With
+``--archive DIR`` a finished run's records, all but checkpoints and data, are copied to ``DIR/<arm>_seed<seed>``,
+and a run finished there is skipped: a queue spread over sessions on fresh machines keeps its finished runs in the
+repository and reports them all.
 ``python -m studies.word_problems_rl_report`` makes the tables, the plot and the ``runs.json`` export.
 """
 
@@ -55,7 +56,7 @@ from verl_prm.choices import PRECISIONS
 from verl_prm.cli_types import finite_float
 
 __all__ = ["ARMS", "VALIDATION_KEY", "RunSettings", "archive_run", "archived", "check_settings", "command",
-           "default_skip", "main", "policy_digest", "rl_data", "run", "run_dir_of", "summary"]
+           "compute_dtype", "default_skip", "main", "policy_digest", "rl_data", "run", "run_dir_of", "summary"]
 
 ARMS = ("grpo", "pav_tree", "pav_learned")
 # the arms that run the plugin's hook (steps: one a line)
@@ -149,6 +150,15 @@ def policy_digest(work_dir: Path) -> str:
                          f"{work_dir} --stages data,sft)") from None
 
 
+def compute_dtype(precision: str) -> str:
+    """What ``precision`` computes in on this machine (``verl_prm.precision.resolve_dtype``: ``auto`` is bfloat16
+    only where the CPU has native bf16 instructions): recorded, so a resume on a machine that resolves it otherwise
+    is refused and the report shows each run's."""
+    from verl_prm.precision import resolve_dtype
+
+    return str(resolve_dtype(precision)).removeprefix("torch.")
+
+
 def rl_data(work_dir: Path, settings: RunSettings) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The RL problems (the label pool after its first ``skip``) and the held-out problems (the first
     ``val_problems`` test problems) of the recipe's work dir; too few of either is an error naming the file."""
@@ -196,6 +206,7 @@ def command(work_dir: str | Path, out: str | Path, settings: RunSettings) -> tup
     epochs = math.ceil(settings.steps / (problems // settings.prompts_per_step)) + 1
     record = {**asdict(settings), "critic": None if settings.critic is None else str(Path(settings.critic).resolve()),
               "policy": str(work_dir / "policy"), "policy_sha256": policy_digest(work_dir),
+              "compute_dtype": compute_dtype(settings.precision),
               "label_pool": str(work_dir / "data" / "label.parquet"),
               "rl_problems": problems, "max_prompt_length": MAX_PROMPT_LENGTH,
               "max_response_length": MAX_RESPONSE_LENGTH}
@@ -282,8 +293,9 @@ ARCHIVE_LEFT_OUT = ("checkpoints", "data")
 
 def archived(archive: str | Path, settings: RunSettings) -> dict | None:
     """The settings of this arm and seed's finished run in ``archive`` (None if it has none). An archived run with
-    other settings (besides the policy's weights, which another machine's SFT may round differently: the report
-    shows each run's) is an error naming them."""
+    other settings is an error naming them, besides those a machine decides: the policy's weights (another
+    machine's SFT rounds differently) and the precision (``auto`` resolves by the CPU); the report shows each run's
+    policy and compute dtype."""
     from verl_prm.resume import settings_differences
 
     done = Path(archive) / f"{settings.arm}_seed{settings.seed}"
@@ -291,7 +303,7 @@ def archived(archive: str | Path, settings: RunSettings) -> dict | None:
         return None
     saved = json.loads((done / "settings.json").read_text())
     mine = {**asdict(settings), "critic": None if settings.critic is None else str(Path(settings.critic).resolve())}
-    changed = settings_differences({key: saved.get(key) for key in mine}, mine)
+    changed = settings_differences({key: saved.get(key) for key in mine}, mine, ignore=("precision",))
     if changed:
         raise ValueError(f"{done} holds this arm and seed, finished with other settings ({'; '.join(changed[:6])}): "
                          "give another --archive, or remove that directory to run it again")

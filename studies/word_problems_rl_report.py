@@ -118,6 +118,22 @@ def _number(value: float, spec: str) -> str:
     return "-" if not math.isfinite(value) else format(value, spec)
 
 
+def _compute_dtype(run: dict) -> str:
+    """The run's ``compute_dtype``; for a run that predates that record, ``auto`` resolved where its starts' CPU
+    flags decide it: float32 on a CPU without AVX-512 (native bf16 on x86, AVX512-BF16 or AMX, comes with it),
+    else "-" (the environment records no bf16 flag)."""
+    settings = run["settings"]
+    if settings.get("compute_dtype"):
+        return settings["compute_dtype"]
+    precision = settings.get("precision", "auto")
+    if precision != "auto":
+        return precision
+    environments = [start.get("environment", {}) for start in run.get("starts", [])]
+    x86_without_avx512 = [env.get("machine") == "x86_64" and "avx512f" not in env.get("cpu_flags", ["avx512f"])
+                          for env in environments]
+    return "float32" if x86_without_avx512 and all(x86_without_avx512) else "-"
+
+
 def _policy(settings: dict) -> str:
     """The start policy's weights, the first 12 hex digits of ``policy_sha256`` ("-" before runs recorded it)."""
     digest = settings.get("policy_sha256")
@@ -126,8 +142,8 @@ def _policy(settings: dict) -> str:
 
 def run_table(runs: dict[str, dict[int, dict]]) -> list[str]:
     lines = ["| arm | seed | steps | held-out accuracy by step (± s.e. over problems) | training reward, first / "
-             "second half | s / step | tokens a step: generated (trained) | run s | peak load | policy |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+             "second half | s / step | tokens a step: generated (trained) | run s | peak load | policy | dtype |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---|---|"]
     for arm, seeds in runs.items():
         for seed, run in sorted(seeds.items()):
             m, problems = run_measures(run), run["settings"]["val_problems"]
@@ -136,7 +152,7 @@ def run_table(runs: dict[str, dict[int, dict]]) -> list[str]:
             lines.append(f"| {arm} | {seed} | {m['steps']}/{run['settings']['steps']} | {curve or '-'} | "
                          f"{m['reward_first']:.3f} / {m['reward_second']:.3f} | {m['step_s']:.1f} | "
                          f"{m['generated']:,.0f} ({m['trained']:,.0f}) | {_number(m['seconds'], ',.0f')} | "
-                         f"{_number(m['load_max'], '.1f')} | {_policy(run['settings'])} |")
+                         f"{_number(m['load_max'], '.1f')} | {_policy(run['settings'])} | {_compute_dtype(run)} |")
     return lines
 
 

@@ -270,9 +270,13 @@ def test_a_start_records_itself_and_a_run_that_trained_every_step_is_marked_done
     assert read_exported([exported])["grpo"][2]["settings"]["skip"] == 24
 
 
-def test_the_settings_name_the_policy_by_its_weights_and_a_resume_on_other_weights_is_refused(tmp_path):
+def test_the_settings_name_the_policy_and_the_compute_dtype_and_a_resume_on_others_is_refused(tmp_path,
+                                                                                               monkeypatch):
     import hashlib
 
+    from verl_prm import precision
+
+    monkeypatch.setattr(precision, "native_bf16_instructions", lambda: False)  # a CPU without native bf16
     work = _work_dir(tmp_path)
     _, run_dir, record = command(work, tmp_path / "rl", _settings("grpo"))
     # weights_digest's definition: sha256 over "name\0sha256(file)\n" of each *.safetensors file
@@ -281,6 +285,13 @@ def test_the_settings_name_the_policy_by_its_weights_and_a_resume_on_other_weigh
     assert json.loads((run_dir / "settings.json").read_text())["policy_sha256"] == expected
     (work / "policy" / "model.safetensors").write_bytes(b"other weights")
     with pytest.raises(ValueError, match="holds a run with other settings \\(policy_sha256: "):
+        command(work, tmp_path / "rl", _settings("grpo"))
+    (work / "policy" / "model.safetensors").write_bytes(b"weights")
+    # the dtype the precision resolves to on this machine; another machine's is refused on resume
+    assert record["compute_dtype"] == "float32" == command(work, tmp_path / "f32", _settings(
+        "grpo", precision="float32"))[2]["compute_dtype"]
+    monkeypatch.setattr(precision, "native_bf16_instructions", lambda: True)  # an AMX machine resumes the run
+    with pytest.raises(ValueError, match="other settings \\(compute_dtype: 'float32' -> 'bfloat16'\\)"):
         command(work, tmp_path / "rl", _settings("grpo"))
     (work / "policy" / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="no \\*.safetensors weights .*run the recipe's sft stage first"):
@@ -325,5 +336,8 @@ def test_a_finished_run_is_archived_without_its_checkpoints_and_an_archived_run_
     (work / "policy" / "model.safetensors").write_bytes(b"another machine's weights")
     assert study.run(work, tmp_path / "fresh", settings, log=lines.append, archive=archive) == 0
     assert "finished before, archived" in lines[-1] and not (tmp_path / "fresh").exists()
+    # the precision a machine resolves is no setting of the archived run: "auto" finished there, float32 asked here
+    assert study.run(work, tmp_path / "fresh", _settings("grpo", steps=1, test_freq=1, precision="float32"),
+                     log=lines.append, archive=archive) == 0
     with pytest.raises(ValueError, match="finished with other settings \\(lr: 2e-06 -> 1e-05\\)"):
         study.run(work, tmp_path / "fresh", _settings("grpo", steps=1, test_freq=1, lr=1e-5), archive=archive)

@@ -14,7 +14,8 @@ from studies.word_problems_rl_report import (
     cost_table, export_runs, final_table, main, read_runs, run_measures, run_table, step_table)
 
 VAL = "val-core/word_problems/acc/mean@1"
-ENVIRONMENT = {"cpu": "Test CPU", "logical_cpus": 2, "cpus_available": 2, "cpu_flags": ["avx2"], "gpus": []}
+ENVIRONMENT = {"cpu": "Test CPU", "machine": "x86_64", "logical_cpus": 2, "cpus_available": 2, "cpu_flags": ["avx2"],
+               "gpus": []}
 
 
 def _settings(arm, seed, steps, **changes):
@@ -215,12 +216,14 @@ def test_a_run_without_records_is_named(tmp_path, capsys):
 
 def test_runs_are_read_from_several_directories_and_one_arm_and_seed_twice_is_refused(tmp_path, capsys):
     step = [(0, {VAL: 0.25}), (1, _step(0.5)), (1, {VAL: 0.5})]
-    _write_run(tmp_path / "out", "grpo", 0, step, steps=1, policy_sha256="ab" * 32)
-    _write_run(tmp_path / "archive", "grpo", 1, step, steps=1)
+    _write_run(tmp_path / "out", "grpo", 0, step, steps=1, policy_sha256="ab" * 32, compute_dtype="bfloat16")
+    _write_run(tmp_path / "archive", "grpo", 1, step, steps=1, precision="auto")  # ENVIRONMENT: avx2, no avx512f
     runs = read_runs(tmp_path / "out", tmp_path / "archive")
     assert sorted(runs["grpo"]) == [0, 1]
-    table = "\n".join(run_table(runs))
-    assert "| policy |" in table and f"`{'ab' * 6}`" in table  # each run's start policy (- before it was recorded)
+    rows = run_table(runs)
+    assert "| policy | dtype |" in rows[0]
+    # each run's start policy (- before it was recorded) and compute dtype (auto without AVX-512: float32)
+    assert rows[2].endswith(f"| `{'ab' * 6}` | bfloat16 |") and rows[3].endswith("| - | float32 |")
     (tmp_path / "out" / "grpo_seed0" / "DONE.json").write_text('{"seconds": 1}')
     shutil.copytree(tmp_path / "out" / "grpo_seed0", tmp_path / "archive" / "grpo_seed0")  # archived: read once
     assert read_runs(tmp_path / "out", tmp_path / "archive")["grpo"][0]["run_dir"] == tmp_path / "out" / "grpo_seed0"

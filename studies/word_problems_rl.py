@@ -55,13 +55,15 @@ from verl_prm.apps.word_problems import score
 from verl_prm.choices import PRECISIONS
 from verl_prm.cli_types import finite_float
 
-__all__ = ["ARMS", "VALIDATION_KEY", "RunSettings", "archive_run", "archived", "check_settings", "command",
-           "compute_dtype", "default_skip", "main", "policy_digest", "rl_data", "run", "run_dir_of", "summary"]
+__all__ = ["ARMS", "VALIDATION_KEY", "RunSettings", "archive_run", "archived", "check_prompt_lengths",
+           "check_settings", "command", "compute_dtype", "default_skip", "main", "policy_digest", "rl_data", "run", "run_dir_of", "summary"]
 
 ARMS = ("grpo", "pav_tree", "pav_learned")
 # the arms that run the plugin's hook (steps: one a line)
 HOOK_ARMS = ("pav_tree", "pav_learned")
-MAX_PROMPT_LENGTH, MAX_RESPONSE_LENGTH = 160, 96
+# verl pads every prompt to max_prompt_length and every response to max_response_length, and the actor's passes
+# compute on the padding: the budget is the recipe's longest prompt (94 tokens in SmolLM2's chat) rounded up
+MAX_PROMPT_LENGTH, MAX_RESPONSE_LENGTH = 96, 96
 VALIDATION_KEY = "val-core/word_problems/acc/mean@1"
 CALIBRATIONS = ("none", "auto")
 LOAD_SAMPLE_SECONDS = 10.0
@@ -137,6 +139,26 @@ def default_skip(work_dir: str | Path) -> int:
     return record["limit"]
 
 
+def check_prompt_lengths(work_dir: Path, frames: Sequence[tuple[str, pd.DataFrame]]) -> int:
+    """The longest prompt of the run's data in the policy's chat (``apply_chat_template`` with the generation
+    prompt, as verl's dataset counts it); one over ``MAX_PROMPT_LENGTH`` is an error naming its file and row, before
+    Ray starts (verl would stop on it at its dataset with ``data.truncation=error``)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(work_dir / "policy", trust_remote_code=False)
+    longest = 0
+    for name, frame in frames:
+        for row, messages in zip(frame.index, frame["prompt"]):  # the file's own row numbers
+            length = len(tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True,
+                                                       tokenize=True, return_dict=True)["input_ids"])
+            if length > MAX_PROMPT_LENGTH:
+                raise ValueError(f"{work_dir / 'data' / name}, row {row}: the prompt is {length} tokens in the "
+                                 f"policy's chat, over the study's {MAX_PROMPT_LENGTH} (MAX_PROMPT_LENGTH): the "
+                                 "recipe's problems are longer than the study was sized for")
+            longest = max(longest, length)
+    return longest
+
+
 def policy_digest(work_dir: Path) -> str:
     """The recipe's policy (``work_dir/policy``) by its weights (``checkpoints.weights_digest``): a run resumed on
     other weights is refused, and runs archived by earlier sessions (another machine's SFT) say which policy they
@@ -196,6 +218,7 @@ def command(work_dir: str | Path, out: str | Path, settings: RunSettings) -> tup
         raise ValueError(f"--critic {settings.critic}: no config.json there; pass a checkpoint directory of "
                          "verl-prm train (the newest checkpoint-* of its output)")
     train_problems, val_problems = rl_data(work_dir, settings)
+    longest_prompt = check_prompt_lengths(work_dir, [("label.parquet", train_problems), ("test.parquet", val_problems)])
     problems = len(train_problems)
     size = LoopSize(prompts_per_step=settings.prompts_per_step, responses_per_prompt=settings.responses_per_prompt,
                     max_prompt_length=MAX_PROMPT_LENGTH, max_response_length=MAX_RESPONSE_LENGTH,
@@ -208,7 +231,7 @@ def command(work_dir: str | Path, out: str | Path, settings: RunSettings) -> tup
               "policy": str(work_dir / "policy"), "policy_sha256": policy_digest(work_dir),
               "compute_dtype": compute_dtype(settings.precision),
               "label_pool": str(work_dir / "data" / "label.parquet"),
-              "rl_problems": problems, "max_prompt_length": MAX_PROMPT_LENGTH,
+              "rl_problems": problems, "max_prompt_length": MAX_PROMPT_LENGTH, "longest_prompt": longest_prompt,
               "max_response_length": MAX_RESPONSE_LENGTH}
     check_settings(run_dir, record)  # before the data is written: another run's directory is left as it is
     train, val = run_dir / "data" / "train.parquet", run_dir / "data" / "val.parquet"

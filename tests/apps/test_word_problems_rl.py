@@ -15,6 +15,26 @@ from studies import word_problems_rl as study
 from studies.word_problems_rl import RunSettings, command, default_skip, main
 
 
+CHAT = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A byte-level BPE with a chat template: the prompts' lengths in a policy's chat."""
+    from verl_prm.bpe import train_byte_level_bpe
+
+    trained = train_byte_level_bpe([f"label q{i} test q{i}" for i in range(50)], vocab_size=280)
+    trained.chat_template = CHAT
+    return trained
+
+
+@pytest.fixture(autouse=True)
+def _policy_tokenizer(tokenizer, monkeypatch):  # every work dir's policy is read with it
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path, **kwargs: tokenizer)
+
+
 def _work_dir(tmp_path, pool=40, test=20):
     def rows(n, split):
         return [{"data_source": "word_problems", "prompt": [{"role": "user", "content": f"{split} q{i}"}],
@@ -341,3 +361,19 @@ def test_a_finished_run_is_archived_without_its_checkpoints_and_an_archived_run_
                      log=lines.append, archive=archive) == 0
     with pytest.raises(ValueError, match="finished with other settings \\(lr: 2e-06 -> 1e-05\\)"):
         study.run(work, tmp_path / "fresh", _settings("grpo", steps=1, test_freq=1, lr=1e-5), archive=archive)
+
+
+def test_a_prompt_over_the_studys_budget_is_named_before_anything_is_written(tmp_path, tokenizer):
+    work = _work_dir(tmp_path)
+    pool = pd.read_parquet(work / "data" / "label.parquet")
+    long_question = "label q7 " * study.MAX_PROMPT_LENGTH
+    pool.at[30, "prompt"] = [{"role": "user", "content": long_question}]
+    pool.to_parquet(work / "data" / "label.parquet")
+    length = len(tokenizer.apply_chat_template([{"role": "user", "content": long_question}],
+                                               add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    with pytest.raises(ValueError, match=f"label.parquet, row 30: the prompt is {length} tokens in the policy's chat, "
+                                         f"over the study's {study.MAX_PROMPT_LENGTH}"):
+        command(work, tmp_path / "rl", _settings("grpo"))  # skip 24: row 30 is an RL problem
+    assert not (tmp_path / "rl").exists()
+    _, _, record = command(work, tmp_path / "rl", _settings("grpo", skip=31))  # row 30 left out: it fits
+    assert record["max_prompt_length"] == study.MAX_PROMPT_LENGTH and 0 < record["longest_prompt"] <= length

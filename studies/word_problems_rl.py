@@ -56,7 +56,8 @@ from verl_prm.choices import PRECISIONS
 from verl_prm.cli_types import finite_float
 
 __all__ = ["ARMS", "VALIDATION_KEY", "RunSettings", "archive_run", "archived", "check_prompt_lengths",
-           "check_settings", "command", "compute_dtype", "default_skip", "main", "policy_digest", "rl_data", "run", "run_dir_of", "summary"]
+           "check_settings", "command", "compute_dtype", "default_skip", "main", "policy_digest", "rl_data", "run",
+           "run_dir_of", "summary"]
 
 ARMS = ("grpo", "pav_tree", "pav_learned")
 # the arms that run the plugin's hook (steps: one a line)
@@ -116,6 +117,11 @@ class RunSettings:
             raise ValueError(f"calibration must be one of {', '.join(CALIBRATIONS)}, got {self.calibration!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+
+
+def _critic_path(settings: RunSettings) -> str | None:
+    """The critic as the settings record names it: its absolute path."""
+    return None if settings.critic is None else str(Path(settings.critic).resolve())
 
 
 def run_dir_of(out: str | Path, settings: RunSettings) -> Path:
@@ -227,7 +233,7 @@ def command(work_dir: str | Path, out: str | Path, settings: RunSettings) -> tup
     # more than the steps need: a run resumed from a checkpoint at an epoch's end first iterates that epoch's
     # exhausted dataloader (no batch), which uses up one of fit's epochs
     epochs = math.ceil(settings.steps / (problems // settings.prompts_per_step)) + 1
-    record = {**asdict(settings), "critic": None if settings.critic is None else str(Path(settings.critic).resolve()),
+    record = {**asdict(settings), "critic": _critic_path(settings),
               "policy": str(work_dir / "policy"), "policy_sha256": policy_digest(work_dir),
               "compute_dtype": compute_dtype(settings.precision),
               "label_pool": str(work_dir / "data" / "label.parquet"),
@@ -325,7 +331,7 @@ def archived(archive: str | Path, settings: RunSettings) -> dict | None:
     if not (done / "DONE.json").exists():
         return None
     saved = json.loads((done / "settings.json").read_text())
-    mine = {**asdict(settings), "critic": None if settings.critic is None else str(Path(settings.critic).resolve())}
+    mine = {**asdict(settings), "critic": _critic_path(settings)}
     changed = settings_differences({key: saved.get(key) for key in mine}, mine, ignore=("precision",))
     if changed:
         raise ValueError(f"{done} holds this arm and seed, finished with other settings ({'; '.join(changed[:6])}): "

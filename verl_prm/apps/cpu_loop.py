@@ -74,7 +74,6 @@ def prepare(work_dir: str | Path, size: LoopSize = LoopSize(), seed: int = 0) ->
 
     from verl_prm.checkpoints import apply_umask_modes
 
-
     work_dir = Path(work_dir)
     paths = {"policy": work_dir / "policy", "critic": work_dir / "critic",
              "train": work_dir / "data" / "train.parquet", "val": work_dir / "data" / "val.parquet"}

@@ -14,8 +14,9 @@ these checks, each an error that names the checkpoint:
 is read), so a loader can verify that the weights it needs are really in the checkpoint.
 ``safetensors_problem(file)`` says why a safetensors file is cut short or damaged (its header promises more bytes
 than the file has), and ``check_tokenizer_files(directory, what)`` names the tokenizer files a directory lacks.
-``apply_umask_modes(directory)`` gives a written checkpoint the modes of the user's umask (safetensors writes
-its files 0600, ``tempfile.mkdtemp`` its folders 0700). No torch import here:
+``save_model(model, tokenizer, directory)`` and ``save_tensors(tensors, file)`` are how verl-prm writes weights:
+safetensors, then the modes of the user's umask (``apply_umask_modes``: safetensors writes its files 0600,
+``tempfile.mkdtemp`` its folders 0700, and a Ray worker or another user must read them). No torch import here:
 the startup check of a verl run uses this module before any model is loaded.
 """
 
@@ -41,6 +42,8 @@ __all__ = [
     "resolve_checkpoint",
     "safetensors_keys",
     "safetensors_problem",
+    "save_model",
+    "save_tensors",
     "tokenizer_files_problem",
     "weights_digest",
 ]
@@ -306,3 +309,24 @@ def apply_umask_modes(directory: str | Path) -> None:
             path = os.path.join(folder, name)
             if not os.path.islink(path):
                 os.chmod(path, 0o666 & ~mask)
+
+
+def save_model(model, tokenizer, directory: str | Path) -> Path:
+    """``model`` (safetensors) and ``tokenizer`` by ``save_pretrained`` into ``directory``, which then gets the
+    modes of the user's umask (:func:`apply_umask_modes`); returns the directory."""
+    directory = Path(directory)
+    model.save_pretrained(directory, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    apply_umask_modes(directory)
+    return directory
+
+
+def save_tensors(tensors: dict, file: str | Path, metadata: Optional[dict] = None) -> Path:
+    """``tensors`` (name -> CPU tensor) as a safetensors ``file`` with the mode of the user's umask."""
+    from safetensors.torch import save_file
+
+    file = Path(file)
+    save_file(tensors, str(file), metadata=metadata)
+    os.chmod(file, 0o666 & ~current_umask())
+    return file

@@ -72,7 +72,7 @@ def prepare(work_dir: str | Path, size: LoopSize = LoopSize(), seed: int = 0) ->
     import torch
     from transformers import Qwen2Config, Qwen2ForTokenClassification
 
-    from verl_prm.checkpoints import apply_umask_modes
+    from verl_prm.checkpoints import save_model
 
     work_dir = Path(work_dir)
     paths = {"policy": work_dir / "policy", "critic": work_dir / "critic",
@@ -97,9 +97,7 @@ def prepare(work_dir: str | Path, size: LoopSize = LoopSize(), seed: int = 0) ->
         )
         torch.manual_seed(seed + 1)
         critic = Qwen2ForTokenClassification(critic_config)
-        critic.save_pretrained(paths["critic"], safe_serialization=True)
-        tokenizer.save_pretrained(paths["critic"])
-        apply_umask_modes(paths["critic"])  # safetensors writes 0600
+        save_model(critic, tokenizer, paths["critic"])
     task = TaskConfig()
     if not paths["val"].exists():
         paths["val"].parent.mkdir(parents=True, exist_ok=True)

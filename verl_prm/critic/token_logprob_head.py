@@ -105,14 +105,15 @@ def native_format(directory: str | Path) -> str:
 def write_head(directory: str | Path, head: TokenLogprobHead) -> None:
     """Write the head's two files into ``directory`` (checked first: :meth:`TokenLogprobHead.check`)."""
     import torch
-    from safetensors.torch import save_file
+
+    from verl_prm.checkpoints import save_tensors
 
     directory = Path(directory)
     head.check(str(directory))
     tensors = {"weight": head.weight, "mean": head.mean, "std": head.std, "bias": np.array([head.bias]),
                "prompt_logit": np.array([head.prompt_logit])}
     tensors = {name: torch.from_numpy(np.ascontiguousarray(value, dtype=np.float64)) for name, value in tensors.items()}
-    save_file(tensors, str(directory / HEAD_SAFETENSORS), metadata={"head_config": _canonical(head.config)})
+    save_tensors(tensors, directory / HEAD_SAFETENSORS, metadata={"head_config": _canonical(head.config)})
     (directory / HEAD_JSON).write_text(json.dumps({"format": FORMAT, **head.config, "fit": head.fit}, indent=2,
                                                   default=float) + "\n")
 

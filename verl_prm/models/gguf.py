@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from verl_prm.checkpoints import apply_umask_modes
+from verl_prm.checkpoints import save_model
 from verl_prm.locking import DirectoryLock
 
 __all__ = ["GgufError", "GgufInfo", "PackagedGguf", "SMOLLM2", "cached_checkpoint", "convert_gguf",
@@ -200,13 +200,11 @@ def convert_gguf(gguf_path: str | Path, output_dir: str | Path, *, dtype: str = 
         model, tokenizer = _load(info, dtype)
         staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
         try:
-            model.save_pretrained(staging, safe_serialization=True)
-            tokenizer.save_pretrained(staging)
+            # mkdtemp makes the folder 0700: save_model gives it the modes a plain mkdir would (the checkpoint
+            # is for others, Ray workers and other users, to read)
+            save_model(model, tokenizer, staging)
             record["versions"] = _versions()
             (staging / CONVERSION_FILE).write_text(json.dumps(record, indent=2) + "\n")
-            # mkdtemp makes the folder 0700 and safetensors writes 0600: the checkpoint is for others (Ray
-            # workers, other users) to read, so it gets the modes a plain mkdir and open would give it
-            apply_umask_modes(staging)
             os.replace(staging, output)  # also onto an empty directory (rename(2) replaces one)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)

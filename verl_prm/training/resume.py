@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from verl_prm.checkpoints import (CheckpointError, apply_umask_modes, check_weights, file_digest, safetensors_problem,
+from verl_prm.checkpoints import (CheckpointError, check_weights, file_digest, safetensors_problem, save_model,
                                   tokenizer_files_problem)
 from verl_prm.labeling.format import label_files
 from verl_prm.resume import check_same_settings
@@ -222,11 +222,9 @@ def save_checkpoint(run: TrainingRun, step: int) -> Path:
     if accelerator.is_main_process:
         temp = output_dir / f".checkpoint-{step:07d}.tmp"
         shutil.rmtree(temp, ignore_errors=True)
-        accelerator.unwrap_model(run.model).save_pretrained(temp, safe_serialization=True)
-        run.tokenizer.save_pretrained(temp)
+        save_model(accelerator.unwrap_model(run.model), run.tokenizer, temp)
         torch.save({"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(), "step": step,
                     "config": asdict(run.config), "inputs": run.inputs}, temp / "training_state.pt")
-        apply_umask_modes(temp)  # safetensors writes 0600: a critic worker under another user reads it
         if final.exists():
             shutil.rmtree(final)
         os.replace(temp, final)

@@ -35,7 +35,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from verl_prm.checkpoints import allow_pickle_default, apply_umask_modes, from_pretrained_kwargs, resolve_checkpoint
+from verl_prm.checkpoints import allow_pickle_default, from_pretrained_kwargs, resolve_checkpoint, save_model
 from verl_prm.critic.loading import default_attn_implementation, load_critic_tokenizer, resolve_dtype
 from verl_prm.critic.scorer import ProverCritic
 from verl_prm.critic.token_logprob import feature_names
@@ -258,8 +258,7 @@ def save_lm(init: str, tokenizer, staging: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(init, dtype="auto", **from_pretrained_kwargs())
-    model.save_pretrained(staging, safe_serialization=True)
-    tokenizer.save_pretrained(staging)
+    save_model(model, tokenizer, staging)
 
 
 def fit_token_logprob_critic(config: TrainConfig) -> dict:
@@ -308,7 +307,6 @@ def fit_token_logprob_critic(config: TrainConfig) -> dict:
             metrics.update(calibration_metrics)
             calibration = output / calibration.name
         (staging / "eval_metrics.json").write_text(json.dumps(metrics, indent=2, default=float) + "\n")
-        apply_umask_modes(staging)
         place(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -182,17 +182,13 @@ def _evaluate(backbone, head, eval_set: list, pad_token_id: int, modulus: int, d
 def _save(output_dir: Path, model, tokenizer, head, curve: list[dict]) -> None:
     """The backbone as a causal LM with its tokenizer, the heads (result over the residues, then the check, for
     studies that read them directly) and the curve."""
-    from safetensors.torch import save_file
-
-    from verl_prm.checkpoints import apply_umask_modes
+    from verl_prm.checkpoints import save_model, save_tensors
 
     output_dir.mkdir(parents=True, exist_ok=True)
-    model.to("cpu").save_pretrained(str(output_dir), safe_serialization=True)
-    tokenizer.save_pretrained(str(output_dir))
-    save_file({f"heads.{k}": v.detach().cpu().contiguous() for k, v in head.state_dict().items()},
-              str(output_dir / "critic_init_heads.safetensors"))
+    save_model(model.to("cpu"), tokenizer, output_dir)
+    save_tensors({f"heads.{k}": v.detach().cpu().contiguous() for k, v in head.state_dict().items()},
+                 output_dir / "critic_init_heads.safetensors")
     (output_dir / "critic_init_metrics.json").write_text(json.dumps(curve, indent=2))
-    apply_umask_modes(output_dir)  # safetensors writes 0600
 
 
 _STATE = "critic_init_state.pt"

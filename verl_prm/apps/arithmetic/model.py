@@ -189,12 +189,9 @@ def save_policy(model, tokenizer, path: str | Path) -> Path:
     """Hugging Face format: safetensors weights, config, generation config (EOS, pad) and the tokenizer."""
     from transformers import GenerationConfig
 
-    from verl_prm.checkpoints import apply_umask_modes
+    from verl_prm.checkpoints import save_model
 
     path = Path(path)
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                                                bos_token_id=tokenizer.eos_token_id)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-    apply_umask_modes(path)  # safetensors writes 0600
-    return path
+    return save_model(model, tokenizer, path)

@@ -38,7 +38,7 @@ def fine_tune(base: str | Path, problems: Sequence[Problem], output: Path, confi
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from verl_prm.apps.arithmetic.model import train_sft
-    from verl_prm.checkpoints import apply_umask_modes, from_pretrained_kwargs, resolve_checkpoint
+    from verl_prm.checkpoints import from_pretrained_kwargs, resolve_checkpoint, save_model
     from verl_prm.special_tokens import ensure_pad_token
 
     path = resolve_checkpoint(str(base), "policy")
@@ -48,9 +48,7 @@ def fine_tune(base: str | Path, problems: Sequence[Problem], output: Path, confi
     examples = encode_examples(tokenizer, problems, shots)
     losses = train_sft(model, examples, config, pad, progress=progress, log=log)
     output.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(output, safe_serialization=True)
-    tokenizer.save_pretrained(output)
-    apply_umask_modes(output)  # safetensors writes 0600
+    save_model(model, tokenizer, output)
     head = losses[: max(1, len(losses) // 10)]
     tail = losses[-max(1, len(losses) // 10):]
     return {"examples": len(examples), "first_loss": sum(head) / len(head), "final_loss": sum(tail) / len(tail)}

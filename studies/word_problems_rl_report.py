@@ -56,15 +56,21 @@ def _same_finished_run(first: Path, second: Path) -> bool:
 
 def read_runs(*roots: str | Path) -> dict[str, dict[int, dict]]:
     """``{arm: {seed: run}}`` of ``<root>/<arm>_seed<seed>`` over every root (the study's ``--out``, its
-    ``--archive``): ``settings`` (``settings.json``, else :data:`PILOT_SETTINGS`), ``outputs``
+    ``--archive``; each must exist, and one of them hold a run): ``settings`` (``settings.json``, else :data:`PILOT_SETTINGS`), ``outputs``
     (``verl_rl.run_curves`` of every start's records), ``starts`` (``starts.jsonl``), ``finished`` (trained every
     step), ``run_dir``. A run directory without records, or one arm and seed in two roots (other than a finished
     run and its archived copy: the same ``DONE.json``), is refused, naming them."""
     from verl_prm.apps.arithmetic.verl_rl import read_records, run_curves
 
     runs: dict[str, dict[int, dict]] = {}
+    missing = [str(root) for root in roots if not Path(root).is_dir()]
+    if missing:
+        raise ValueError(f"--runs {' '.join(missing)}: no such directory; pass the study's --out or --archive")
     run_dirs = [p for root in map(Path, roots) for p in sorted(Path(root).iterdir())
                 if p.is_dir() and RUN_DIR.match(p.name)]
+    if not run_dirs:
+        raise ValueError(f"--runs {' '.join(map(str, roots))}: no <arm>_seed<seed> run directory there; run "
+                         "studies.word_problems_rl first")
     for run_dir in run_dirs:
         match = RUN_DIR.match(run_dir.name)
         if int(match["seed"]) in runs.get(match["arm"], {}):

@@ -205,7 +205,11 @@ def test_main_prints_every_table_and_writes_the_plot_and_the_export(tmp_path, ca
     assert len(json.loads((tmp_path / "runs.json").read_text())["runs"]) == 4
 
 
-def test_a_run_without_records_is_named(tmp_path, capsys):
+def test_a_run_without_records_a_missing_directory_and_one_without_runs_are_named(tmp_path, capsys):
+    with pytest.raises(ValueError, match="--runs .*/absent: no such directory"):
+        read_runs(tmp_path, tmp_path / "absent")
+    with pytest.raises(ValueError, match="no <arm>_seed<seed> run directory there"):
+        read_runs(tmp_path)
     (tmp_path / "grpo_seed0").mkdir()
     with pytest.raises(ValueError, match="grpo_seed0: no metrics.jsonl records"):
         read_runs(tmp_path)

@@ -54,6 +54,10 @@ def _same_finished_run(first: Path, second: Path) -> bool:
     return all(path.exists() for path in done) and done[0].read_bytes() == done[1].read_bytes()
 
 
+def _seeds(count: int) -> str:
+    return f"{count} seed" + ("" if count == 1 else "s")
+
+
 def read_runs(*roots: str | Path) -> dict[str, dict[int, dict]]:
     """``{arm: {seed: run}}`` of ``<root>/<arm>_seed<seed>`` over every root (the study's ``--out``, its
     ``--archive``; each must exist, and one of them hold a run): ``settings`` (``settings.json``, else :data:`PILOT_SETTINGS`), ``outputs``
@@ -179,7 +183,7 @@ def step_table(runs: dict[str, dict[int, dict]], reference: str = REFERENCE) -> 
               for arm, seeds in runs.items()}
     steps = sorted({step for seeds in curves.values() for curve in seeds.values() for step in curve})
     arms = sorted(runs, key=lambda arm: arm != reference)
-    lines = ["| step | " + " | ".join(f"{arm} ({len(runs[arm])} seeds)" for arm in arms) + " |",
+    lines = ["| step | " + " | ".join(f"{arm} ({_seeds(len(runs[arm]))})" for arm in arms) + " |",
              "|---:|" + "---|" * len(arms)]
     for step in steps:
         values = {arm: [c[step] for c in curves[arm].values() if step in c] for arm in arms}
@@ -356,7 +360,7 @@ def plot(runs: dict[str, dict[int, dict]], path: str | Path) -> Path:
         common = sorted(set.intersection(*(set(s for s, _ in c) for c in curves))) if curves else []
         if common:
             means = [_mean([dict(c)[s] for c in curves]) for s in common]
-            held_out.plot(common, means, color=color, linewidth=2.5, marker="o", label=f"{arm} ({len(curves)} seeds)")
+            held_out.plot(common, means, color=color, linewidth=2.5, marker="o", label=f"{arm} ({_seeds(len(curves))})")
         trainings = [{t["step"]: t["batch_accuracy"] for t in run["outputs"]["training"]} for run in seeds.values()]
         steps = sorted(set.intersection(*(set(t) for t in trainings)))
         training.plot(steps, [_mean([t[s] for t in trainings]) for s in steps], color=color, label=arm)
@@ -365,7 +369,7 @@ def plot(runs: dict[str, dict[int, dict]], path: str | Path) -> Path:
             if finished:
                 points = np.array([cost_curve(r["outputs"]["curve"], r["outputs"]["training"], key) for r in finished])
                 axis.plot(points[..., 0].mean(0), points[..., 1].mean(0), color=color, marker="o",
-                          label=f"{arm} ({len(finished)} seeds)")
+                          label=f"{arm} ({_seeds(len(finished))})")
     held_out.set(xlabel="RL step", ylabel="held-out accuracy (T=1, one sample)", title="held-out problems")
     training.set(xlabel="RL step", ylabel="mean outcome reward of the batch", title="training batches (seed mean)")
     by_tokens.set(xlabel="generated tokens (cumulative)", ylabel="held-out accuracy", title="against generated tokens")

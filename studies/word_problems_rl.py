@@ -457,6 +457,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             returncode = run(args.work_dir, args.out, settings, archive=args.archive)
         except ValueError as error:
             returncode = f"refused: {error}"
+        except KeyboardInterrupt as stop:  # Ctrl-C or `kill PID`: the run and its Ray processes are stopped
+            print(f"[word_problems_rl] stopped ({stop or 'Ctrl-C'}) during {settings.arm} seed {settings.seed}; the "
+                  "same command resumes it from its last checkpoint", file=sys.stderr)
+            return 130
         if returncode != 0:
             failed.append(f"{settings.arm} seed {settings.seed}: {returncode}")
     if failed:

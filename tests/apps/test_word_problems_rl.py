@@ -240,6 +240,23 @@ def test_the_queue_runs_every_arm_and_seed_seed_by_seed_with_the_default_skip(tm
     assert {s.critic for s in started if s.arm != "pav_learned"} == {None}
 
 
+def test_a_stopped_queue_says_which_run_it_stopped_and_runs_nothing_after_it(tmp_path, monkeypatch, capsys):
+    work = _work_dir(tmp_path)
+    started = []
+
+    def run(work_dir, out, settings, archive):
+        started.append((settings.arm, settings.seed))
+        if settings.arm == "pav_tree":
+            raise KeyboardInterrupt("signal 15")  # what `kill PID` raises (study._terminated)
+        return 0
+
+    monkeypatch.setattr(study, "run", run)
+    assert main(["--work-dir", str(work), "--out", str(tmp_path / "rl"), "--arm", "grpo", "pav_tree",
+                 "--seed", "0", "1", "--skip", "0"]) == 130
+    assert started == [("grpo", 0), ("pav_tree", 0)]
+    assert "stopped (signal 15) during pav_tree seed 0; the same command resumes it" in capsys.readouterr().err
+
+
 def test_bad_options_are_refused_naming_them(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--work-dir", str(tmp_path), "--out", str(tmp_path / "rl"), "--arm", "grpo", "--lr", "nan"])

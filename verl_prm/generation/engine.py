@@ -25,6 +25,8 @@ What it adds over calling ``model.generate`` per batch:
   root, ``n_mc`` continuations of one prefix, a rollout's step prefixes, search nodes from their parent).
 - **Per-request sampling settings** (temperature, top-k, top-p, seed, a stop rule) in one batch
   (:mod:`verl_prm.generation.sampling`).
+- **Freed memory handed back** (:func:`release_freed_memory`) when a ``generate`` call or a ``serve`` session ends:
+  a server decodes on worker threads, and the C heap keeps what a thread freed for that thread's next allocation.
 
 ``generate(requests)`` returns one :class:`GenerationOutput` per :class:`GenerationRequest`, in order (requests
 beyond ``max_batch_size`` run in the batches after). Counters
@@ -33,6 +35,8 @@ of computed and reused prefill tokens accumulate in ``engine.stats``.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -49,7 +53,29 @@ from verl_prm.generation.prefix_cache import PrefixCache
 from verl_prm.generation.sampling import sample_next_tokens, sampled_log_probs
 from verl_prm.precision import resolve_dtype
 
-__all__ = ["EngineStats", "GenerationEngine", "GenerationOutput", "GenerationRequest"]
+__all__ = ["EngineStats", "GenerationEngine", "GenerationOutput", "GenerationRequest", "release_freed_memory"]
+
+
+@functools.lru_cache(maxsize=None)
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc; musl and macOS have none
+    except (AttributeError, OSError):
+        return None
+
+
+def release_freed_memory() -> bool:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim(0)``); False where there is none.
+
+    torch frees CPU tensors with ``free``, and glibc keeps freed memory in the arena of the thread that allocated
+    it for that arena's later allocations. The engine decodes on worker threads (``ContinuousBatcher`` starts one
+    per wave), each wave's peak (a batch's caches, a held-out batch of 128 prompts) stays resident after it, and a
+    rollout server beside a training actor grows until the node's memory monitor stops the run."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 @dataclass
@@ -187,6 +213,7 @@ class GenerationEngine:
             outputs.extend(self._generate_batch(list(requests[begin: begin + self.max_batch_size])))
             self.stats.seconds += time.perf_counter() - start
             self.stats.batches += 1
+        release_freed_memory()
         return outputs
 
     # ------------------------------------------------------------------ prefill
@@ -286,6 +313,7 @@ class GenerationEngine:
                     self.stats.batches += 1
                     self.stats.seconds += time.perf_counter() - start
                 elif not batch.rows:
+                    release_freed_memory()  # this thread's arena keeps the session's peak otherwise
                     return
                 start = time.perf_counter()
                 finished = batch.step()

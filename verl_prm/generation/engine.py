@@ -201,6 +201,7 @@ class GenerationEngine:
         self.prefix_cache.clear()
         if self.device.type == "cpu":
             fuse_projections(self.model)
+        release_freed_memory()  # the cleared prefixes (up to prefix_cache_tokens of keys and values)
 
     # ------------------------------------------------------------------ public
     @torch.inference_mode()

@@ -311,6 +311,7 @@ class GenerationEngine:
                 if new:
                     start = time.perf_counter()
                     batch.admit(self._rows([request for request, _ in new], [deliver for _, deliver in new]))
+                    release_freed_memory()  # the batch's former cache, rebuilt around the new rows
                     self.stats.batches += 1
                     self.stats.seconds += time.perf_counter() - start
                 elif not batch.rows:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from verl_prm.checkpoints import CheckpointError
+from verl_prm.checkpoints import CheckpointError, save_tensors
 from verl_prm.checks import compile_result_regex
 from verl_prm.critic.token_logprob import feature_names, head_values
 
@@ -105,8 +105,6 @@ def native_format(directory: str | Path) -> str:
 def write_head(directory: str | Path, head: TokenLogprobHead) -> None:
     """Write the head's two files into ``directory`` (checked first: :meth:`TokenLogprobHead.check`)."""
     import torch
-
-    from verl_prm.checkpoints import save_tensors
 
     directory = Path(directory)
     head.check(str(directory))

@@ -25,8 +25,9 @@ What it adds over calling ``model.generate`` per batch:
   root, ``n_mc`` continuations of one prefix, a rollout's step prefixes, search nodes from their parent).
 - **Per-request sampling settings** (temperature, top-k, top-p, seed, a stop rule) in one batch
   (:mod:`verl_prm.generation.sampling`).
-- **Freed memory handed back** (:func:`release_freed_memory`) when a ``generate`` call or a ``serve`` session ends:
-  a server decodes on worker threads, and the C heap keeps what a thread freed for that thread's next allocation.
+- **Freed memory handed back** (:func:`release_freed_memory`) when a ``generate`` call or a ``serve`` session ends,
+  after each admission to a serving batch and when new weights clear the prefix cache: a server decodes on
+  worker threads, and the C heap keeps what a thread freed for that thread's next allocation.
 
 ``generate(requests)`` returns one :class:`GenerationOutput` per :class:`GenerationRequest`, in order (requests
 beyond ``max_batch_size`` run in the batches after). Counters
